@@ -1,0 +1,201 @@
+"""Split a step's inputs into microbatches and merge the microbatch outputs back.
+
+A pipeline step receives the whole batch as arbitrary ``(args, kwargs)`` pytrees.
+Every schedule works on microbatches, so this module is the one place that
+decides how a pytree is cut (which tensors, along which dim, how uneven batches
+are shared out) and how per-microbatch outputs are glued back together.
+
+Unlike ``torch.distributed.pipelining``, a batch that does not divide evenly is
+allowed: rows are shared out like ``torch.tensor_split`` does (10 rows into 4
+microbatches gives 3, 3, 2, 2), and ``microbatch_weights`` tells the loss code
+each microbatch's share of the rows so that gradients still equal those of the
+whole batch. Asking for more microbatches than rows is an error.
+
+The byte moving is done by the C++ kernels in ``pipeline_ext.ops``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipeline_ext import ops
+
+__all__ = [
+    "TensorChunkSpec",
+    "Replicate",
+    "REPLICATE",
+    "split_args_kwargs",
+    "merge_chunks",
+    "microbatch_sizes",
+    "microbatch_weights",
+]
+
+
+@dataclass(frozen=True)
+class TensorChunkSpec:
+    """Split this tensor along ``dim`` (the default for every tensor is dim 0)."""
+
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Give every microbatch the whole value (e.g. a mask shared by all rows)."""
+
+
+REPLICATE = Replicate()
+
+_Spec = Any  # TensorChunkSpec | Replicate | int | None, or a pytree of those
+
+
+def _leaf_spec(spec: Any) -> TensorChunkSpec | Replicate:
+    """Normalise one spec leaf: an int means a dim, None means the default (dim 0)."""
+    if spec is None:
+        return TensorChunkSpec(0)
+    if isinstance(spec, bool):
+        raise TypeError(f"chunk spec leaf must be TensorChunkSpec, Replicate, an int dim or None, got {spec!r}")
+    if isinstance(spec, int):
+        return TensorChunkSpec(spec)
+    if isinstance(spec, (TensorChunkSpec, Replicate)):
+        return spec
+    raise TypeError(f"chunk spec leaf must be TensorChunkSpec, Replicate, an int dim or None, got {spec!r}")
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (int, TensorChunkSpec, Replicate))
+
+
+def _flat_specs(values: Any, spec: _Spec, what: str) -> list[TensorChunkSpec | Replicate]:
+    """One spec per leaf of ``values``; a single spec leaf applies to the whole subtree."""
+    n_leaves = len(pytree.tree_leaves(values))
+    if _is_spec_leaf(spec):
+        return [_leaf_spec(spec)] * n_leaves
+    spec_leaves, spec_tree = pytree.tree_flatten(spec, is_leaf=_is_spec_leaf)
+    _, value_tree = pytree.tree_flatten(values)
+    if spec_tree != value_tree:
+        raise ValueError(
+            f"chunk spec for {what} does not match its structure: spec is {spec_tree}, {what} is {value_tree}"
+        )
+    return [_leaf_spec(s) for s in spec_leaves]
+
+
+def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: str) -> int:
+    if t.dim() == 0:
+        raise ValueError(f"cannot split 0-d tensor {where} into microbatches; mark it Replicate()")
+    dim = spec.dim if spec.dim >= 0 else spec.dim + t.dim()
+    if not 0 <= dim < t.dim():
+        raise ValueError(f"chunk dim {spec.dim} is out of range for {where} with shape {tuple(t.shape)}")
+    return t.shape[dim]
+
+
+def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate, n: int, where: str) -> list[Any]:
+    if not isinstance(x, torch.Tensor) or isinstance(spec, Replicate):
+        return [x] * n
+    rows = _rows(x, spec, where)
+    if n > rows:
+        raise ValueError(
+            f"cannot split {where} with {rows} rows along dim {spec.dim} into {n} microbatches: "
+            f"n_microbatches must not exceed the batch size"
+        )
+    return list(ops.split(x, ops.even_sizes(rows, n), dim=spec.dim))
+
+
+def split_args_kwargs(
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    n_microbatches: int,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """Split ``(args, kwargs)`` into ``n_microbatches`` pieces.
+
+    Tensors are split along dim 0 unless ``chunk_spec`` (a pair ``(args_spec,
+    kwargs_spec)``, each a pytree of ``TensorChunkSpec`` / ``Replicate`` / int
+    dims, or one leaf for a whole subtree) says otherwise; non-tensors are
+    replicated. Returns ``(args_chunks, kwargs_chunks)``, two lists of length
+    ``n_microbatches``, like torch's ``split_args_kwargs_into_chunks``. The
+    caller's objects are not modified.
+    """
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+    args = tuple(args)
+    kwargs = dict(kwargs or {})
+    args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
+    per_part = []
+    for what, values, spec in (("args", args, args_spec), ("kwargs", kwargs, kwargs_spec)):
+        leaves, tree = pytree.tree_flatten(values)
+        specs = _flat_specs(values, spec, what)
+        pieces = [_split_leaf(x, s, n_microbatches, f"{what} leaf {i}") for i, (x, s) in enumerate(zip(leaves, specs))]
+        per_part.append([pytree.tree_unflatten([p[k] for p in pieces], tree) for k in range(n_microbatches)])
+    return per_part[0], per_part[1]
+
+
+def microbatch_sizes(
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    n_microbatches: int,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> list[int]:
+    """Rows per microbatch, taken from the first tensor that is split.
+
+    This is the same distribution ``split_args_kwargs`` uses, computed without
+    touching any data.
+    """
+    args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
+    for what, values, spec in (("args", tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
+        leaves = pytree.tree_leaves(values)
+        for i, (x, s) in enumerate(zip(leaves, _flat_specs(values, spec, what))):
+            if isinstance(x, torch.Tensor) and isinstance(s, TensorChunkSpec):
+                rows = _rows(x, s, f"{what} leaf {i}")
+                if n_microbatches > rows:
+                    raise ValueError(
+                        f"cannot split {what} leaf {i} with {rows} rows into {n_microbatches} microbatches: "
+                        f"n_microbatches must not exceed the batch size"
+                    )
+                return ops.even_sizes(rows, n_microbatches)
+    raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
+
+
+def microbatch_weights(sizes: Sequence[int]) -> list[float]:
+    """Each microbatch's share of the batch's rows.
+
+    Weighting microbatch ``i``'s mean-reduced loss by ``sizes[i] / sum(sizes)``
+    makes the summed gradient equal the gradient of the whole batch's mean loss,
+    even when the microbatches are uneven.
+    """
+    total = sum(sizes)
+    return [s / total for s in sizes]
+
+
+def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if isinstance(spec, Replicate):
+            return first
+        if first.dim() == 0:
+            return torch.stack(values)
+        return ops.concat(values, dim=spec.dim)
+    if all(v == first for v in values[1:]):
+        return first
+    return list(values)
+
+
+def merge_chunks(chunks: Sequence[Any], spec: _Spec = None) -> Any:
+    """Glue per-microbatch outputs (same pytree structure each) back into one.
+
+    Tensors are concatenated along dim 0 (or the spec's dim), 0-d tensors are
+    stacked into a vector with one entry per microbatch, and non-tensor leaves
+    come back as one value if every microbatch agrees, else as a list.
+    """
+    if len(chunks) == 0:
+        raise ValueError("merge_chunks needs at least one chunk")
+    flat = [pytree.tree_flatten(c) for c in chunks]
+    tree = flat[0][1]
+    for i, (_, t) in enumerate(flat[1:], start=1):
+        if t != tree:
+            raise ValueError(f"microbatch {i} output structure {t} differs from microbatch 0's {tree}")
+    specs = _flat_specs(chunks[0], spec, "outputs")
+    merged = [_merge_leaf([f[0][j] for f in flat], specs[j]) for j in range(len(specs))]
+    return pytree.tree_unflatten(merged, tree)
