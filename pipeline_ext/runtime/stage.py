@@ -1,0 +1,239 @@
+"""StageRunner: one model chunk, and the four things a schedule asks of it.
+
+A schedule says "run F (or B, I, W) of stage s on microbatch m". The runner
+turns that into autograd calls and keeps, per microbatch, exactly the state the
+later actions need: the inputs and outputs between F and B/I, the deferred
+weight-grad work between I and W. State is dropped at its last use, so a
+schedule's memory promise (1F1B: at most p microbatches live on rank 0) holds.
+
+Conventions, shared with the executor:
+- a stage's outputs travel as a flat tuple; the next stage is called with them
+  as positional arguments;
+- the gradient sent back for a stage's inputs has one entry per floating-point
+  input tensor (zeros where autograd produced none), in order, so sender and
+  receiver agree on the message without extra metadata;
+- the last stage multiplies each microbatch's loss by a weight (its share of
+  the batch's rows) before backward, so gradients add up to those of the mean
+  loss over the whole batch even when microbatches are uneven.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipeline_ext.runtime.split_backward import DeferredWeightGrad, backward_input, backward_weight
+
+__all__ = ["StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
+
+
+class StageError(RuntimeError):
+    """A stage was asked for something its state cannot serve (names stage and microbatch)."""
+
+
+def is_differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def as_output_tuple(out: Any, stage: int) -> tuple[torch.Tensor, ...]:
+    """A stage output as the flat tuple of tensors that travels to the next stage."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"stage {stage} returned a {type(t).__name__} at output position {i}; stages that feed another "
+                "stage must return a tensor or a tuple/list of tensors"
+            )
+    return tuple(items)
+
+
+@dataclass
+class _State:
+    """What one microbatch leaves behind between its actions."""
+
+    # roots of backward: the weighted loss on the last stage, else every floating-point
+    # output (one received gradient each, in order; those not requiring grad are skipped)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
+    deferred: Optional[DeferredWeightGrad] = None
+
+
+class StageRunner:
+    """Runs F / B / I / W of one stage on microbatches.
+
+    ``loss_fn(output, target)`` is used on the last stage only. With
+    ``scale_grads`` the executor passes each microbatch's row share as
+    ``loss_weight``; without it the weight is 1 (plain sum, as torch does).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+    ) -> None:
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.loss_fn = loss_fn
+        self._states: dict[int, _State] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def live_microbatches(self) -> int:
+        """Microbatches whose activations (or deferred weight-grad work) are held."""
+        return len(self._states)
+
+    def reset(self) -> None:
+        """Forget everything of the previous step (after an error, say)."""
+        self._states.clear()
+        self.losses.clear()
+        self.outputs.clear()
+
+    # -- F ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        mb: int,
+        args: Sequence[Any],
+        kwargs: Optional[dict[str, Any]] = None,
+        target: Any = None,
+        loss_weight: float = 1.0,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the stage on microbatch ``mb``; return its outputs, detached, to hand on.
+
+        On the last stage with a ``loss_fn`` and a ``target`` the loss is computed,
+        kept (unweighted) in ``losses[mb]``, and the weighted loss becomes the
+        root of this microbatch's backward.
+        """
+        if mb in self._states:
+            raise StageError(f"stage {self.stage_index}: F of microbatch {mb} ran twice without its backward")
+        state = _State()
+        if not self.is_first:
+            args = tuple(self._as_input(a) for a in args)
+            state.grad_inputs = [a for a in args if is_differentiable(a)]
+        out = self.module(*args, **(kwargs or {}))
+        grad_on = torch.is_grad_enabled()
+        if self.is_last:
+            self.outputs[mb] = _detach_tree(out)
+            if self.loss_fn is not None and target is not None:
+                loss = self.loss_fn(out, target)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError(
+                        f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                        + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                    )
+                self.losses[mb] = loss.detach()
+                state.outputs = [loss * loss_weight] if grad_on and loss.requires_grad else []
+            sent: tuple[torch.Tensor, ...] = ()
+        else:
+            outs = as_output_tuple(out, self.stage_index)
+            state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
+            sent = tuple(o.detach() for o in outs)
+        if grad_on:
+            self._states[mb] = state
+        return sent
+
+    def _as_input(self, x: Any) -> Any:
+        """A received activation becomes a leaf that collects its gradient."""
+        if is_differentiable(x) and not x.requires_grad:
+            return x.requires_grad_(True)
+        return x
+
+    # -- B / I / W ---------------------------------------------------------------------------
+    def _take(self, mb: int, action: str) -> _State:
+        try:
+            return self._states[mb]
+        except KeyError:
+            raise StageError(
+                f"stage {self.stage_index}: {action} of microbatch {mb} has no forward state "
+                "(its F did not run on this stage, or its backward already ran)"
+            ) from None
+
+    def _grad_pairs(
+        self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]]
+    ) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        """Backward roots and their gradients (None for the loss)."""
+        if self.is_last:
+            return state.outputs, [None] * len(state.outputs)
+        if grad_outputs is None:
+            raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
+        grads = _match_grads(state.outputs, grad_outputs, self.stage_index)
+        keep = [i for i, o in enumerate(state.outputs) if o.requires_grad]
+        return [state.outputs[i] for i in keep], [grads[i] for i in keep]
+
+    def _grad_message(self, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+        """One gradient per floating-point input, zeros where autograd produced none."""
+        return [g if g is not None else torch.zeros_like(x) for x, g in zip(state.grad_inputs, grads)]
+
+    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+        """B: full backward of ``mb``; accumulates weight grads, returns the input grads."""
+        state = self._take(mb, "B")
+        outputs, grads = self._grad_pairs(state, grad_outputs)
+        for inp in state.grad_inputs:
+            inp.grad = None
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        message = self._grad_message(state, [inp.grad for inp in state.grad_inputs])
+        del self._states[mb]
+        return message
+
+    def backward_input(
+        self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None
+    ) -> list[torch.Tensor]:
+        """I: input grads only; the weight-grad half is kept for ``backward_weight``."""
+        state = self._take(mb, "I")
+        if state.deferred is not None:
+            raise StageError(f"stage {self.stage_index}: I of microbatch {mb} ran twice")
+        outputs, grads = self._grad_pairs(state, grad_outputs)
+        input_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs)
+        message = self._grad_message(state, input_grads)
+        state.outputs, state.grad_inputs = [], []  # W needs only the deferred work
+        return message
+
+    def backward_weight(self, mb: int) -> None:
+        """W: the weight-grad half of ``mb``'s backward, after its I."""
+        state = self._take(mb, "W")
+        if state.deferred is None:
+            raise StageError(f"stage {self.stage_index}: W of microbatch {mb} ran before its I")
+        backward_weight(state.deferred)
+        del self._states[mb]
+
+
+def _match_grads(
+    outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]], stage: int
+) -> list[Optional[torch.Tensor]]:
+    """Check one received gradient per floating-point output, with matching shapes."""
+    if len(grads) != len(outputs):
+        raise StageError(
+            f"stage {stage}: received {len(grads)} output gradients but has {len(outputs)} floating-point outputs"
+        )
+    for i, (o, g) in enumerate(zip(outputs, grads)):
+        if g is not None and g.shape != o.shape:
+            raise StageError(
+                f"stage {stage}: gradient for output {i} has shape {tuple(g.shape)}, the output has {tuple(o.shape)}"
+            )
+    return list(grads)
+
+
+def _detach_tree(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detach_tree(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _detach_tree(v) for k, v in out.items()}
+    return out
