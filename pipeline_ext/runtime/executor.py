@@ -1,0 +1,247 @@
+"""The executor: walks one rank's lowered action list for one step.
+
+There is one executor for every schedule, built-in or hand-written, and for
+both modes: a single process runs one executor per rank on worker threads with
+in-process channels; ``torchrun`` runs one per process over torch.distributed.
+Only the channel differs.
+
+What it does per action (stage s, microbatch m):
+
+- F: run the stage on its input (the step's microbatch on stage 0, a received
+  or locally handed-over activation otherwise); keep the output for SEND_F or
+  hand it to stage s+1 directly when that stage lives on this rank.
+- B / I: backward with the gradient of the output (received, handed over, or
+  the loss on the last stage); keep the input gradient for SEND_B or hand it to
+  stage s-1 on this rank. W: the deferred weight-grad half.
+- SEND_*: start an asynchronous send; completed sends are reaped as the step
+  goes, so sent activations are freed once on the wire.
+- RECV_*: receives are posted ahead of time (a bounded window, in list order,
+  which keeps FIFO order per peer) and waited on here, right before use.
+
+Every wait has a timeout and reports rank, peer, action and microbatch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.schedules import Action, ActionKind, Schedule
+
+__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PipelineTimeoutError", "message_tag"]
+
+
+class PipelineTimeoutError(TimeoutError):
+    """A wait for a peer ran past the configured timeout."""
+
+
+class Handle(Protocol):
+    """An operation in flight. ``wait`` blocks (GIL released) up to ``timeout`` seconds."""
+
+    def wait(self, timeout: float, what: str) -> list[torch.Tensor]: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Channel(Protocol):
+    """Moves lists of tensors between ranks, matched by (peer, tag)."""
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle: ...
+
+    def recv(self, peer: int, tag: int) -> Handle: ...
+
+
+def message_tag(action: Action, num_stages: int) -> int:
+    """One tag per (direction, stage, microbatch), the same on sender and receiver.
+
+    A SEND_F of stage s and the RECV_F of stage s+1 carry the same message, so
+    both are keyed by the sending stage.
+    """
+    kind = action.kind
+    if kind in (ActionKind.SEND_F, ActionKind.RECV_F):
+        sender, direction = (action.stage if kind == ActionKind.SEND_F else action.stage - 1), 0
+    else:
+        sender, direction = (action.stage if kind == ActionKind.SEND_B else action.stage + 1), 1
+    return (action.microbatch * num_stages + sender) * 2 + direction
+
+
+@dataclass
+class StepInputs:
+    """What one step feeds the executor (only the ranks that need each part get it)."""
+
+    args: Sequence[tuple[Any, ...]] = ()  # per microbatch, for stage 0
+    kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0
+    targets: Sequence[Any] = ()  # per microbatch, for the last stage
+    loss_weights: Sequence[float] = ()  # per microbatch, for the last stage
+
+
+@dataclass
+class _StepState:
+    inputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    to_send: dict[Action, list[torch.Tensor]] = field(default_factory=dict)
+    posted: dict[Action, Handle] = field(default_factory=dict)
+    sends: deque = field(default_factory=deque)  # (action, handle) in issue order
+
+
+class Executor:
+    """Runs ``schedule.actions[rank]`` with the given stage runners and channel.
+
+    ``recv_window`` bounds how many receives are posted ahead (memory for their
+    buffers vs. overlap). ``on_action(action, start, end)`` is called after each
+    action when set (tracing).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        runners: dict[int, StageRunner],
+        channel: Channel,
+        timeout: float = 300.0,
+        recv_window: int = 4,
+        on_action: Optional[Callable[[Action, float, float], None]] = None,
+    ) -> None:
+        if not schedule.lowered and schedule.num_ranks > 1:
+            raise ValueError("Executor needs a lowered schedule (see pipeline_ext.schedules.lower)")
+        self.schedule = schedule
+        self.rank = rank
+        self.actions: list[Action] = list(schedule.actions[rank])
+        self.runners = runners
+        self.channel = channel
+        self.timeout = timeout
+        self.recv_window = max(1, recv_window)
+        self.on_action = on_action
+        self.num_stages = schedule.num_stages
+        self._rank_of = schedule.stage_to_rank
+        mine = {s for s, r in enumerate(self._rank_of) if r == rank}
+        if set(runners) != mine:
+            raise ValueError(
+                f"rank {rank} holds stages {sorted(mine)} in schedule {schedule.name!r} "
+                f"but was given stages {sorted(runners)}"
+            )
+        self._dispatch = {
+            ActionKind.F: self._forward,
+            ActionKind.B: self._backward,
+            ActionKind.I: self._backward,
+            ActionKind.W: self._weight,
+            ActionKind.SEND_F: self._send,
+            ActionKind.SEND_B: self._send,
+            ActionKind.RECV_F: self._recv,
+            ActionKind.RECV_B: self._recv,
+        }
+        self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _peer(self, action: Action) -> int:
+        if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+            return self._rank_of[action.stage + 1]
+        return self._rank_of[action.stage - 1]
+
+    def _what(self, action: Action) -> str:
+        return (
+            f"rank {self.rank} waiting on {action.kind.value} of stage {action.stage} microbatch "
+            f"{action.microbatch} with peer rank {self._peer(action)}"
+        )
+
+    def _local(self, stage: int) -> bool:
+        return 0 <= stage < self.num_stages and self._rank_of[stage] == self.rank
+
+    # -- step ----------------------------------------------------------------------------------
+    def run(self, inputs: StepInputs) -> None:
+        """Execute this rank's actions for one step; raise on the first failure."""
+        st = _StepState()
+        pending = deque(self._recv_actions)
+        self._post(st, pending)
+        clock = time_fn()
+        for action in self.actions:
+            start = clock()
+            self._dispatch[action.kind](action, st, inputs)
+            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                self._post(st, pending)
+            self._reap(st, block=False)
+            if self.on_action is not None:
+                self.on_action(action, start, clock())
+        self._reap(st, block=True)
+        leftovers = [k for d in (st.inputs, st.grads, st.to_send) for k in d]
+        if leftovers:
+            raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
+
+    def _post(self, st: _StepState, pending: deque) -> None:
+        while pending and len(st.posted) < self.recv_window:
+            a = pending.popleft()
+            st.posted[a] = self.channel.recv(self._peer(a), message_tag(a, self.num_stages))
+
+    def _reap(self, st: _StepState, block: bool) -> None:
+        while st.sends and (block or st.sends[0][1].is_completed()):
+            action, handle = st.sends.popleft()
+            handle.wait(self.timeout, self._what(action).replace("waiting on", "finishing"))
+
+    # -- actions -------------------------------------------------------------------------------
+    def _forward(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+        runner = self.runners[a.stage]
+        m = a.microbatch
+        if a.stage == 0:
+            args, kwargs = inputs.args[m], (inputs.kwargs[m] if inputs.kwargs else {})
+        else:
+            args, kwargs = self._take(st.inputs, (a.stage, m), a), {}
+        target = weight = None
+        if runner.is_last and inputs.targets:
+            target, weight = inputs.targets[m], inputs.loss_weights[m]
+        outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight)
+        if runner.is_last:
+            return
+        if self._local(a.stage + 1):
+            st.inputs[(a.stage + 1, m)] = outs
+        else:
+            st.to_send[Action(a.stage, ActionKind.SEND_F, m)] = list(outs)
+
+    def _backward(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+        runner = self.runners[a.stage]
+        m = a.microbatch
+        grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
+        fn = runner.backward if a.kind == ActionKind.B else runner.backward_input
+        grad_in = fn(m, grads)
+        if a.stage == 0:
+            return
+        if self._local(a.stage - 1):
+            st.grads[(a.stage - 1, m)] = grad_in
+        else:
+            st.to_send[Action(a.stage, ActionKind.SEND_B, m)] = grad_in
+
+    def _weight(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+        self.runners[a.stage].backward_weight(a.microbatch)
+
+    def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+        tensors = self._take(st.to_send, a, a)
+        st.sends.append((a, self.channel.send(tensors, self._peer(a), message_tag(a, self.num_stages))))
+
+    def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+        handle = st.posted.pop(a, None)
+        if handle is None:
+            raise RuntimeError(f"rank {self.rank}: {a} was never posted (receives out of order in the schedule?)")
+        tensors = handle.wait(self.timeout, self._what(a))
+        key = (a.stage, a.microbatch)
+        if a.kind == ActionKind.RECV_F:
+            st.inputs[key] = tuple(tensors)
+        else:
+            st.grads[key] = list(tensors)
+
+    def _take(self, d: dict, key: Any, a: Action) -> Any:
+        try:
+            return d.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"rank {self.rank}: {a} needs data that no earlier action produced "
+                "(is the schedule lowered and validated?)"
+            ) from None
+
+
+def time_fn() -> Callable[[], float]:
+    """The clock used for action timings (perf_counter; CUDA callers synchronise in tracing)."""
+    import time
+
+    return time.perf_counter
