@@ -3,9 +3,46 @@
 Schedules are data (``pipeline_ext.schedules``); one executor runs them in a
 single process (``Pipe``) or across processes (``PipelineStage`` + ``Schedule*``).
 The byte moving and waiting live in the compiled core, ``pipeline_ext._C``.
+
+Names are resolved lazily (PEP 562): ``import pipeline_ext.schedules`` needs
+neither torch nor the compiled core, so schedule tooling starts fast; the first
+use of a runtime name loads them.
 """
 from __future__ import annotations
 
-from pipeline_ext._ext import _C  # noqa: F401  (fails with a clear message if unbuilt)
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "PipelineStage": "pipeline_ext.distributed",
+    "PipelineSchedule": "pipeline_ext.distributed",
+    "ScheduleGPipe": "pipeline_ext.distributed",
+    "Schedule1F1B": "pipeline_ext.distributed",
+    "ScheduleInterleaved1F1B": "pipeline_ext.distributed",
+    "ScheduleLoopedBFS": "pipeline_ext.distributed",
+    "ScheduleZBH1": "pipeline_ext.distributed",
+    "ScheduleZBH2": "pipeline_ext.distributed",
+    "ScheduleZBV": "pipeline_ext.distributed",
+    "ScheduleDualPipeV": "pipeline_ext.distributed",
+    "get_schedule_class": "pipeline_ext.distributed",
+}
+_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed"}
+
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"pipeline_ext.{name}")
+    else:
+        raise AttributeError(f"module 'pipeline_ext' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

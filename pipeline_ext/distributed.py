@@ -1,0 +1,308 @@
+"""Multi-process API: ``PipelineStage`` and the ``Schedule*`` classes.
+
+Shaped like ``torch.distributed.pipelining``'s manual-stage API, so that moving
+a script over is a one-line import change::
+
+    stage = pe.PipelineStage(submodule, stage_index, num_stages, device)
+    sched = pe.Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+    sched.step(x)                                  # first stage
+    sched.step(target=y, losses=losses)            # last stage
+    sched.step()                                   # middle stages
+
+Each process holds one stage (or several, for interleaved and V schedules).
+All of them run the same ``Executor`` over a ``DistChannel``; the schedule
+classes only choose which schedule (data) to build. ``PipelineSchedule`` runs
+any ``Schedule``, hand-written ones included.
+
+Differences from torch, on purpose: batches that do not divide into the
+microbatches are allowed (losses are weighted by each microbatch's rows, so the
+gradients are still those of the whole batch's mean loss), and a step whose
+shapes differ from the previous step's works (metadata is exchanged again).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline_ext import schedules as S
+from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
+from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.executor import Executor, StepInputs
+from pipeline_ext.runtime.stage import StageRunner
+
+__all__ = [
+    "PipelineStage",
+    "PipelineSchedule",
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleZBH1",
+    "ScheduleZBH2",
+    "ScheduleZBV",
+    "ScheduleDualPipeV",
+    "get_schedule_class",
+]
+
+
+class PipelineStage:
+    """One model chunk of a multi-process pipeline, bound to a device and a process group.
+
+    ``input_args`` / ``output_args`` are accepted for compatibility with torch;
+    shapes are discovered on the first step (and again when they change), so
+    they are not needed. ``group`` defaults to the world group.
+    """
+
+    def __init__(
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: Union[torch.device, str, int],
+        input_args: Any = None,
+        output_args: Any = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dw_builder: Any = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineStage needs torch.distributed to be initialised (init_process_group) first")
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"submodule must be an nn.Module, got {type(submodule).__name__}")
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index}")
+        if dw_builder is not None:
+            raise NotImplementedError("dw_builder is not needed: weight grads are split automatically (I/W)")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        self.group = group
+        self.group_rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
+
+
+def _signature(args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> int:
+    """A 62-bit hash of every microbatch's tensor shapes, dtypes and pytree structure."""
+    h = hashlib.blake2b(digest_size=8)
+    for chunk in (*args_chunks, *kwargs_chunks):
+        leaves, spec = torch.utils._pytree.tree_flatten(chunk)
+        h.update(str(spec).encode())
+        for x in leaves:
+            h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__).encode())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+class PipelineSchedule:
+    """Runs a schedule (built-in name or hand-written ``Schedule``) on this process's stages."""
+
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        schedule: Union[str, S.Schedule],
+        n_microbatches: int,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        timeout: float = 300.0,
+    ) -> None:
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages:
+            raise ValueError("need at least one PipelineStage")
+        first = stages[0]
+        self.group, self.rank, self.num_ranks = first.group, first.group_rank, first.group_size
+        num_stages = first.num_stages
+        for s in stages:
+            if s.num_stages != num_stages or s.group_rank != self.rank:
+                raise ValueError("all stages given to one schedule must share num_stages and the process group")
+        if isinstance(schedule, str):
+            v = num_stages // self.num_ranks
+            if num_stages != v * self.num_ranks:
+                raise ValueError(
+                    f"num_stages={num_stages} is not a multiple of the {self.num_ranks} ranks in the group"
+                )
+            schedule = S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v)
+        if schedule.num_ranks != self.num_ranks or schedule.num_stages != num_stages:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.num_stages} stages, "
+                f"but the group has {self.num_ranks} ranks and the stages say num_stages={num_stages}"
+            )
+        if schedule.n_microbatches != n_microbatches:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, n_microbatches={n_microbatches}"
+            )
+        self.schedule = S.lower(schedule)
+        S.validate(self.schedule)
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self.timeout = timeout
+        self.stages = {s.stage_index: s for s in stages}
+        if len(self.stages) != len(stages):
+            raise ValueError("the same stage_index was given twice")
+        self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
+        device = first.device
+        self._channel = DistChannel(self.group, device)
+        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
+        self._eval_executor: Optional[Executor] = None
+        self._first_rank = self.schedule.stage_to_rank[0]
+        self._last_stage = num_stages - 1
+        self._device = device
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self._last_stage in self.stages
+
+    # -- the step ------------------------------------------------------------------------------
+    def _share_step_header(self, args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any], sizes: list[int]) -> tuple[int, list[int]]:
+        """Rank of stage 0 tells every rank the step's signature and microbatch sizes."""
+        m = self.n_microbatches
+        header = torch.zeros(1 + m, dtype=torch.int64, device=self._device)
+        if self.has_first_stage:
+            header[0] = _signature(args_chunks, kwargs_chunks)
+            header[1:] = torch.tensor(sizes, dtype=torch.int64)
+        if self.num_ranks > 1:
+            src = dist.get_global_rank(self.group, self._first_rank) if self.group is not None else self._first_rank
+            dist.broadcast(header, src=src, group=self.group)
+        values = header.tolist()
+        return values[0], values[1:]
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
+        if not self.has_first_stage:
+            if args or kwargs:
+                raise ValueError(f"rank {self.rank} does not hold stage 0; call step() without inputs here")
+            return [], [], []
+        if not args and not kwargs:
+            raise ValueError("the rank holding stage 0 must pass the batch to step()")
+        args, kwargs = _to_device((args, kwargs), self._device)
+        sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
+        args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
+        return args_chunks, kwargs_chunks, sizes
+
+    def _split_targets(self, target: Any, sizes: list[int]) -> list[Any]:
+        if not self.has_last_stage:
+            if target is not None:
+                raise ValueError(f"rank {self.rank} does not hold the last stage; pass target= only there")
+            return []
+        if target is None:
+            if self.loss_fn is not None and torch.is_grad_enabled():
+                raise ValueError("the rank holding the last stage must pass target= when loss_fn is set")
+            return []
+        if self.loss_fn is None:
+            raise ValueError("target= was given but the schedule has no loss_fn")
+        target = _to_device(target, self._device)
+        got = microbatch_sizes((target,), {}, self.n_microbatches)
+        chunks, _ = split_args_kwargs((target,), {}, self.n_microbatches)
+        if got != sizes:
+            raise ValueError(f"target splits into microbatches of {got} rows but the inputs into {sizes}")
+        return [c[0] for c in chunks]
+
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
+        """One training step: forward and backward of every microbatch under the schedule.
+
+        Gradients accumulate into ``.grad``. On the last stage, per-microbatch
+        losses are appended to ``losses`` and the merged output is returned.
+        """
+        return self._run(self._executor, args, kwargs, target, losses)
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage."""
+        if self._eval_executor is None:
+            # The forwards of a valid schedule, in the same order, are a valid forward-only schedule.
+            fwd = S.Schedule(
+                [[a for a in acts if a.kind == S.ActionKind.F] for acts in self.schedule.actions],
+                list(self.schedule.stage_to_rank),
+                self.n_microbatches,
+                name=f"{self.schedule.name}-forward",
+            )
+            self._eval_executor = Executor(S.lower(fwd), self.rank, self._runners, self._channel, timeout=self.timeout)
+        with torch.no_grad():
+            return self._run(self._eval_executor, args, kwargs, None, None)
+
+    def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
+        args_chunks, kwargs_chunks, sizes = self._split_inputs(args, kwargs)
+        signature, sizes = self._share_step_header(args_chunks, kwargs_chunks, sizes)
+        targets = self._split_targets(target, sizes)
+        weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
+        for r in self._runners.values():
+            r.reset()
+        self._channel.begin_step(signature)
+        try:
+            executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights))
+        except BaseException:
+            for r in self._runners.values():
+                r.reset()
+            self._channel.abort()
+            raise
+        self._channel.end_step()
+        if not self.has_last_stage:
+            return None
+        last = self._runners[self._last_stage]
+        if losses is not None and last.losses:
+            losses.extend(last.losses[m] for m in range(self.n_microbatches))
+        out = merge_chunks([last.outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec)
+        last.outputs.clear()
+        return out
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
+
+
+def _named(cls_name: str, name: str, doc: str) -> type:
+    """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
+
+    def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0) -> None:
+        PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                                  output_merge_spec, scale_grads, timeout)
+
+    return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
+
+
+ScheduleGPipe = _named("ScheduleGPipe", "gpipe", "GPipe: all forwards, then all backwards.")
+Schedule1F1B = _named("Schedule1F1B", "1f1b", "1F1B: one forward, one backward in steady state; at most p microbatches live.")
+ScheduleInterleaved1F1B = _named("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved1F1B: several looped stages per rank (Megatron order).")
+ScheduleLoopedBFS = _named("ScheduleLoopedBFS", "looped_bfs", "LoopedBFS: several looped stages per rank, breadth first.")
+ScheduleZBH1 = _named("ScheduleZBH1", "zb_h1", "ZBH1: zero-bubble H1, backward split into I and W, 1F1B memory.")
+ScheduleZBH2 = _named("ScheduleZBH2", "zb_h2", "ZBH2: zero-bubble H2, more warm-up forwards to fill the bubble.")
+ScheduleZBV = _named("ScheduleZBV", "zbv", "ZBV: zero-bubble V, two stages per rank in a V.")
+ScheduleDualPipeV = _named("ScheduleDualPipeV", "dualpipev", "DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank.")
+
+_CLASSES = {
+    c.schedule_name: c
+    for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleZBH1, ScheduleZBH2,
+              ScheduleZBV, ScheduleDualPipeV)
+}
+_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "loopedbfs": "looped_bfs",
+            "zbh1": "zb_h1", "zbh2": "zb_h2", "zbv": "zbv", "zbvzerobubble": "zbv", "dualpipev": "dualpipev"}
+
+
+def get_schedule_class(name: str) -> type:
+    """The schedule class for a name, spelled like torch's ("1F1B", "Interleaved1F1B") or ours ("zb_h1")."""
+    key = name.lower().replace("_", "").replace("-", "").removeprefix("schedule")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown schedule {name!r}; known: {sorted(_CLASSES)}")
+    return _CLASSES[_ALIASES[key]]

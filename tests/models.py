@@ -1,0 +1,106 @@
+"""Small models cut into stages, shared by the single- and multi-process equivalence tests.
+
+Each factory returns ``num_stages`` modules that, applied in order, form the
+unsplit reference model. They cover what pipelines get wrong: LayerNorm and
+residuals (transformer blocks), stages that pass a tuple of tensors, and an
+integer tensor that travels without a gradient.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+
+D = 16
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual."""
+
+    def __init__(self, d: int = D, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, dropout=0.0)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class BlockStage(nn.Module):
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(x)
+        return self.head(x.mean(dim=1)) if self.head is not None else x
+
+
+class TupleStage(nn.Module):
+    """Takes and returns (activations, skip); the first also emits integer bucket ids."""
+
+    def __init__(self, first: bool = False, last: bool = False) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.lin = nn.Linear(D, D)
+        self.emb = nn.Embedding(3, D)
+        self.out = nn.Linear(D, 4) if last else None
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None, ids: torch.Tensor | None = None):
+        if self.first:
+            skip, ids = x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+        h = torch.tanh(self.lin(x)) + 0.5 * skip + self.emb(ids)
+        if self.last:
+            return self.out(h)
+        return h, skip, ids
+
+
+def mlp(num_stages: int) -> list[nn.Module]:
+    head = [nn.Linear(D, 4)]
+    return [nn.Sequential(nn.Linear(D, D), nn.ReLU(), *(head if i == num_stages - 1 else [])) for i in range(num_stages)]
+
+
+def blocks(num_stages: int) -> list[nn.Module]:
+    return [BlockStage(last=i == num_stages - 1) for i in range(num_stages)]
+
+
+def tuples(num_stages: int) -> list[nn.Module]:
+    return [TupleStage(first=i == 0, last=i == num_stages - 1) for i in range(num_stages)]
+
+
+MODELS: dict[str, Callable[[int], list[nn.Module]]] = {"mlp": mlp, "blocks": blocks, "tuple": tuples}
+
+
+def make_batch(model: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, D, generator=g) if model == "blocks" else torch.randn(n, D, generator=g)
+    return x, torch.randn(n, 4, generator=g)
+
+
+def build(model: str, num_stages: int, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return MODELS[model](num_stages)
+
+
+def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    out = x
+    for s in stages:
+        out = s(*out) if isinstance(out, tuple) else s(out)
+    return out
+
+
+def reference(model: str, num_stages: int, x: torch.Tensor, y: torch.Tensor, seed: int = 0):
+    """Loss and per-stage parameter gradients of the unsplit model on the whole batch."""
+    stages = build(model, num_stages, seed)
+    loss = nn.functional.mse_loss(run_stages(stages, x), y)
+    loss.backward()
+    return loss.detach(), [[p.grad.clone() for p in s.parameters()] for s in stages], copy.deepcopy(stages)
+
+
+loss_fn = nn.functional.mse_loss
