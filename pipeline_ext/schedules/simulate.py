@@ -49,6 +49,19 @@ class Costs:
             raise ScheduleError(f"costs must be four numbers f,b,w,c (got {text!r})")
         return cls(*values)
 
+    def per_stage_of(self, stages_per_rank: int) -> "Costs":
+        """These costs, taken as one rank's share of the model, split over v stages per rank.
+
+        Comparing a 1-stage-per-rank schedule with a v-stage one at equal model
+        cost means each of the v stages costs 1/v (transfers keep their cost).
+        """
+        def split(value: Cost) -> Cost:
+            if isinstance(value, (int, float)):
+                return value / stages_per_rank
+            return [x / stages_per_rank for x in value]
+
+        return Costs(split(self.f), split(self.b), split(self.w), self.comm)
+
     def _get(self, which: str, stage: int) -> float:
         value = getattr(self, which)
         if isinstance(value, (int, float)):
