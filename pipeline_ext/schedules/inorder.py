@@ -13,9 +13,10 @@ from typing import Callable, Optional
 
 from pipeline_ext.schedules.ir import Action, ScheduleError
 
-#: Returns ``None`` when the action may run now, else a short description of
-#: what it still waits for (used in the error message).
-Blocker = Callable[[int, Action], Optional[str]]
+#: Returns ``None`` when the action may run now, else what it still waits for
+#: (anything whose ``str`` reads well in the error message; built lazily, since
+#: blocked ranks are asked again and again).
+Blocker = Callable[[int, Action], Optional[object]]
 Runner = Callable[[int, Action], None]
 
 

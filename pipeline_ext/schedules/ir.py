@@ -54,7 +54,7 @@ COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.
 COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Longest spellings first so that "SEND_F" is never read as "SEND_" + "F".
 _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_KIND_PATTERN})(\d+)")
+_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]+)")
 
 
 class Action(NamedTuple):
@@ -236,3 +236,34 @@ def dependencies(action: Action, num_stages: int) -> tuple[Action, ...]:
         return (Action(s, ActionKind.B, j),)
     own_forward = Action(s, ActionKind.F, j)
     return (own_forward, Action(s + 1, ActionKind.B, j)) if s < num_stages - 1 else (own_forward,)
+
+
+def check_structure(schedule: Schedule) -> None:
+    """The structural checks every consumer relies on before indexing by stage or rank.
+
+    Lowering and simulation run these too, so malformed input always ends in a
+    :class:`ScheduleError` rather than an IndexError deep inside.
+    """
+    n_ranks, placement = schedule.num_ranks, schedule.stage_to_rank
+    if n_ranks == 0 or not placement:
+        raise ScheduleError("a schedule needs at least one rank and one stage")
+    if schedule.n_microbatches < 1:
+        raise ScheduleError(f"n_microbatches must be >= 1 (got {schedule.n_microbatches})")
+    for stage, rank in enumerate(placement):
+        if not 0 <= rank < n_ranks:
+            raise ScheduleError(f"stage {stage} is placed on rank {rank}, but there are ranks 0..{n_ranks - 1}")
+    empty = sorted(set(range(n_ranks)) - set(placement))
+    if empty:
+        raise ScheduleError(f"rank {empty[0]} holds no stage (stage_to_rank={placement})")
+    n_stages, n_mb = len(placement), schedule.n_microbatches
+    for rank, acts in enumerate(schedule.actions):
+        for pos, action in enumerate(acts):
+            stage, _, j = action
+            if 0 <= stage < n_stages and 0 <= j < n_mb and placement[stage] == rank:
+                continue
+            where = f"rank {rank}, position {pos}: action {action}"
+            if not 0 <= stage < n_stages:
+                raise ScheduleError(f"{where} names stage {stage}, but stages are 0..{n_stages - 1}")
+            if not 0 <= j < n_mb:
+                raise ScheduleError(f"{where} names microbatch {j}, but microbatches are 0..{n_mb - 1}")
+            raise ScheduleError(f"{where} belongs on rank {placement[stage]}, which holds stage {stage}")

@@ -17,9 +17,10 @@ Neighbouring stages on one rank (the bottom of a V) hand over locally.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 from pipeline_ext.schedules.inorder import run_in_order
-from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
+from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
@@ -62,18 +63,17 @@ def sends_for(action: Action, stage_to_rank: list[int]) -> list[Action]:
     return []
 
 
+_PEER = {SEND_F: (1, RECV_F), RECV_F: (-1, SEND_F), SEND_B: (-1, RECV_B), RECV_B: (1, SEND_B)}
+
+
 def counterpart(comm: Action, stage_to_rank: list[int]) -> tuple[int, Action]:
     """(peer rank, the matching action that must run there) for a SEND or RECV.
 
     Raises :class:`ScheduleError` when the peer stage does not exist.
     """
     s, kind, j = comm
-    peer_stage, peer_kind = {
-        SEND_F: (s + 1, RECV_F),
-        RECV_F: (s - 1, SEND_F),
-        SEND_B: (s - 1, RECV_B),
-        RECV_B: (s + 1, SEND_B),
-    }[kind]
+    step, peer_kind = _PEER[kind]
+    peer_stage = s + step
     if not 0 <= peer_stage < len(stage_to_rank):
         raise ScheduleError(f"{comm} has no peer: stage {peer_stage} does not exist")
     return stage_to_rank[peer_stage], Action(peer_stage, peer_kind, j)
@@ -88,6 +88,7 @@ def lower(schedule: Schedule) -> Schedule:
     the source sends. Moving a receive earlier keeps it before its consumer;
     whether the result can deadlock is for :func:`check_deadlock` to say.
     """
+    check_structure(schedule)
     placement = list(schedule.stage_to_rank)
     if schedule.lowered:
         return Schedule([list(a) for a in schedule.actions], placement, schedule.n_microbatches, schedule.name)
@@ -154,6 +155,14 @@ def check_fifo(lowered: Schedule) -> None:
                 )
 
 
+class _Awaited(NamedTuple):
+    action: Action
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.action} on rank {self.rank}"
+
+
 def check_deadlock(lowered: Schedule) -> None:
     """Raise unless the lowered schedule runs to completion with blocking receives.
 
@@ -161,6 +170,7 @@ def check_deadlock(lowered: Schedule) -> None:
     the error names every stuck rank, its position, its action and the send it
     waits for.
     """
+    check_structure(lowered)
     placement = lowered.stage_to_rank
     sent: set[tuple[int, Action]] = set()
 
@@ -168,7 +178,7 @@ def check_deadlock(lowered: Schedule) -> None:
         if action.kind not in (RECV_F, RECV_B):
             return None
         peer, send = counterpart(action, placement)
-        return None if (peer, send) in sent else f"{send} on rank {peer}"
+        return None if (peer, send) in sent else _Awaited(send, peer)
 
     def run(rank: int, action: Action) -> None:
         if action.kind in (SEND_F, SEND_B):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
 
 from pipeline_ext.schedules.inorder import run_in_order
-from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, dependencies, done_key
+from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, check_structure, dependencies, done_key
 
 Cost = Union[float, Sequence[float]]
 
@@ -130,6 +130,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     rank r: an F makes one live, its B (or its W when the backward is split)
     frees it. Raises :class:`ScheduleError` if the schedule cannot run.
     """
+    check_structure(schedule)
     plain = schedule.compute_only()
     stage_to_rank = plain.stage_to_rank
     n_stages = plain.num_stages
@@ -140,7 +141,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     def blocked_on(rank: int, action: Action):
         for dep in dependencies(action, n_stages):
             if dep not in end:
-                return str(dep)
+                return dep
         return None
 
     def run(rank: int, action: Action) -> None:

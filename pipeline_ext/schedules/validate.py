@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pipeline_ext.schedules.inorder import run_in_order
-from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, dependencies, done_key
+from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, check_structure, dependencies, done_key
 from pipeline_ext.schedules.lowering import check_deadlock, check_fifo, counterpart, receives_for, sends_for
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -27,7 +27,7 @@ F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` describing the first problem found; return None if valid."""
-    check_placement(schedule)
+    check_structure(schedule)
     positions = _positions(schedule)
     _check_completeness(schedule, positions)
     _check_stage_order(positions, schedule.stage_to_rank)
@@ -36,33 +36,6 @@ def validate(schedule: Schedule) -> None:
         _check_messages(schedule, positions)
         check_fifo(schedule)
         check_deadlock(schedule)
-
-
-def check_placement(schedule: Schedule) -> None:
-    """The structural checks every consumer relies on (the simulator runs these too)."""
-    n_ranks, placement = schedule.num_ranks, schedule.stage_to_rank
-    if n_ranks == 0 or not placement:
-        raise ScheduleError("a schedule needs at least one rank and one stage")
-    if schedule.n_microbatches < 1:
-        raise ScheduleError(f"n_microbatches must be >= 1 (got {schedule.n_microbatches})")
-    for stage, rank in enumerate(placement):
-        if not 0 <= rank < n_ranks:
-            raise ScheduleError(f"stage {stage} is placed on rank {rank}, but there are ranks 0..{n_ranks - 1}")
-    empty = sorted(set(range(n_ranks)) - set(placement))
-    if empty:
-        raise ScheduleError(f"rank {empty[0]} holds no stage (stage_to_rank={placement})")
-    for rank, acts in enumerate(schedule.actions):
-        for pos, action in enumerate(acts):
-            where = f"rank {rank}, position {pos}: action {action}"
-            if not 0 <= action.stage < len(placement):
-                raise ScheduleError(f"{where} names stage {action.stage}, but stages are 0..{len(placement) - 1}")
-            if not 0 <= action.microbatch < schedule.n_microbatches:
-                raise ScheduleError(
-                    f"{where} names microbatch {action.microbatch}, but microbatches are "
-                    f"0..{schedule.n_microbatches - 1}"
-                )
-            if placement[action.stage] != rank:
-                raise ScheduleError(f"{where} belongs on rank {placement[action.stage]}, which holds stage {action.stage}")
 
 
 def _positions(schedule: Schedule) -> dict[Action, int]:
@@ -114,8 +87,10 @@ def _check_dependencies(plain: Schedule) -> None:
     n_stages = plain.num_stages
 
     def blocked_on(rank: int, action: Action):
-        missing = [d for d in dependencies(action, n_stages) if d not in done]
-        return str(missing[0]) if missing else None
+        for dep in dependencies(action, n_stages):
+            if dep not in done:
+                return dep
+        return None
 
     run_in_order(plain.actions, blocked_on, lambda rank, a: done.add(done_key(a)),
                  "cross-stage dependencies cannot be satisfied")
