@@ -80,8 +80,10 @@ def test_closed_form_bubbles_unit_costs(p, m):
         assert rate("zbv") == pytest.approx(0.0, abs=1e-12)
     if m >= 2 * p - 1:
         assert rate("zb_h2") == pytest.approx(0.0, abs=1e-12)
-    if p > 1 and m >= 2 * p:
-        assert rate("dualpipev") > 0  # serialised F&B pairs: DualPipe's overlap is not modelled
+    for v in (2, 3):
+        assert rate("looped_bfs", stages_per_rank=v) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    if m >= 2 * p:  # F&B pairs run serially here: DualPipe's overlap with communication is not modelled
+        assert rate("dualpipev") == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= 2 * p])
@@ -92,6 +94,9 @@ def test_peak_activations_on_rank_0(p, m):
     assert peak("zb_h1") == [p] * p
     assert peak("zb_h2")[0] == 2 * p - 1
     assert peak("zbv")[0] == 2 * p  # stage-activations of half size: 1F1B's bytes
+    assert peak("dualpipev")[0] == 2 * p
+    if m % p == 0:  # (v-1)p + 2(p-1) warm-up forwards, +1 in the first steady step (v = 2)
+        assert peak("interleaved_1f1b")[0] == p + 2 * (p - 1) + 1
     assert peak("looped_bfs")[0] == 2 * m
 
 
