@@ -203,16 +203,17 @@ def zbv(p: int, m: int, v: int = 2) -> Schedule:
 
 @register("dualpipev", stages_per_rank=2)
 def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
-    """DualPipeV (DeepSeek-V3's DualPipe cut in half; Sea AI Lab's V layout).
+    """DualPipeV (DeepSeek's DualPipe "cut in half", V placement as :func:`zbv`).
 
-    V placement as :func:`zbv`. Eight phases per rank: forwards of the first
-    stage, forward pairs, split backwards of the second stage with their W, the
-    main phase of F-of-one-stage / B-of-the-other pairs (which DualPipe overlaps
-    with communication; written here as F then B, and charged serially by the
-    simulator), then the drain, whose later backwards are split and whose W
-    passes run oldest first to fill the tail. Bubble (p-1)(F+B-3W)/... vanishes
-    as m grows (see docs/schedules.md for measured values). Peak activations 2p
-    stage-activations on rank 0. Needs m >= 2p.
+    Eight phases per rank: forwards of the first stage, forward pairs, split
+    backwards of the second stage each with its W, the main phase pairing a
+    backward of one stage with a forward of the other (DualPipe overlaps each
+    pair with its communication; written here as B then F, which frees memory
+    first, and charged serially by the simulator), then the drain, whose later
+    backwards are split and whose owed W passes run oldest first to fill the
+    tail. Bubble (p-1)/(6m+p-1) in this serial model (the overlap that makes
+    DualPipe worthwhile is not modelled). Peak activations 2p stage-activations
+    on rank 0, as :func:`zbv`. Needs m >= 2p.
     """
     _require(m >= 2 * p, "dualpipev", "n_microbatches >= 2 * num_ranks", n_microbatches=m, num_ranks=p)
 
