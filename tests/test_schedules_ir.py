@@ -45,6 +45,11 @@ def test_text_round_trip_exact(name, p, m):
         assert back.lowered == sched.lowered
 
 
+def test_to_text_needs_a_one_word_name():
+    with pytest.raises(ScheduleError, match="must be one word"):
+        Schedule([[]], [0], 1, "two words").to_text()
+
+
 def test_from_text_without_header_infers_metadata():
     text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n"
     sched = Schedule.from_text(text)

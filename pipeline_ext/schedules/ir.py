@@ -132,6 +132,8 @@ class Schedule:
 
     def to_text(self) -> str:
         """Header line plus one line per rank; :meth:`from_text` reads it back exactly."""
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ScheduleError(f"schedule name {self.name!r} must be one word to be written as text")
         header = (
             f"# schedule name={self.name} n_microbatches={self.n_microbatches} "
             f"stage_to_rank={','.join(str(r) for r in self.stage_to_rank)}"
