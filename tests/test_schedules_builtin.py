@@ -1,0 +1,106 @@
+"""Every built-in: constraints, validity, deadlock freedom, closed-form bubbles and memory."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline_ext.schedules import Costs, ScheduleError, available, build, lower, simulate, validate
+from pipeline_ext.schedules.lowering import loop_placement, v_placement
+
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"}
+SPLIT = {"zb_h1", "zb_h2", "zbv", "dualpipev"}
+
+
+def test_registry():
+    assert available() == ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
+    with pytest.raises(ScheduleError, match="unknown schedule 'nope'; available: gpipe"):
+        build("nope", 2, 2)
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_builtin_valid_and_deadlock_free(name):
+    """p in 1..8, m from p to 4p wherever the schedule's constraints allow."""
+    checked = 0
+    for p in range(1, 9):
+        for m in range(p, 4 * p + 1):
+            try:
+                sched = build(name, p, m)
+            except ScheduleError:
+                continue
+            validate(sched)
+            low = lower(sched)
+            validate(low)  # includes FIFO order and check_deadlock (blocking receives)
+            assert not sched.lowered and (low.lowered or p == 1)
+            assert lower(low) == low
+            kinds = {a.kind.value for acts in sched.actions for a in acts}
+            assert kinds == ({"F", "I", "W"} if name in SPLIT and name != "dualpipev" else
+                             {"F", "B", "I", "W"} if name == "dualpipev" else {"F", "B"})
+            assert len(sched.stages_of(0)) == (2 if name in MULTI_STAGE else 1)
+            checked += 1
+    assert checked >= 30
+
+
+def test_placements():
+    assert loop_placement(3, 2) == [0, 1, 2, 0, 1, 2]
+    assert v_placement(3) == [0, 1, 2, 2, 1, 0]
+    assert build("interleaved_1f1b", 3, 6).stage_to_rank == loop_placement(3, 2)
+    assert build("looped_bfs", 2, 2, stages_per_rank=3).stage_to_rank == loop_placement(2, 3)
+    assert build("zbv", 3, 6).stage_to_rank == build("dualpipev", 3, 6).stage_to_rank == v_placement(3)
+
+
+@pytest.mark.parametrize("name,p,m,v,message", [
+    ("1f1b", 4, 2, None, r"1f1b needs n_microbatches >= num_ranks \(got n_microbatches=2, num_ranks=4\)"),
+    ("zb_h1", 4, 3, None, r"zb_h1 needs n_microbatches >= num_ranks \(got n_microbatches=3, num_ranks=4\)"),
+    ("interleaved_1f1b", 4, 6, None, r"multiple of num_ranks \(got n_microbatches=6, num_ranks=4\)"),
+    ("interleaved_1f1b", 4, 8, 1, r"stages_per_rank >= 2 \(got stages_per_rank=1\)"),
+    ("gpipe", 4, 8, 2, r"gpipe needs stages_per_rank == 1 \(got stages_per_rank=2\)"),
+    ("zbv", 4, 8, 3, r"zbv needs stages_per_rank == 2 \(got stages_per_rank=3\)"),
+    ("dualpipev", 4, 7, None, r"n_microbatches >= 2 \* num_ranks \(got n_microbatches=7, num_ranks=4\)"),
+    ("gpipe", 0, 8, None, r"num_ranks >= 1 \(got num_ranks=0\)"),
+    ("gpipe", 2, 0, None, r"n_microbatches >= 1 \(got n_microbatches=0\)"),
+])
+def test_constraint_errors_name_constraint_and_values(name, p, m, v, message):
+    with pytest.raises(ScheduleError, match=message):
+        build(name, p, m, stages_per_rank=v)
+
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (p, 2 * p, 3 * p + 1, 4 * p)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_closed_form_bubbles_unit_costs(p, m):
+    unit = Costs(1.0, 1.0, 1.0, 0.0)
+    rate = lambda name, **kw: simulate(build(name, p, m, **kw), unit).bubble_rate  # noqa: E731
+    assert rate("gpipe") == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert rate("1f1b") == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert rate("zb_h1") == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    if m % p == 0:
+        for v in (2, 3):
+            assert rate("interleaved_1f1b", stages_per_rank=v) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    if m >= 2 * p:
+        assert rate("zbv") == pytest.approx(0.0, abs=1e-12)
+    if m >= 2 * p - 1:
+        assert rate("zb_h2") == pytest.approx(0.0, abs=1e-12)
+    for v in (2, 3):
+        assert rate("looped_bfs", stages_per_rank=v) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    if m >= 2 * p:  # F&B pairs run serially here: DualPipe's overlap with communication is not modelled
+        assert rate("dualpipev") == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= 2 * p])
+def test_peak_activations_on_rank_0(p, m):
+    peak = lambda name: simulate(build(name, p, m)).peak_activations  # noqa: E731
+    assert peak("gpipe") == [m] * p
+    assert peak("1f1b") == [p - r for r in range(p)]
+    assert peak("zb_h1") == [p] * p
+    assert peak("zb_h2")[0] == 2 * p - 1
+    assert peak("zbv")[0] == 2 * p  # stage-activations of half size: 1F1B's bytes
+    assert peak("dualpipev")[0] == 2 * p
+    if m % p == 0:  # (v-1)p + 2(p-1) warm-up forwards, +1 in the first steady step (v = 2)
+        assert peak("interleaved_1f1b")[0] == p + 2 * (p - 1) + 1
+    assert peak("looped_bfs")[0] == 2 * m
+
+
+def test_stages_per_rank_defaults():
+    assert build("interleaved_1f1b", 2, 4).num_stages == 4
+    assert build("looped_bfs", 2, 4, stages_per_rank=4).num_stages == 8
+    assert build("zb_h2", 3, 6).num_stages == 3

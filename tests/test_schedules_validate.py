@@ -1,0 +1,121 @@
+"""Validation and lowering: hand-written mistakes are caught and named; lowering is sound."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline_ext.schedules import Schedule, ScheduleError, build, lower, validate
+from pipeline_ext.schedules.lowering import check_deadlock, check_fifo, receives_for, sends_for
+
+GOOD_1F1B = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n"
+
+
+def sched(text: str) -> Schedule:
+    return Schedule.from_text(text)
+
+
+def test_hand_written_schedule_is_valid_and_lowers():
+    s = sched(GOOD_1F1B)
+    validate(s)
+    low = lower(s)
+    assert low.to_text().splitlines()[1:] == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+    ]
+    validate(low)
+
+
+@pytest.mark.parametrize("text,match", [
+    # missing actions name the rank and the action
+    ("0F0 0F1 0B0\n1F0 1B0 1F1 1B1", r"rank 0: missing action 0B1"),
+    ("0F0 0F1 0B0 0B1\n1F0 1B0 1B1", r"rank 1: missing action 1F1"),
+    ("# schedule n_microbatches=2\n0F0 0F1 0I0 0W0 0I1\n1F0 1B0 1F1 1B1", r"rank 0: missing action 0W1"),
+    # misordered on a stage
+    ("0F0 0F1 0B0 0B1\n1B0 1F0 1F1 1B1", r"rank 1, position 0: action 1B0 comes before 1F0"),
+    ("0F0 0F1 0W0 0I0 0I1 0W1\n1F0 1B0 1F1 1B1", r"rank 0, position 2: action 0W0 comes before 0I0"),
+    # misordered across stages: rank 0 waits for a backward rank 1 only runs after a forward rank 0 never sent
+    ("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0",
+     r"cannot be satisfied: rank 0 stuck at position 1 on 0B0 waiting for 1B0; rank 1 stuck at position 0 on 1F1"),
+    # duplicates, B mixed with I/W, bad placement and ranges
+    ("0F0 0F1 0B0 0B1 0F1\n1F0 1B0 1F1 1B1", r"rank 0, position 4: duplicate action 0F1 \(already at position 1\)"),
+    ("# schedule n_microbatches=2\n0F0 0F1 0B0 0I0 0W0 0B1\n1F0 1B0 1F1 1B1", r"rank 0, position 2: action 0B0"),
+    ("# schedule stage_to_rank=0,1\n0F0 0F1 0B0 0B1 1F0\n1B0 1F1 1B1", r"rank 0, position 4: action 1F0 belongs on rank 1"),
+    ("# schedule n_microbatches=1\n0F0 0F1 0B0\n1F0 1B0", r"rank 0, position 1: action 0F1 names microbatch 1"),
+    ("# schedule stage_to_rank=0,2\n0F0 1F0 1B0 0B0\n\n", r"stage 1 is placed on rank 2, but there are ranks 0..0"),
+    ("# schedule stage_to_rank=0,2\n0F0 0B0\n\n1F0 1B0\n", r"rank 1 holds no stage"),
+])
+def test_mistakes_are_rejected_naming_rank_and_action(text, match):
+    with pytest.raises(ScheduleError, match=match):
+        validate(sched(text))
+
+
+def test_lowered_missing_recv_and_extra_send():
+    low = lower(sched(GOOD_1F1B)).to_text().replace(" 1RECV_F1", "")
+    with pytest.raises(ScheduleError, match=r"rank 1, position \d+: action 1F1 needs 1RECV_F1, which is missing"):
+        validate(sched(low))
+    extra = lower(sched(GOOD_1F1B)).to_text().replace("0B1\n", "0B1 0SEND_B1\n")
+    with pytest.raises(ScheduleError, match=r"rank 0, position 8: action 0SEND_B1 (is not needed|has no matching)"):
+        validate(sched(extra))
+
+
+def test_recv_after_its_consumer_is_rejected():
+    text = lower(sched(GOOD_1F1B)).to_text().replace("1RECV_F0 1F0", "1F0 1RECV_F0")
+    with pytest.raises(ScheduleError, match=r"rank 1, position 0: action 1F0 needs 1RECV_F0 before it"):
+        validate(sched(text))
+
+
+def test_deadlock_is_reported_per_rank():
+    # Both ranks receive before they send: each waits forever for the other.
+    text = ("# schedule name=stuck n_microbatches=2 stage_to_rank=0,1\n"
+            "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0B0 0RECV_B1 0B1\n"
+            "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1\n")
+    with pytest.raises(ScheduleError) as err:
+        check_deadlock(sched(text))
+    msg = str(err.value)
+    assert "lowered schedule 'stuck' deadlocks" in msg
+    assert "rank 0 stuck at position 2 on 0RECV_B0 waiting for 1SEND_B0 on rank 1" in msg
+    assert "rank 1 stuck at position 0 on 1RECV_F1 waiting for 0SEND_F1 on rank 0" in msg
+
+
+def test_fifo_order_is_checked():
+    # Rank 1 posts its receives in the opposite order from rank 0's sends.
+    text = ("# schedule n_microbatches=2 stage_to_rank=0,1\n"
+            "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n"
+            "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1\n")
+    with pytest.raises(ScheduleError, match=r"rank 1, position 0: 1RECV_F1 is receive #0 from rank 0, but send #0 "
+                                            r"from rank 0 \(position 1\) is for 1RECV_F0"):
+        validate(sched(text))
+
+
+def test_lowering_reorders_receives_for_fifo_in_v_schedules():
+    s = build("zbv", 4, 8)
+    naive = Schedule([[x for a in acts for x in receives_for(a, s.stage_to_rank) + [a] + sends_for(a, s.stage_to_rank)]
+                      for acts in s.actions], s.stage_to_rank, s.n_microbatches, s.name)
+    with pytest.raises(ScheduleError, match="FIFO"):
+        check_fifo(naive)
+    low = lower(s)
+    check_fifo(low)
+    check_deadlock(low)
+    assert low.compute_only() == s  # only comm actions were added
+
+
+def test_v_shape_neighbours_on_one_rank_exchange_no_messages():
+    p = 3
+    low = lower(build("zbv", p, 6))
+    bottom = low.actions[p - 1]  # holds stages p-1 and p
+    assert not [a for a in bottom if a.is_comm and a.stage in (p - 1, p) and
+                (a.kind.value, a.stage) in {("SEND_F", p - 1), ("RECV_F", p), ("SEND_B", p), ("RECV_B", p - 1)}]
+    assert any(a.kind.value == "RECV_F" and a.stage == 2 * p - 1 for a in low.actions[0])  # last stage on rank 0
+
+
+def test_comm_semantics_match_torch():
+    low = lower(build("1f1b", 2, 2))
+    kinds = {str(a) for acts in low.actions for a in acts if a.is_comm}
+    # stage 0 sends its output and receives the grad of its output; stage 1 the reverse
+    assert kinds == {"0SEND_F0", "0SEND_F1", "0RECV_B0", "0RECV_B1", "1RECV_F0", "1RECV_F1", "1SEND_B0", "1SEND_B1"}
+
+
+def test_lower_is_idempotent_and_single_rank_needs_no_messages():
+    low = lower(build("interleaved_1f1b", 2, 4))
+    assert lower(low) == low
+    solo = build("zbv", 1, 3)
+    assert lower(solo) == solo and not lower(solo).lowered
