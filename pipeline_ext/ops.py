@@ -77,8 +77,14 @@ def _as_tensors(op: str, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return list(tensors)
 
 
-def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(op: str, tensors: Sequence[torch.Tensor]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        return any(t.requires_grad for t in tensors)
+    except AttributeError:
+        _as_tensors(op, tensors)  # raises the clear TypeError
+        raise
 
 
 class _Split(torch.autograd.Function):
@@ -121,7 +127,7 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"split: expected a tensor, got {type(tensor).__name__}")
     sizes = _as_sizes(sizes)
-    if _needs_grad([tensor]):
+    if tensor.requires_grad and torch.is_grad_enabled():
         return list(_Split.apply(tensor, sizes, dim))
     return _C.split(tensor, sizes, dim)
 
@@ -134,8 +140,9 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
     given, must already have the result's shape, dtype and device and is
     written in place (its storage is kept). Differentiable when ``out`` is None.
     """
-    tensors = _as_tensors("concat", tensors)
-    if _needs_grad(tensors):
+    if isinstance(tensors, torch.Tensor):  # pybind11 would iterate its rows
+        _as_tensors("concat", tensors)
+    if _needs_grad("concat", tensors):
         if out is not None:
             raise RuntimeError(
                 "concat: out= is not differentiable, but an input requires grad; "
@@ -143,7 +150,11 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
             )
         if tensors and tensors[0].dim() > 0:
             return _Concat.apply(dim, *tensors)
-    return _C.concat(tensors, dim, out)
+    try:
+        return _C.concat(tensors, dim, out)
+    except TypeError:
+        _as_tensors("concat", tensors)  # a clear message instead of pybind11's
+        raise
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, PackLayout]:
@@ -154,7 +165,13 @@ def pack(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, PackLayout]:
     boundary. Send ``buffer`` and ``layout.to_tensor()`` and rebuild the
     tensors on the other side with :func:`unpack`. Not differentiable.
     """
-    return _C.pack(_as_tensors("pack", tensors))
+    if isinstance(tensors, torch.Tensor):
+        _as_tensors("pack", tensors)
+    try:
+        return _C.pack(tensors)
+    except TypeError:
+        _as_tensors("pack", tensors)
+        raise
 
 
 def unpack(buffer: torch.Tensor, layout: PackLayout) -> List[torch.Tensor]:

@@ -1,7 +1,6 @@
 #include "kernels/pack.h"
 
 #include <c10/util/safe_numerics.h>
-#include <c10/util/strides.h>
 
 #include <sstream>
 
@@ -24,9 +23,7 @@ bool valid_dtype(int64_t code) {
 // A view of `buffer`'s storage with the entry's dtype and shape (contiguous).
 at::Tensor entry_view(const at::Tensor& buffer, const PackEntry& e) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(e.dtype));
-  const int64_t byte_offset = buffer.storage_offset() + e.offset;
-  return at::empty({0}, buffer.options().dtype(e.dtype))
-      .set_(buffer.storage(), byte_offset / es, e.shape, c10::contiguous_strides(e.shape));
+  return tensor_on_storage(buffer.storage(), e.dtype, (buffer.storage_offset() + e.offset) / es, e.shape);
 }
 
 }  // namespace
