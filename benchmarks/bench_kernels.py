@@ -6,7 +6,7 @@ cheaper than ``torch.tensor_split(...)+.contiguous()``, ``torch.cat`` and
 and the baseline side by side in this process, interleaved call by call, and
 reports medians. ratio = baseline_time / ours_time (> 1 means ours is faster).
 
-    python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda|all]
+    python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda|all] [--threads N]
 """
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def cases(nbytes: int, device: torch.device):
     # Several tensors to one peer: one packed message vs one copy per message.
     msgs = [p.to(dt) for p, dt in zip(parts0, [torch.float32, torch.bfloat16, torch.int64, torch.float16])]
     yield "pack+unpack 4 tensors", msgs, lambda: ops.unpack(*ops.pack(msgs)), one_by_one(msgs)
+    # Same with a reused send buffer, as the baseline reuses its buffers.
+    send = torch.empty(ops.pack(msgs)[1].nbytes, dtype=torch.uint8, device=device)
+    yield "pack(out=)+unpack 4", msgs, lambda: ops.unpack(*ops.pack(msgs, out=send)), one_by_one(msgs)
 
 
 def one_by_one(tensors: Sequence[torch.Tensor]) -> Callable[[], object]:
@@ -122,7 +125,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a smoke run)")
     parser.add_argument("--device", default="all", help="cpu, cuda, cuda:N or all (cpu + cuda if present)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the CPU rows")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else SIZES
     budget = 0.05 if args.quick else 0.25  # seconds of timing per row and side
     if args.device == "all":

@@ -157,18 +157,21 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
         raise
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, PackLayout]:
+def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, PackLayout]:
     """Copy ``tensors`` into one 1-D uint8 buffer; return ``(buffer, layout)``.
 
     Any dtype and shape (0-d and empty included), contiguous or not; all on one
     device (the buffer's). Each entry starts on a ``PACK_ALIGNMENT``-byte
     boundary. Send ``buffer`` and ``layout.to_tensor()`` and rebuild the
-    tensors on the other side with :func:`unpack`. Not differentiable.
+    tensors on the other side with :func:`unpack`. ``out`` (a contiguous 1-D
+    uint8 tensor of at least ``layout.nbytes`` bytes) lets a sender reuse one
+    buffer across steps instead of allocating one per message; the returned
+    buffer is then ``out`` itself. Not differentiable.
     """
     if isinstance(tensors, torch.Tensor):
         _as_tensors("pack", tensors)
     try:
-        return _C.pack(tensors)
+        return _C.pack(tensors, out)
     except TypeError:
         _as_tensors("pack", tensors)
         raise

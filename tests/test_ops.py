@@ -231,6 +231,20 @@ def test_pack_16_small_and_empty_list():
     assert buffer.numel() == 0 and ops.unpack(buffer, layout) == []
 
 
+def test_pack_into_out_buffer():
+    ts = [torch.randn(5, 3), torch.arange(7)]
+    out = torch.empty(1024, dtype=torch.uint8)
+    buffer, layout = ops.pack(ts, out=out)
+    assert buffer.data_ptr() == out.data_ptr() and layout.nbytes < 1024
+    assert all(same(a, b) for a, b in zip(ops.unpack(out, layout), ts))
+    with pytest.raises(ValueError, match=r"pack: buffer has 8 bytes but the layout needs"):
+        ops.pack(ts, out=torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="pack: buffer must be a contiguous 1-D uint8"):
+        ops.pack(ts, out=torch.empty(1024))
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        ops.pack(ts, out=out[1:])
+
+
 def test_layout_encode_decode_pickle():
     _, layout = ops.pack([torch.zeros(2, 3), torch.ones((), dtype=torch.bool), torch.zeros(0, 4, dtype=torch.int32)])
     assert ops.PackLayout.decode(layout.encode()) == layout
