@@ -165,6 +165,10 @@ def test_split_concat_round_trip_large():
     x = torch.randn(3, 1 << 18)  # big enough for the parallel copy path
     pieces = ops.split(x, [1 << 16, 3 << 16], 1)
     assert same(ops.concat(pieces, 1), x)
+    y = torch.randn(4099, 160)  # many rows: threads start and stop mid-row
+    pieces = ops.split(y, [100, 37, 23], 1)
+    assert all(same(a, b) for a, b in zip(pieces, torch.tensor_split(y, [100, 137], 1)))
+    assert same(ops.concat(pieces, 1), y)
 
 
 # ---------------------------------------------------------------- autograd

@@ -12,35 +12,30 @@ namespace pipeline_ext {
 // threads share one big copy.
 constexpr int64_t kCpuGrainBytes = 256 * 1024;
 
-void CopyPlan::add(const void* src, void* dst, int64_t nbytes, int64_t rows, int64_t src_stride,
-                   int64_t dst_stride) {
-  TORCH_CHECK(nbytes >= 0 && rows >= 0, "CopyPlan: negative segment size ", nbytes, " x ", rows);
-  if (nbytes == 0 || rows == 0) return;
-  if (rows > 1 && src_stride == nbytes && dst_stride == nbytes) {
-    nbytes *= rows;
-    rows = 1;
-  }
-  total_bytes_ += nbytes * rows;
-  if (rows == 1 && !segments_.empty()) {
+void CopyPlan::add(const void* src, void* dst, int64_t nbytes, int64_t src_stride, int64_t dst_stride) {
+  TORCH_CHECK(nbytes >= 0, "CopyPlan: negative segment size ", nbytes);
+  if (nbytes == 0) return;
+  row_bytes_ += nbytes;
+  if (!segments_.empty()) {
     auto& last = segments_.back();
-    if (last.rows == 1 && static_cast<const char*>(last.src) + last.nbytes == src &&
-        static_cast<char*>(last.dst) + last.nbytes == dst) {
+    if (static_cast<const char*>(last.src) + last.nbytes == src && static_cast<char*>(last.dst) + last.nbytes == dst &&
+        last.src_stride == src_stride && last.dst_stride == dst_stride) {
       last.nbytes += nbytes;
       return;
     }
   }
-  segments_.push_back({src, dst, nbytes, rows, src_stride, dst_stride});
+  segments_.push_back({src, dst, nbytes, src_stride, dst_stride});
 }
 
 void CopyPlan::run(const at::Device& device) const {
-  if (segments_.empty()) return;
+  if (empty()) return;
   if (device.is_cpu()) {
-    run_copy_plan_cpu(segments_, total_bytes_);
+    run_copy_plan_cpu(segments_, rows_);
     return;
   }
 #ifdef WITH_CUDA
   if (device.is_cuda()) {
-    run_copy_plan_cuda(segments_, device);
+    run_copy_plan_cuda(segments_, rows_, device);
     return;
   }
 #endif
@@ -62,44 +57,33 @@ at::Tensor tensor_on_storage(const at::Storage& storage, at::ScalarType dtype, i
   return t;
 }
 
-namespace {
-
-// Copies bytes [begin, end) of segment `s` (counted row after row).
-void copy_range(const CopySegment& s, int64_t begin, int64_t end) {
-  int64_t row = begin / s.nbytes, col = begin % s.nbytes;
-  const char* src = static_cast<const char*>(s.src) + row * s.src_stride;
-  char* dst = static_cast<char*>(s.dst) + row * s.dst_stride;
-  while (begin < end) {
-    const int64_t n = std::min(s.nbytes - col, end - begin);
-    std::memcpy(dst + col, src + col, n);
-    begin += n;
-    col = 0;
-    src += s.src_stride;
-    dst += s.dst_stride;
-  }
-}
-
-}  // namespace
-
-void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t total_bytes) {
-  if (total_bytes <= kCpuGrainBytes || at::get_num_threads() == 1) {
-    for (const auto& s : segments) copy_range(s, 0, s.total());
-    return;
-  }
-  // Treat all segments as one byte range [0, total_bytes): each thread copies its
-  // sub-range, which may start inside one segment (or row) and end in another.
+void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t rows) {
+  // Byte q of row r of the plan is byte q - (start of its segment) of that
+  // segment's row r; ends[i] is where segment i stops within a row.
   std::vector<int64_t> ends(segments.size());
-  int64_t acc = 0;
-  for (size_t i = 0; i < segments.size(); ++i) ends[i] = (acc += segments[i].total());
-  at::parallel_for(0, total_bytes, kCpuGrainBytes, [&](int64_t begin, int64_t end) {
-    size_t i = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
-    for (int64_t pos = begin; pos < end; ++i) {
-      const int64_t seg_start = ends[i] - segments[i].total();
-      const int64_t stop = std::min(ends[i], end);
-      copy_range(segments[i], pos - seg_start, stop - seg_start);
-      pos = stop;
+  int64_t row_bytes = 0;
+  for (size_t i = 0; i < segments.size(); ++i) ends[i] = (row_bytes += segments[i].nbytes);
+  // Copies plan bytes [begin, end), which may start and stop inside a segment.
+  auto copy = [&](int64_t begin, int64_t end) {
+    int64_t r = begin / row_bytes, q = begin % row_bytes;
+    size_t i = std::upper_bound(ends.begin(), ends.end(), q) - ends.begin();
+    while (begin < end) {
+      const CopySegment& s = segments[i];
+      const int64_t off = q - (ends[i] - s.nbytes);
+      const int64_t n = std::min(s.nbytes - off, end - begin);
+      std::memcpy(static_cast<char*>(s.dst) + r * s.dst_stride + off,
+                  static_cast<const char*>(s.src) + r * s.src_stride + off, n);
+      begin += n;
+      q += n;
+      if (++i == segments.size()) i = 0, q = 0, ++r;
     }
-  });
+  };
+  const int64_t total = rows * row_bytes;
+  if (total <= kCpuGrainBytes || at::get_num_threads() == 1) {
+    copy(0, total);
+  } else {
+    at::parallel_for(0, total, kCpuGrainBytes, copy);
+  }
 }
 
 }  // namespace pipeline_ext

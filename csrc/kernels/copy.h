@@ -12,38 +12,39 @@
 
 namespace pipeline_ext {
 
-// `rows` rows of `nbytes` contiguous bytes; row r is copied from
+// `nbytes` contiguous bytes per row of the plan: in row r they are copied from
 // src + r * src_stride to dst + r * dst_stride. One segment describes e.g. one
 // input of a concat across all outer indices, so plans stay O(#tensors).
 struct CopySegment {
   const void* src;
   void* dst;
   int64_t nbytes;
-  int64_t rows = 1;
   int64_t src_stride = 0;
   int64_t dst_stride = 0;
-
-  int64_t total() const { return nbytes * rows; }
 };
 
 class CopyPlan {
  public:
-  // Appends a segment; empty ones are dropped, rows that are back to back in
-  // both src and dst collapse into one row, and a single row that continues
-  // the previous single row in both src and dst is merged into it.
-  void add(const void* src, void* dst, int64_t nbytes, int64_t rows = 1, int64_t src_stride = 0,
-           int64_t dst_stride = 0);
+  // Row r copies every segment's row r, in order: for concat that writes the
+  // output front to back (and split reads its input front to back), which
+  // streams far better than one strided pass per tensor.
+  explicit CopyPlan(int64_t rows = 1) : rows_(rows) {}
+  // Appends a segment; empty ones are dropped and one that continues the
+  // previous one in both src and dst (same strides) is merged into it.
+  void add(const void* src, void* dst, int64_t nbytes, int64_t src_stride = 0, int64_t dst_stride = 0);
   // Executes every segment on `device` (CPU: parallel memcpy; CUDA: one kernel
   // on the current stream). All pointers must live on that device.
   void run(const at::Device& device) const;
 
   const std::vector<CopySegment>& segments() const { return segments_; }
-  int64_t total_bytes() const { return total_bytes_; }
-  bool empty() const { return segments_.empty(); }
+  int64_t rows() const { return rows_; }
+  int64_t total_bytes() const { return row_bytes_ * rows_; }
+  bool empty() const { return segments_.empty() || rows_ == 0; }
 
  private:
   std::vector<CopySegment> segments_;
-  int64_t total_bytes_ = 0;
+  int64_t rows_;
+  int64_t row_bytes_ = 0;
 };
 
 // Below this many bytes per segment a memcpy-per-segment plan loses to a
@@ -62,11 +63,11 @@ inline char* dst_bytes(const at::Tensor& t) { return static_cast<char*>(t.mutabl
 // `offset`, built without a dispatcher round trip (views for split and unpack).
 at::Tensor tensor_on_storage(const at::Storage& storage, at::ScalarType dtype, int64_t offset, at::IntArrayRef shape);
 
-void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t total_bytes);
+void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t rows);
 
 #ifdef WITH_CUDA
 // Host side (copy_cuda.cpp): builds the tile table and launches the kernel.
-void run_copy_plan_cuda(const std::vector<CopySegment>& segments, const at::Device& device);
+void run_copy_plan_cuda(const std::vector<CopySegment>& segments, int64_t rows, const at::Device& device);
 
 #endif
 

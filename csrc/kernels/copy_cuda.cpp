@@ -8,7 +8,7 @@
 
 namespace pipeline_ext {
 
-void run_copy_plan_cuda(const std::vector<CopySegment>& segments, const at::Device& device) {
+void run_copy_plan_cuda(const std::vector<CopySegment>& segments, int64_t rows, const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   const int64_t n = static_cast<int64_t>(segments.size());
   const int64_t desc_words = sizeof(CopyTileDesc) / sizeof(int64_t);
@@ -29,8 +29,8 @@ void run_copy_plan_cuda(const std::vector<CopySegment>& segments, const at::Devi
     const bool long_rows = g.nbytes >= kCopyTileBytes;
     const int64_t tiles_per_row = long_rows ? (g.nbytes + kCopyTileBytes - 1) / kCopyTileBytes : 1;
     const int64_t rows_per_tile = long_rows ? 1 : kCopyTileBytes / g.nbytes;
-    descs[i] = {g.src, g.dst, g.nbytes, g.rows, g.src_stride, g.dst_stride, tiles, tiles_per_row, rows_per_tile};
-    tiles += (g.rows + rows_per_tile - 1) / rows_per_tile * tiles_per_row;
+    descs[i] = {g.src, g.dst, g.nbytes, rows, g.src_stride, g.dst_stride, tiles, tiles_per_row, rows_per_tile};
+    tiles += (rows + rows_per_tile - 1) / rows_per_tile * tiles_per_row;
   }
   at::Tensor table;
   if (n > kInlineSegments) table = host.to(device, /*non_blocking=*/true);

@@ -67,13 +67,13 @@ std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, in
   const int64_t row_bytes = input.size(d) * dims.inner * es;
   const bool plan_ok = is_plain(input) && row_bytes / std::max<int64_t>(nonempty, 1) >= kMinSegmentBytes;
   int64_t start = 0;
-  CopyPlan plan;
+  CopyPlan plan(dims.outer);
   for (size_t i = 0; i < sizes.size(); ++i) {
     const int64_t seg = sizes[i] * dims.inner * es;
     if (!plan_ok) {
       if (sizes[i] > 0) pieces[i].copy_(input.narrow(d, start, sizes[i]));
     } else {
-      plan.add(src_bytes(input) + start * dims.inner * es, dst_bytes(pieces[i]), seg, dims.outer, row_bytes, seg);
+      plan.add(src_bytes(input) + start * dims.inner * es, dst_bytes(pieces[i]), seg, row_bytes, seg);
     }
     start += sizes[i];
   }
@@ -126,13 +126,13 @@ at::Tensor concat(at::TensorList tensors, int64_t dim, const std::optional<at::T
   // Each input is one strided segment (a row per outer index) of the plan,
   // unless it is non-contiguous or its rows are too small to be worth a
   // memcpy: those use copy_.
-  CopyPlan plan;
+  CopyPlan plan(dims.outer);
   int64_t start = 0;
   for (const at::Tensor& t : tensors) {
     const int64_t seg = t.size(d) * dims.inner * es;
     if (seg == 0) continue;
     if (out_contig && is_plain(t) && (dims.outer == 1 || seg >= kMinSegmentBytes)) {
-      plan.add(src_bytes(t), dst_bytes(result) + start * dims.inner * es, seg, dims.outer, seg, row_bytes);
+      plan.add(src_bytes(t), dst_bytes(result) + start * dims.inner * es, seg, seg, row_bytes);
     } else {
       result.narrow(d, start, t.size(d)).copy_(t);
     }
