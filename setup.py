@@ -45,14 +45,14 @@ def _want_cuda() -> bool:
 def _extension():
     cpp = [s for s in _sources("csrc/**/*.cpp") if not s.startswith(os.path.join("csrc", "tests"))]
     cuda_host = [s for s in cpp if s.endswith("_cuda.cpp")]
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3", "-std=c++20"]
     if _want_cuda():
         return cpp_extension.CUDAExtension(
             "pipeline_ext._C",
             sources=cpp + _sources("csrc/**/*.cu"),
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=[("WITH_CUDA", None)],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
         )
     return cpp_extension.CppExtension(
         "pipeline_ext._C",

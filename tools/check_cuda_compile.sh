@@ -15,7 +15,7 @@ PY_INC=-I$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])'
 CUDA_INC=-I$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-FLAGS=(-std=c++17 -DWITH_CUDA -Icsrc -Itools/cuda_shim $TORCH_INC $PY_INC $CUDA_INC -D_GLIBCXX_USE_CXX11_ABI=1)
+FLAGS=(-std=c++20 -DWITH_CUDA -Icsrc -Itools/cuda_shim $TORCH_INC $PY_INC $CUDA_INC -D_GLIBCXX_USE_CXX11_ABI=1)
 n=0
 for src in $(find csrc -name '*.cu' -o -name '*_cuda.cpp' | sort); do
   echo "nvcc -c $src"

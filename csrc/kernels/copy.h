@@ -1,0 +1,50 @@
+// Copy plans: every kernel here (split, concat, pack) reduces its byte moving to
+// a list of contiguous (src, dst, nbytes) segments executed in ONE pass, so the
+// cost is one parallel region on CPU or one kernel launch on CUDA, regardless of
+// how many tensors or outer rows are involved.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pipeline_ext {
+
+struct CopySegment {
+  const void* src;
+  void* dst;
+  int64_t nbytes;
+};
+
+class CopyPlan {
+ public:
+  // Appends a segment; zero-byte segments are dropped and a segment that
+  // continues the previous one in both src and dst is merged into it.
+  void add(const void* src, void* dst, int64_t nbytes);
+  // Executes every segment on `device` (CPU: parallel memcpy; CUDA: one kernel
+  // on the current stream). All pointers must live on that device.
+  void run(const at::Device& device) const;
+
+  const std::vector<CopySegment>& segments() const { return segments_; }
+  int64_t total_bytes() const { return total_bytes_; }
+  bool empty() const { return segments_.empty(); }
+
+ private:
+  std::vector<CopySegment> segments_;
+  int64_t total_bytes_ = 0;
+};
+
+// Below this many bytes per segment a memcpy-per-segment plan loses to a
+// strided TensorIterator copy, so callers fall back to Tensor::copy_.
+constexpr int64_t kMinSegmentBytes = 64;
+
+void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t total_bytes);
+
+#ifdef WITH_CUDA
+// Host side (copy_cuda.cpp): builds the tile table and launches the kernel.
+void run_copy_plan_cuda(const std::vector<CopySegment>& segments, const at::Device& device);
+
+#endif
+
+}  // namespace pipeline_ext
