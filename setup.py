@@ -45,7 +45,8 @@ def _want_cuda() -> bool:
 def _extension():
     cpp = [s for s in _sources("csrc/**/*.cpp") if not s.startswith(os.path.join("csrc", "tests"))]
     cuda_host = [s for s in cpp if s.endswith("_cuda.cpp")]
-    cxx_flags = ["-O3", "-std=c++20"]
+    # Hidden visibility as pybind11 recommends: only PyInit__C is exported.
+    cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
     if _want_cuda():
         return cpp_extension.CUDAExtension(
             "pipeline_ext._C",

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <cstdint>
 #include <vector>
@@ -38,6 +39,14 @@ class CopyPlan {
 // Below this many bytes per segment a memcpy-per-segment plan loses to a
 // strided TensorIterator copy, so callers fall back to Tensor::copy_.
 constexpr int64_t kMinSegmentBytes = 64;
+
+// True when a tensor's values are exactly its bytes, laid out contiguously, so a
+// memcpy moves it; conjugate/negative views need copy_ to resolve their bit.
+inline bool is_plain(const at::Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
+
+// const_data_ptr for sources so that copy-on-write inputs are not materialized.
+inline const char* src_bytes(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
+inline char* dst_bytes(const at::Tensor& t) { return static_cast<char*>(t.mutable_data_ptr()); }
 
 void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t total_bytes);
 
