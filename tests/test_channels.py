@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from pipeline_ext.runtime import streams
 from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -106,6 +107,11 @@ def _scenario_roundtrip(rank: int, ch: DistChannel) -> dict:
             )
             out[f"empty{step}"] = ch.recv(0, 5).wait(10.0, "recv empty")
         ch.end_step()
+    sub = DistChannel(group=dist.new_group([0, 1]))  # any group, peers are its ranks
+    if rank == 0:
+        sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
+    else:
+        out["new_group"] = torch.equal(sub.recv(0, 0).wait(10.0, "recv on new_group")[0], torch.ones(2, 2))
     ch.begin_step(7)
     if rank == 0:
         with pytest.raises(ChannelError) as err:
@@ -160,6 +166,7 @@ def test_dist_roundtrip_discovery_known_and_shape_change():
         assert r1[f"mixed{step}"], f"mixed tensors differ in step {step}"
         assert r1[f"tags{step}"], f"tagged messages mismatched in step {step}"
         assert r1[f"empty{step}"] == []
+    assert r1["new_group"]
     msg = r0["shape_error"]
     assert "stage 0 microbatch 1" in msg and "changed shape or dtype" in msg
     assert "[3]" in msg and "[]" in msg  # both layouts are named
@@ -279,8 +286,6 @@ def test_local_wait_releases_the_gil():
 @pytest.mark.parametrize("src,dst", [("cuda:0", "cpu"), ("cpu", "cuda:0"), ("cuda:0", "cuda:0"),
                                      ("cuda:0", f"cuda:{max(0, torch.cuda.device_count() - 1)}")])
 def test_local_cuda_copies_on_copy_streams(src, dst):
-    from pipeline_ext._ext import _C
-
     hub = LocalHub([src, dst])
     x = torch.randn(256, 256, device=src)
     y = x @ x  # queued on the producer's compute stream
@@ -290,37 +295,32 @@ def test_local_cuda_copies_on_copy_streams(src, dst):
     torch.testing.assert_close(got[0].cpu(), (x @ x).cpu())
     torch.testing.assert_close(got[1].cpu(), x[:, 1].cpu())
     if dst != "cpu" and src != dst:
-        assert _C.Stream.copy(torch.device(dst), "to_device") != _C.Stream.current(torch.device(dst))
+        assert streams.copy_stream(dst, "to_device") != streams.current_stream(dst)
 
 
 @pytest.mark.cuda
 @cuda
 def test_stream_event_on_cuda():
-    from pipeline_ext._ext import _C
-
     dev = torch.device("cuda:0")
-    copy = _C.Stream.copy(dev, "to_device")
-    ev = _C.Event()
-    with copy.use():
-        assert _C.Stream.current(dev) == copy
+    copy = streams.copy_stream(dev, "to_device")
+    ev = streams.Event()
+    with streams.use_stream(copy):
+        assert streams.current_stream(dev) == copy
         z = torch.ones(1024, 1024, device=dev) * 2
         ev.record(copy)
-    _C.Stream.current(dev).wait(ev)
-    _C.record_stream(z, _C.Stream.current(dev))
+    streams.current_stream(dev).wait(ev)
+    streams.record_stream(z, streams.current_stream(dev))
     ev.synchronize()
     assert ev.query() and float(z.sum()) == 2 * 1024 * 1024
 
 
 def test_stream_event_are_noops_on_cpu():
-    from pipeline_ext._ext import _C
-
-    cpu = torch.device("cpu")
-    s = _C.Stream.copy(cpu, "from_device")
-    ev = _C.Event()
+    s = streams.copy_stream("cpu", "from_device")
+    ev = streams.Event()
     ev.record(s)
     s.wait(ev)
     ev.synchronize()
-    with s.use():
+    with streams.use_stream(s):
         pass
-    _C.record_stream(torch.ones(1), s)
-    assert ev.query() and s.query() and not s.is_cuda and s == _C.Stream.current(cpu)
+    streams.record_stream(torch.ones(1), s)
+    assert ev.query() and s.query() and not s.is_cuda and s == streams.current_stream("cpu")
