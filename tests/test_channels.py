@@ -118,6 +118,11 @@ def _scenario_roundtrip(rank: int, ch: DistChannel) -> dict:
             ch.send([torch.zeros(3)] + _mixed()[1:], 1, 4)
         out["shape_error"] = str(err.value)
     ch.end_step()
+    if rank == 0:  # a layout that does not fit its fixed-size message is refused before sending
+        ch.begin_step(8)
+        with pytest.raises(ValueError, match="needs 804 words, more than the 512 a layout message holds"):
+            ch.send([torch.zeros(1)] * 200, 1, 6)
+        ch.end_step()
     dist.barrier()
     return out
 
