@@ -42,11 +42,22 @@ def _want_cuda() -> bool:
     return cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
 
 
+def _openmp() -> bool:
+    return sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+
+
 def _extension():
     cpp = [s for s in _sources("csrc/**/*.cpp") if not s.startswith(os.path.join("csrc", "tests"))]
     cuda_host = [s for s in cpp if s.endswith("_cuda.cpp")]
     # Hidden visibility as pybind11 recommends: only PyInit__C is exported.
     cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    # at::parallel_for is a header template: without -fopenmp it silently runs
+    # serially. The resulting libgomp.so.1 dependency resolves to the one torch
+    # already loaded, so there is a single OpenMP thread pool.
+    link_flags = []
+    if _openmp():
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     if _want_cuda():
         return cpp_extension.CUDAExtension(
             "pipeline_ext._C",
@@ -54,12 +65,14 @@ def _extension():
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=[("WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
+            extra_link_args=link_flags,
         )
     return cpp_extension.CppExtension(
         "pipeline_ext._C",
         sources=[s for s in cpp if s not in cuda_host],
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 

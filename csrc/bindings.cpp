@@ -29,8 +29,10 @@ void bind_kernels(py::module_& m) {
       }, py::arg("tensors"), py::arg("dim") = 0, py::arg("out") = py::none(),
         release(), "Concatenate along dim in one copy pass into out (allocated when None).");
   m.def(
-      "pack", [](const Tensors& tensors) { return pipeline_ext::pack(tensors); }, py::arg("tensors"), release(),
-        "Copy tensors into one 64-byte-aligned uint8 buffer; returns (buffer, PackLayout).");
+      "pack",
+      [](const Tensors& tensors, const std::optional<at::Tensor>& out) { return pipeline_ext::pack(tensors, out); },
+      py::arg("tensors"), py::arg("out") = py::none(), release(),
+      "Copy tensors into one 64-byte-aligned uint8 buffer (out if given); returns (buffer, PackLayout).");
   m.def("unpack", &pipeline_ext::unpack, py::arg("buffer"), py::arg("layout"), release(),
         "Views of buffer described by layout (no copy).");
   m.attr("PACK_ALIGNMENT") = pipeline_ext::kPackAlignment;

@@ -1,6 +1,6 @@
 // The copy-plan kernel: one launch copies every segment of a plan. Each block
-// takes 16 KiB tiles (grid-stride), finds the tile's segment by binary search
-// and copies it with 16-byte vector accesses when src and dst allow it.
+// takes tiles of about 16 KiB (grid-stride), finds the tile's segment by binary
+// search and copies it with 16-byte vector accesses when src and dst allow it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,19 +19,20 @@ __device__ __forceinline__ int64_t find_segment(const CopyTileDesc* d, int64_t n
   return lo;
 }
 
-__device__ __forceinline__ void copy_bytes(const char* src, char* dst, int64_t n) {
+// Bytes [0, n) copied by `lanes` threads, this one being `lane`.
+__device__ __forceinline__ void copy_bytes(const char* src, char* dst, int64_t n, int lane, int lanes) {
   int64_t i = 0;
   if (((reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
     const int64_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
-    for (int64_t k = threadIdx.x; k < head && k < n; k += blockDim.x) dst[k] = src[k];
+    for (int64_t k = lane; k < head && k < n; k += lanes) dst[k] = src[k];
     i = head < n ? head : n;
     const int64_t vecs = (n - i) / 16;
     const uint4* s4 = reinterpret_cast<const uint4*>(src + i);
     uint4* d4 = reinterpret_cast<uint4*>(dst + i);
-    for (int64_t k = threadIdx.x; k < vecs; k += blockDim.x) d4[k] = s4[k];
+    for (int64_t k = lane; k < vecs; k += lanes) d4[k] = s4[k];
     i += vecs * 16;
   }
-  for (int64_t k = i + threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
+  for (int64_t k = i + lane; k < n; k += lanes) dst[k] = src[k];
 }
 
 template <bool kInline>
@@ -39,11 +40,22 @@ __global__ void copy_plan_kernel(const CopyTileDesc* table, InlineCopyTable inli
                                  int64_t n_segments, int64_t total_tiles) {
   const CopyTileDesc* descs = kInline ? inline_table.descs : table;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int64_t s = find_segment(descs, n_segments, tile);
-    const CopyTileDesc d = descs[s];
-    const int64_t off = (tile - d.tile_begin) * kCopyTileBytes;
-    const int64_t len = d.nbytes - off < kCopyTileBytes ? d.nbytes - off : kCopyTileBytes;
-    copy_bytes(static_cast<const char*>(d.src) + off, static_cast<char*>(d.dst) + off, len);
+    const CopyTileDesc d = descs[find_segment(descs, n_segments, tile)];
+    const int64_t local = tile - d.tile_begin;
+    const int64_t first_row = local / d.tiles_per_row * d.rows_per_tile;
+    const char* src = static_cast<const char*>(d.src) + first_row * d.src_stride;
+    char* dst = static_cast<char*>(d.dst) + first_row * d.dst_stride;
+    if (d.rows_per_tile == 1) {  // part of one long row, whole block
+      const int64_t off = local % d.tiles_per_row * kCopyTileBytes;
+      const int64_t len = d.nbytes - off < kCopyTileBytes ? d.nbytes - off : kCopyTileBytes;
+      copy_bytes(src + off, dst + off, len, threadIdx.x, blockDim.x);
+    } else {  // several short rows, one warp each
+      const int64_t rows = d.rows - first_row < d.rows_per_tile ? d.rows - first_row : d.rows_per_tile;
+      const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+      for (int64_t r = threadIdx.x / 32; r < rows; r += warps) {
+        copy_bytes(src + r * d.src_stride, dst + r * d.dst_stride, d.nbytes, lane, 32);
+      }
+    }
   }
 }
 

@@ -12,17 +12,27 @@
 
 namespace pipeline_ext {
 
+// `rows` rows of `nbytes` contiguous bytes; row r is copied from
+// src + r * src_stride to dst + r * dst_stride. One segment describes e.g. one
+// input of a concat across all outer indices, so plans stay O(#tensors).
 struct CopySegment {
   const void* src;
   void* dst;
   int64_t nbytes;
+  int64_t rows = 1;
+  int64_t src_stride = 0;
+  int64_t dst_stride = 0;
+
+  int64_t total() const { return nbytes * rows; }
 };
 
 class CopyPlan {
  public:
-  // Appends a segment; zero-byte segments are dropped and a segment that
-  // continues the previous one in both src and dst is merged into it.
-  void add(const void* src, void* dst, int64_t nbytes);
+  // Appends a segment; empty ones are dropped, rows that are back to back in
+  // both src and dst collapse into one row, and a single row that continues
+  // the previous single row in both src and dst is merged into it.
+  void add(const void* src, void* dst, int64_t nbytes, int64_t rows = 1, int64_t src_stride = 0,
+           int64_t dst_stride = 0);
   // Executes every segment on `device` (CPU: parallel memcpy; CUDA: one kernel
   // on the current stream). All pointers must live on that device.
   void run(const at::Device& device) const;
@@ -38,7 +48,7 @@ class CopyPlan {
 
 // Below this many bytes per segment a memcpy-per-segment plan loses to a
 // strided TensorIterator copy, so callers fall back to Tensor::copy_.
-constexpr int64_t kMinSegmentBytes = 64;
+constexpr int64_t kMinSegmentBytes = 128;
 
 // True when a tensor's values are exactly its bytes, laid out contiguously, so a
 // memcpy moves it; conjugate/negative views need copy_ to resolve their bit.
@@ -47,6 +57,10 @@ inline bool is_plain(const at::Tensor& t) { return t.is_contiguous() && !t.is_co
 // const_data_ptr for sources so that copy-on-write inputs are not materialized.
 inline const char* src_bytes(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 inline char* dst_bytes(const at::Tensor& t) { return static_cast<char*>(t.mutable_data_ptr()); }
+
+// A contiguous tensor with `dtype` and `shape` on `storage` starting at element
+// `offset`, built without a dispatcher round trip (views for split and unpack).
+at::Tensor tensor_on_storage(const at::Storage& storage, at::ScalarType dtype, int64_t offset, at::IntArrayRef shape);
 
 void run_copy_plan_cpu(const std::vector<CopySegment>& segments, int64_t total_bytes);
 

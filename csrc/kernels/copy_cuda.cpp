@@ -25,8 +25,12 @@ void run_copy_plan_cuda(const std::vector<CopySegment>& segments, const at::Devi
   }
   int64_t tiles = 0;
   for (int64_t i = 0; i < n; ++i) {
-    descs[i] = {segments[i].src, segments[i].dst, segments[i].nbytes, tiles};
-    tiles += (segments[i].nbytes + kCopyTileBytes - 1) / kCopyTileBytes;
+    const CopySegment& g = segments[i];
+    const bool long_rows = g.nbytes >= kCopyTileBytes;
+    const int64_t tiles_per_row = long_rows ? (g.nbytes + kCopyTileBytes - 1) / kCopyTileBytes : 1;
+    const int64_t rows_per_tile = long_rows ? 1 : kCopyTileBytes / g.nbytes;
+    descs[i] = {g.src, g.dst, g.nbytes, g.rows, g.src_stride, g.dst_stride, tiles, tiles_per_row, rows_per_tile};
+    tiles += (g.rows + rows_per_tile - 1) / rows_per_tile * tiles_per_row;
   }
   at::Tensor table;
   if (n > kInlineSegments) table = host.to(device, /*non_blocking=*/true);

@@ -6,13 +6,20 @@
 
 namespace pipeline_ext {
 
-// One segment as the kernel sees it: tiles [tile_begin, next tile_begin) of the
-// launch belong to it, so a block finds its segment by binary search.
+// One segment (rows x nbytes, strided rows) as the kernel sees it. Its tiles
+// are [tile_begin, next tile_begin) of the launch, so a block finds its segment
+// by binary search. Long rows are cut into tiles_per_row tiles; short rows are
+// grouped rows_per_tile to a tile (one warp per row).
 struct CopyTileDesc {
   const void* src;
   void* dst;
   int64_t nbytes;
+  int64_t rows;
+  int64_t src_stride;
+  int64_t dst_stride;
   int64_t tile_begin;
+  int64_t tiles_per_row;
+  int64_t rows_per_tile;
 };
 // Plans this small travel as a kernel argument instead of a device-side table,
 // saving a host-to-device upload for the common few-tensor case.

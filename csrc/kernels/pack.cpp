@@ -1,7 +1,6 @@
 #include "kernels/pack.h"
 
 #include <c10/util/safe_numerics.h>
-#include <c10/util/strides.h>
 
 #include <sstream>
 
@@ -24,9 +23,15 @@ bool valid_dtype(int64_t code) {
 // A view of `buffer`'s storage with the entry's dtype and shape (contiguous).
 at::Tensor entry_view(const at::Tensor& buffer, const PackEntry& e) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(e.dtype));
-  const int64_t byte_offset = buffer.storage_offset() + e.offset;
-  return at::empty({0}, buffer.options().dtype(e.dtype))
-      .set_(buffer.storage(), byte_offset / es, e.shape, c10::contiguous_strides(e.shape));
+  return tensor_on_storage(buffer.storage(), e.dtype, (buffer.storage_offset() + e.offset) / es, e.shape);
+}
+
+void check_buffer(const char* op, const at::Tensor& buffer, int64_t nbytes) {
+  TORCH_CHECK_VALUE(buffer.dim() == 1 && buffer.scalar_type() == at::kByte && buffer.is_contiguous(), op,
+                    ": buffer must be a contiguous 1-D uint8 tensor, got dtype ", buffer.scalar_type(),
+                    " with shape ", buffer.sizes(), " and strides ", buffer.strides());
+  TORCH_CHECK_VALUE(buffer.numel() >= nbytes, op, ": buffer has ", buffer.numel(), " bytes but the layout needs ",
+                    nbytes);
 }
 
 }  // namespace
@@ -125,7 +130,7 @@ std::string PackLayout::repr() const {
   return os.str();
 }
 
-std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors) {
+std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::optional<at::Tensor>& out) {
   PackLayout layout;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -139,7 +144,17 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors) {
     if (t.numel() > 0) layout.nbytes = offset + t.nbytes();
   }
   const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
-  at::Tensor buffer = at::empty({layout.nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  at::Tensor buffer;
+  if (out.has_value()) {
+    buffer = *out;
+    check_buffer("pack", buffer, layout.nbytes);
+    TORCH_CHECK_VALUE(buffer.storage_offset() % kPackAlignment == 0, "pack: out starts at storage byte ",
+                      buffer.storage_offset(), ", not a multiple of ", kPackAlignment);
+    TORCH_CHECK_VALUE(buffer.device() == device, "pack: out is on device ", buffer.device(),
+                      " but the tensors are on device ", device);
+  } else {
+    buffer = at::empty({layout.nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
   c10::NoGradGuard no_grad;
   CopyPlan plan;
   char* base = dst_bytes(buffer);
@@ -157,11 +172,7 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors) {
 }
 
 std::vector<at::Tensor> unpack(const at::Tensor& buffer, const PackLayout& layout) {
-  TORCH_CHECK_VALUE(buffer.dim() == 1 && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
-                    "unpack: buffer must be a contiguous 1-D uint8 tensor, got dtype ", buffer.scalar_type(),
-                    " with shape ", buffer.sizes(), " and strides ", buffer.strides());
-  TORCH_CHECK_VALUE(buffer.numel() >= layout.nbytes, "unpack: buffer has ", buffer.numel(),
-                    " bytes but the layout needs ", layout.nbytes);
+  check_buffer("unpack", buffer, layout.nbytes);
   layout.validate();
   std::vector<at::Tensor> out;
   out.reserve(layout.entries.size());

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,8 +45,10 @@ struct PackLayout {
 };
 
 // Copies every tensor (any dtype/shape, contiguous or not; all on one device)
-// into a fresh 1-D uint8 buffer on that device, in one copy pass.
-std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors);
+// into a 1-D uint8 buffer on that device, in one copy pass. The buffer is `out`
+// when given (a contiguous 1-D uint8 tensor with at least layout.nbytes bytes,
+// e.g. a reused send buffer), else freshly allocated with exactly that size.
+std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::optional<at::Tensor>& out = std::nullopt);
 
 // Views of `buffer` (which must be a contiguous 1-D uint8 tensor of at least
 // layout.nbytes bytes) with the dtypes and shapes of `layout`; they share the

@@ -42,49 +42,40 @@ std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, in
                     " of the tensor with shape ", input.sizes(), " has size ", input.size(d));
   c10::NoGradGuard no_grad;
 
-  std::vector<at::Tensor> views;
-  views.reserve(sizes.size());
-  bool all_contiguous = true;
-  int64_t start = 0;
-  for (int64_t s : sizes) {
-    views.push_back(input.narrow(d, start, s));
-    all_contiguous = all_contiguous && views.back().is_contiguous();
-    start += s;
+  // Narrowed views are contiguous exactly when nothing varies outside the piece:
+  // a contiguous input whose dimensions before `dim` are all 1 (or one piece).
+  const Dims3 dims = around(input.sizes(), d);
+  int64_t nonempty = 0;
+  for (int64_t s : sizes) nonempty += s > 0;
+  if (input.is_contiguous() && (dims.outer == 1 || nonempty <= 1 || input.numel() == 0)) {
+    return at::split_with_sizes(input, sizes, d);  // one dispatch for all views
   }
-  if (all_contiguous) return views;
 
   // One allocation for all pieces, piece after piece, each piece contiguous.
-  const Dims3 dims = around(input.sizes(), d);
   const int64_t es = input.element_size();
-  at::Tensor buffer = at::empty({input.numel()}, input.options());
+  const at::Tensor buffer = at::empty({input.numel()}, input.options());
   std::vector<at::Tensor> pieces;
   pieces.reserve(sizes.size());
   std::vector<int64_t> shape = input.sizes().vec();
   int64_t offset = 0;
   for (int64_t s : sizes) {
     shape[d] = s;
-    const int64_t n = dims.outer * s * dims.inner;
-    pieces.push_back(buffer.narrow(0, offset, n).view(shape));
-    offset += n;
+    pieces.push_back(tensor_on_storage(buffer.storage(), input.scalar_type(), offset, shape));
+    offset += dims.outer * s * dims.inner;
   }
-  // A segment per (outer row, piece); when rows are tiny the strided copy wins.
-  const bool plan_ok = is_plain(input) &&
-                       (dims.outer == 1 || dims.inner * es * input.size(d) / static_cast<int64_t>(sizes.size()) >=
-                                               kMinSegmentBytes);
-  if (!plan_ok) {
-    for (size_t i = 0; i < sizes.size(); ++i) pieces[i].copy_(views[i]);
-    return pieces;
-  }
-  CopyPlan plan;
-  const char* src = src_bytes(input);
+  // One strided segment per piece; when rows are tiny the strided copy_ wins.
   const int64_t row_bytes = input.size(d) * dims.inner * es;
-  for (int64_t o = 0; o < dims.outer; ++o) {
-    int64_t col = 0;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      const int64_t seg = sizes[i] * dims.inner * es;
-      plan.add(src + o * row_bytes + col, dst_bytes(pieces[i]) + o * seg, seg);
-      col += seg;
+  const bool plan_ok = is_plain(input) && row_bytes / std::max<int64_t>(nonempty, 1) >= kMinSegmentBytes;
+  int64_t start = 0;
+  CopyPlan plan;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t seg = sizes[i] * dims.inner * es;
+    if (!plan_ok) {
+      if (sizes[i] > 0) pieces[i].copy_(input.narrow(d, start, sizes[i]));
+    } else {
+      plan.add(src_bytes(input) + start * dims.inner * es, dst_bytes(pieces[i]), seg, dims.outer, row_bytes, seg);
     }
+    start += sizes[i];
   }
   plan.run(input.device());
   return pieces;
@@ -131,25 +122,21 @@ at::Tensor concat(at::TensorList tensors, int64_t dim, const std::optional<at::T
   const Dims3 dims = around(shape, d);
   const int64_t es = ref.element_size();
   const bool out_contig = is_plain(result);
-  // Inputs that can be copied as one segment per outer row join the plan; the
-  // rest (non-contiguous, or rows too small to be worth a memcpy) use copy_.
-  std::vector<bool> in_plan(tensors.size());
-  int64_t start = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    const int64_t seg = t.size(d) * dims.inner * es;
-    in_plan[i] = out_contig && is_plain(t) && (dims.outer == 1 || seg >= kMinSegmentBytes);
-    if (!in_plan[i] && t.numel() > 0) result.narrow(d, start, t.size(d)).copy_(t);
-    start += t.size(d);
-  }
+  const int64_t row_bytes = shape[d] * dims.inner * es;
+  // Each input is one strided segment (a row per outer index) of the plan,
+  // unless it is non-contiguous or its rows are too small to be worth a
+  // memcpy: those use copy_.
   CopyPlan plan;
-  char* dst = dst_bytes(result);
-  for (int64_t o = 0; o < dims.outer; ++o) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const int64_t seg = tensors[i].size(d) * dims.inner * es;
-      if (in_plan[i] && seg > 0) plan.add(src_bytes(tensors[i]) + o * seg, dst, seg);
-      dst += seg;
+  int64_t start = 0;
+  for (const at::Tensor& t : tensors) {
+    const int64_t seg = t.size(d) * dims.inner * es;
+    if (seg == 0) continue;
+    if (out_contig && is_plain(t) && (dims.outer == 1 || seg >= kMinSegmentBytes)) {
+      plan.add(src_bytes(t), dst_bytes(result) + start * dims.inner * es, seg, dims.outer, seg, row_bytes);
+    } else {
+      result.narrow(d, start, t.size(d)).copy_(t);
     }
+    start += t.size(d);
   }
   plan.run(ref.device());
   return result;
