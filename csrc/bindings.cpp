@@ -4,6 +4,9 @@
 
 #include "kernels/pack.h"
 #include "kernels/split_concat.h"
+#include "runtime/channel.h"
+#include "runtime/local_channel.h"
+#include "runtime/stream.h"
 
 namespace py = pybind11;
 
@@ -67,6 +70,113 @@ void bind_kernels(py::module_& m) {
                       [](const py::tuple& t) { return PackLayout::decode(t.cast<std::vector<int64_t>>()); }));
 }
 
+// ---- runtime/stream.h ---------------------------------------------------------
+// Makes a stream current for a `with` block (a no-op for CPU streams).
+class StreamContext {
+ public:
+  explicit StreamContext(pipeline_ext::Stream stream) : stream_(stream) {}
+  void enter() { guard_ = std::make_unique<pipeline_ext::StreamGuard>(stream_); }
+  void exit() { guard_.reset(); }
+
+ private:
+  pipeline_ext::Stream stream_;
+  std::unique_ptr<pipeline_ext::StreamGuard> guard_;
+};
+
+pipeline_ext::CopyDirection direction_of(const std::string& name) {
+  if (name == "to_device") return pipeline_ext::CopyDirection::ToDevice;
+  if (name == "from_device") return pipeline_ext::CopyDirection::FromDevice;
+  throw py::value_error("copy direction must be 'to_device' or 'from_device', got '" + name + "'");
+}
+
+void bind_streams(py::module_& m) {
+  using pipeline_ext::Event;
+  using pipeline_ext::Stream;
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Stream>(m, "Stream", "A device stream; every call is a no-op on CPU.")
+      .def_static("current", &Stream::current, py::arg("device"), "The device's current (compute) stream.")
+      .def_static(
+          "copy", [](const at::Device& d, const std::string& dir) { return Stream::copy(d, direction_of(dir)); },
+          py::arg("device"), py::arg("direction") = "to_device",
+          "The device's dedicated copy stream for 'to_device' or 'from_device'.")
+      .def_property_readonly("device", &Stream::device)
+      .def_property_readonly("is_cuda", &Stream::is_cuda)
+      .def("wait", &Stream::wait, py::arg("event"), "This stream waits (on the device) for event.")
+      .def("synchronize", &Stream::synchronize, release())
+      .def("query", &Stream::query)
+      .def("use", [](const Stream& s) { return StreamContext(s); }, "Context manager making this stream current.")
+      .def("__eq__", [](const Stream& a, const Stream& b) { return a == b; }, py::is_operator())
+      .def("__repr__", [](const Stream& s) { return "Stream(" + s.device().str() + ", id=" +
+                                                    std::to_string(s.native().id()) + ")"; });
+  py::class_<StreamContext>(m, "StreamContext")
+      .def("__enter__", [](StreamContext& c) { c.enter(); })
+      .def("__exit__", [](StreamContext& c, py::args) { c.exit(); });
+  py::class_<Event>(m, "Event", "A point on a stream; always complete on CPU.")
+      .def(py::init<>())
+      .def("record", &Event::record, py::arg("stream"))
+      .def("block", &Event::block, py::arg("stream"), "Make stream wait for this event.")
+      .def("synchronize", &Event::synchronize, release())
+      .def("query", &Event::query)
+      .def_property_readonly("is_recorded", &Event::is_recorded);
+  m.def("record_stream", &pipeline_ext::record_stream, py::arg("tensor"), py::arg("stream"),
+        "Tell the caching allocator tensor is used on stream (no-op on CPU).");
+}
+
+// ---- runtime/channel.h, runtime/local_channel.h --------------------------------
+void bind_channels(py::module_& m) {
+  using namespace pipeline_ext;
+  using release = py::call_guard<py::gil_scoped_release>;
+  // Leaked on purpose: Python exception types must outlive the interpreter's
+  // teardown of this module. ChannelTimeout is also a TimeoutError.
+  static auto* channel_error = new py::exception<ChannelError>(m, "ChannelError", PyExc_RuntimeError);
+  static auto* channel_timeout = new py::exception<ChannelTimeout>(
+      m, "ChannelTimeout", py::make_tuple(*channel_error, py::handle(PyExc_TimeoutError)));
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ChannelTimeout& e) {
+      py::set_error(*channel_timeout, e.what());
+    } catch (const ChannelError& e) {
+      py::set_error(*channel_error, e.what());
+    }
+  });
+
+  py::class_<Request, std::shared_ptr<Request>>(m, "Request", "A send or receive in flight.")
+      .def("is_completed", &Request::is_completed, release())
+      .def("wait", &Request::wait, py::arg("timeout_ms"), py::arg("what"), release(),
+           "Block (GIL released) at most timeout_ms (< 0: no limit); returns received tensors.");
+
+  py::class_<ProcessGroupChannel, std::shared_ptr<ProcessGroupChannel>>(
+      m, "ProcessGroupChannel", "Packed point-to-point messages over a torch.distributed ProcessGroup.")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("group"), py::arg("device"))
+      .def_property_readonly("rank", &ProcessGroupChannel::rank)
+      .def_property_readonly("size", &ProcessGroupChannel::size)
+      .def_property_readonly("device", &ProcessGroupChannel::device)
+      .def_readonly_static("LAYOUT_WORDS", &ProcessGroupChannel::kLayoutWords)
+      .def_readonly_static("LAYOUT_TAG_BIT", &ProcessGroupChannel::kLayoutTagBit)
+      .def("send", &ProcessGroupChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
+           py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, release(),
+           "Pack and send; returns (Request, PackLayout).")
+      .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
+      .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
+
+  py::class_<LocalHub, std::shared_ptr<LocalHub>>(m, "LocalHub", "Mailboxes between in-process ranks.")
+      .def(py::init<std::vector<at::Device>, int64_t, int64_t>(), py::arg("devices"), py::arg("capacity") = 4096,
+           py::arg("send_timeout_ms") = 300000)
+      .def_property_readonly("size", &LocalHub::size)
+      .def_property_readonly("capacity", &LocalHub::capacity)
+      .def("device", &LocalHub::device, py::arg("rank"))
+      .def("pending", &LocalHub::pending)
+      .def("close", &LocalHub::close, py::arg("reason"), release())
+      .def_property_readonly("closed", &LocalHub::closed);
+
+  py::class_<LocalChannel, std::shared_ptr<LocalChannel>>(m, "LocalChannel", "One rank's view of a LocalHub.")
+      .def(py::init<std::shared_ptr<LocalHub>, int>(), py::arg("hub"), py::arg("rank"))
+      .def_property_readonly("rank", &LocalChannel::rank)
+      .def("send", &LocalChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"), release())
+      .def("recv", &LocalChannel::recv, py::arg("peer"), py::arg("tag"), release());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -77,4 +187,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   bind_kernels(m);
+  bind_streams(m);
+  bind_channels(m);
 }

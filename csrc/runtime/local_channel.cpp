@@ -1,0 +1,178 @@
+#include "runtime/local_channel.h"
+
+#include <functional>
+
+namespace pipeline_ext {
+namespace {
+
+class LocalRecvRequest : public Request {
+ public:
+  LocalRecvRequest(std::shared_ptr<LocalHub> hub, int src, int dst, int64_t tag)
+      : hub_(std::move(hub)), src_(src), dst_(dst), tag_(tag) {}
+
+  bool is_completed() override { return hub_->ready(src_, dst_, tag_); }
+
+ protected:
+  std::vector<at::Tensor> do_wait(Millis timeout, const std::string& what) override {
+    LocalMessage msg = hub_->take(src_, dst_, tag_, timeout, what);
+    const at::Device& device = hub_->device(dst_);
+    if (!device.is_cuda()) {
+      msg.ready.synchronize();  // a device->host copy must land before the host reads it
+      return std::move(msg.tensors);
+    }
+    // The consumer's compute stream waits for the copy, and the allocator
+    // learns the tensors are used there (they were allocated on the copy stream).
+    Stream compute = Stream::current(device);
+    compute.wait(msg.ready);
+    for (const auto& t : msg.tensors) record_stream(t, compute);
+    return std::move(msg.tensors);
+  }
+
+ private:
+  std::shared_ptr<LocalHub> hub_;
+  int src_, dst_;
+  int64_t tag_;
+};
+
+bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Millis timeout,
+                const std::function<bool()>& done) {
+  if (timeout < Millis(0)) {
+    cv.wait(lock, done);
+    return true;
+  }
+  return cv.wait_for(lock, timeout, done);
+}
+
+}  // namespace
+
+LocalHub::LocalHub(std::vector<at::Device> devices, int64_t capacity, int64_t send_timeout_ms)
+    : devices_(std::move(devices)), capacity_(capacity), send_timeout_(send_timeout_ms) {
+  TORCH_CHECK_VALUE(!devices_.empty(), "LocalHub: needs at least one rank (one device per rank)");
+  TORCH_CHECK_VALUE(capacity_ > 0, "LocalHub: capacity must be positive, got ", capacity_);
+  queued_.assign(devices_.size() * devices_.size(), 0);
+}
+
+const at::Device& LocalHub::device(int rank) const {
+  check_rank(rank, "rank");
+  return devices_[rank];
+}
+
+void LocalHub::check_rank(int rank, const char* role) const {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < size(), "LocalHub: ", role, " ", rank, " is not in [0, ", size(), ")");
+}
+
+void LocalHub::check_open(const std::string& what) const {
+  if (closed_) throw_failure(what, "the channel hub was closed: " + reason_);
+}
+
+void LocalHub::put(int src, int dst, int64_t tag, LocalMessage message) {
+  check_rank(src, "source rank");
+  check_rank(dst, "destination rank");
+  const std::string what = "rank " + std::to_string(src) + " sending to rank " + std::to_string(dst) + " with tag " +
+                           std::to_string(tag);
+  std::unique_lock<std::mutex> lock(mu_);
+  int64_t& queued = queued_[src * size() + dst];
+  if (!wait_until(cv_, lock, send_timeout_, [&] { return closed_ || queued < capacity_; })) {
+    throw ChannelTimeout(what + ": timed out after " + std::to_string(send_timeout_.count()) + " ms: the " +
+                         std::to_string(capacity_) + " messages the hub holds per peer are all unreceived");
+  }
+  check_open(what);
+  boxes_[{src, dst, tag}].push_back(std::move(message));
+  ++queued;
+  cv_.notify_all();
+}
+
+LocalMessage LocalHub::take(int src, int dst, int64_t tag, Millis timeout, const std::string& what) {
+  check_rank(src, "source rank");
+  check_rank(dst, "destination rank");
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto key = std::make_tuple(src, dst, tag);
+  auto has_message = [&] {
+    auto it = boxes_.find(key);
+    return closed_ || (it != boxes_.end() && !it->second.empty());
+  };
+  if (!wait_until(cv_, lock, timeout, has_message)) throw_timeout(what, timeout);
+  check_open(what);
+  auto it = boxes_.find(key);
+  LocalMessage msg = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) boxes_.erase(it);
+  --queued_[src * size() + dst];
+  cv_.notify_all();  // a sender may be waiting for room
+  return msg;
+}
+
+bool LocalHub::ready(int src, int dst, int64_t tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = boxes_.find({src, dst, tag});
+  return it != boxes_.end() && !it->second.empty() && it->second.front().ready.query();
+}
+
+int64_t LocalHub::pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (int64_t q : queued_) n += q;
+  return n;
+}
+
+void LocalHub::close(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!closed_) {
+    closed_ = true;
+    reason_ = reason;
+  }
+  cv_.notify_all();
+}
+
+bool LocalHub::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+LocalChannel::LocalChannel(std::shared_ptr<LocalHub> hub, int rank) : hub_(std::move(hub)), rank_(rank) {
+  TORCH_CHECK_VALUE(hub_, "LocalChannel: hub is None");
+  hub_->device(rank_);  // validates the rank
+}
+
+LocalMessage LocalChannel::transfer(const std::vector<at::Tensor>& tensors, const at::Device& dst) const {
+  const at::Device& src = hub_->device(rank_);
+  LocalMessage msg;
+  // The producer's compute stream may still be writing the tensors: everything
+  // downstream is ordered after this event (no-op on CPU).
+  Event produced;
+  produced.record(Stream::current(src));
+  if (src == dst) {
+    for (const auto& t : tensors) msg.tensors.push_back(t.detach());
+    msg.ready = produced;
+    return msg;
+  }
+  const Stream out = Stream::copy(src, CopyDirection::FromDevice);
+  const Stream in = Stream::copy(dst, CopyDirection::ToDevice);
+  out.wait(produced);
+  {
+    // ATen copies across devices on the source's current stream, fenced with
+    // the destination's current stream, and allocates on the latter: make both
+    // the copy streams so compute streams never stall behind the copy.
+    StreamGuard out_guard(out), in_guard(in);
+    for (const auto& t : tensors) {
+      msg.tensors.push_back(t.detach().to(dst, /*non_blocking=*/true));
+      record_stream(t, out);  // the source must live until the copy stream is done with it
+    }
+  }
+  msg.ready.record(in.is_cuda() ? in : out);
+  return msg;
+}
+
+std::shared_ptr<Request> LocalChannel::send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag) {
+  TORCH_CHECK_VALUE(peer != rank_, "LocalChannel: rank ", rank_, " cannot send to itself");
+  hub_->put(rank_, peer, tag, transfer(tensors, hub_->device(peer)));
+  return std::make_shared<CompletedRequest>();
+}
+
+std::shared_ptr<Request> LocalChannel::recv(int peer, int64_t tag) {
+  TORCH_CHECK_VALUE(peer != rank_, "LocalChannel: rank ", rank_, " cannot receive from itself");
+  hub_->device(peer);  // validates the peer
+  return std::make_shared<LocalRecvRequest>(hub_, peer, rank_, tag);
+}
+
+}  // namespace pipeline_ext

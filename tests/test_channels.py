@@ -1,0 +1,331 @@
+"""Channels: DistChannel over Gloo (2 spawned ranks) and LocalChannel across threads."""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pipeline_ext.runtime import streams
+from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# -- multi-process harness -------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scenario: str, results) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        out = SCENARIOS[scenario](rank, DistChannel(device="cpu", num_stages=2))
+    except BaseException:  # reported to the parent, which fails the test
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    results.put((rank, "ok", out))
+    # Leave at once: some scenarios break the group on purpose (a Gloo pair whose
+    # receive timed out is closed), and tearing it down then can stall.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _run(scenario: str, timeout: float = 40.0, expect_reports: int = 2) -> dict:
+    """Spawn 2 ranks running SCENARIOS[scenario]; returns {rank: result}; never leaves processes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, scenario, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    reports: dict = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(reports) < expect_reports:
+            rank, status, out = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{out}")
+            reports[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return reports
+
+
+def _mixed() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=g)
+    return [
+        torch.tensor(3.5),  # 0-d
+        torch.empty(0, 3),  # empty
+        torch.tensor([True, False, True]),
+        torch.randn(2, 5, generator=g).to(torch.bfloat16),
+        base.t(),  # non-contiguous
+        base[:, ::2],  # strided
+        torch.arange(7, dtype=torch.int64),
+    ]
+
+
+def _scenario_roundtrip(rank: int, ch: DistChannel) -> dict:
+    """Discovery step, known step, many tags, then a changed shape under a known signature."""
+    import torch.distributed as dist
+
+    out: dict = {}
+    for step in range(2):
+        discovery = ch.begin_step(7)
+        out[f"discovery{step}"] = discovery
+        if rank == 0:
+            handles = [ch.send(_mixed(), 1, 4)]
+            handles += [ch.send([torch.full((t + 1,), float(t))], 1, 100 + t) for t in reversed(range(12))]
+            for h in handles:
+                h.wait(10.0, "send")
+            ch.send([], 1, 5).wait(10.0, "send empty")
+        else:
+            posted = {t: ch.recv(0, 100 + t) for t in range(12)}
+            got = ch.recv(0, 4).wait(10.0, "recv mixed")
+            out[f"mixed{step}"] = all(
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, _mixed())
+            ) and len(got) == len(_mixed())
+            out[f"tags{step}"] = all(
+                torch.equal(posted[t].wait(10.0, f"recv {t}")[0], torch.full((t + 1,), float(t)))
+                for t in reversed(range(12))
+            )
+            out[f"empty{step}"] = ch.recv(0, 5).wait(10.0, "recv empty")
+        ch.end_step()
+    sub = DistChannel(group=dist.new_group([0, 1]))  # any group, peers are its ranks
+    if rank == 0:
+        sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
+    else:
+        out["new_group"] = torch.equal(sub.recv(0, 0).wait(10.0, "recv on new_group")[0], torch.ones(2, 2))
+    ch.begin_step(7)
+    if rank == 0:
+        with pytest.raises(ChannelError) as err:
+            ch.send([torch.zeros(3)] + _mixed()[1:], 1, 4)
+        out["shape_error"] = str(err.value)
+    ch.end_step()
+    if rank == 0:  # a layout that does not fit its fixed-size message is refused before sending
+        ch.begin_step(8)
+        with pytest.raises(ValueError, match="needs 804 words, more than the 512 a layout message holds"):
+            ch.send([torch.zeros(1)] * 200, 1, 6)
+        ch.end_step()
+    dist.barrier()
+    return out
+
+
+def _scenario_timeout(rank: int, ch: DistChannel) -> dict:
+    import torch.distributed as dist
+
+    out: dict = {}
+    if rank == 1:
+        start = time.monotonic()
+        try:
+            ch.recv(0, 3).wait(1.0, "rank 1 waiting on RECV_F of stage 1 microbatch 1 with peer rank 0")
+        except TimeoutError as exc:
+            out["error"] = (type(exc).__name__, str(exc))
+        out["elapsed"] = time.monotonic() - start
+    else:
+        # Stay alive (and silent) until rank 1 has timed out: a closed peer is another error.
+        # No barrier after: Gloo closes the pair to a peer whose receive timed out.
+        time.sleep(2.5)
+    return out
+
+
+def _scenario_dead_peer(rank: int, ch: DistChannel) -> dict:
+    import torch.distributed as dist
+
+    dist.barrier()  # every connection is up
+    if rank == 0:
+        os._exit(0)  # dies without a word, like a crashed worker
+    start = time.monotonic()
+    try:
+        ch.recv(0, 3).wait(30.0, "rank 1 waiting on the dead rank 0")
+    except ChannelError as exc:
+        return {"error": (type(exc).__name__, str(exc)), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+SCENARIOS = {"roundtrip": _scenario_roundtrip, "timeout": _scenario_timeout, "dead_peer": _scenario_dead_peer}
+
+
+@pytest.mark.timeout(60)
+def test_dist_roundtrip_discovery_known_and_shape_change():
+    res = _run("roundtrip")
+    r0, r1 = res[0], res[1]
+    assert r0["discovery0"] and not r0["discovery1"] and r1["discovery0"] and not r1["discovery1"]
+    for step in range(2):
+        assert r1[f"mixed{step}"], f"mixed tensors differ in step {step}"
+        assert r1[f"tags{step}"], f"tagged messages mismatched in step {step}"
+        assert r1[f"empty{step}"] == []
+    assert r1["new_group"]
+    msg = r0["shape_error"]
+    assert "stage 0 microbatch 1" in msg and "changed shape or dtype" in msg
+    assert "[3]" in msg and "[]" in msg  # both layouts are named
+
+
+@pytest.mark.timeout(60)
+def test_dist_recv_times_out_naming_what():
+    out = _run("timeout")[1]
+    name, msg = out["error"]
+    assert name == "ChannelTimeout"
+    assert "RECV_F of stage 1 microbatch 1 with peer rank 0" in msg and "timed out after 1000 ms" in msg
+    assert out["elapsed"] < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_dist_dead_peer_raises_instead_of_hanging():
+    out = _run("dead_peer", expect_reports=1)[1]
+    assert out["error"] is not None
+    name, msg = out["error"]
+    assert name == "ChannelError" and "dead rank 0" in msg
+    assert out["elapsed"] < 20.0
+
+
+# -- in-process channel ----------------------------------------------------------------------
+def _spawn_thread(fn, *args) -> tuple[threading.Thread, queue.Queue]:
+    box: queue.Queue = queue.Queue()
+
+    def run():
+        try:
+            box.put(("ok", fn(*args)))
+        except BaseException as exc:  # handed to the test thread
+            box.put(("error", exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+@pytest.mark.timeout(30)
+def test_local_threads_exchange_tensors():
+    hub = LocalHub(["cpu", "cpu"], capacity=4)
+    a, b = hub.channel(0), hub.channel(1)
+
+    def ping_pong(ch, peer, n):
+        got = []
+        for i in range(n):
+            if ch.rank == 0:
+                ch.send([torch.full((2,), float(i)), torch.tensor(i)], peer, i).wait(5.0, "send")
+                got.append(ch.recv(peer, 1000 + i).wait(5.0, f"rank 0 recv {i}")[0])
+            else:
+                x, k = ch.recv(peer, i).wait(5.0, f"rank 1 recv {i}")
+                ch.send([x * 2 + k], peer, 1000 + i)
+        return got
+
+    t, box = _spawn_thread(ping_pong, b, 0, 50)
+    got = ping_pong(a, 1, 50)
+    t.join(10)
+    assert box.get_nowait()[0] == "ok"
+    assert all(torch.equal(g, torch.full((2,), 3.0 * i)) for i, g in enumerate(got))
+    assert hub.pending() == 0
+
+
+@pytest.mark.timeout(30)
+def test_local_recv_timeout_and_bound():
+    hub = LocalHub(["cpu", "cpu"], capacity=2, send_timeout=0.2)
+    a, b = hub.channel(0), hub.channel(1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 waiting on RECV_B.*timed out after 300 ms"):
+        b.recv(0, 1).wait(0.3, "rank 1 waiting on RECV_B")
+    assert time.monotonic() - start < 1.5
+    a.send([torch.ones(1)], 1, 1)
+    a.send([torch.ones(1)], 1, 2)
+    with pytest.raises(TimeoutError, match="per peer"):  # the third message does not fit
+        a.send([torch.ones(1)], 1, 3)
+    h = b.recv(0, 2)
+    assert h.is_completed()
+    h.wait(1.0, "x")
+    with pytest.raises(ChannelError, match="already waited"):
+        h.wait(1.0, "x")
+
+
+@pytest.mark.timeout(30)
+def test_local_close_wakes_waiters_with_reason():
+    hub = LocalHub(["cpu"] * 3)
+    waiters = [_spawn_thread(hub.channel(r).recv(0, 9).wait, 20.0, f"rank {r} waiting") for r in (1, 2)]
+    time.sleep(0.2)
+    start = time.monotonic()
+    hub.close("worker 0 raised ZeroDivisionError")
+    for t, box in waiters:
+        t.join(5)
+        status, exc = box.get_nowait()
+        assert status == "error" and isinstance(exc, ChannelError) and not isinstance(exc, TimeoutError)
+        assert "worker 0 raised ZeroDivisionError" in str(exc)
+    assert time.monotonic() - start < 2.0
+    with pytest.raises(ChannelError, match="closed"):
+        hub.channel(0).send([torch.ones(1)], 1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_local_wait_releases_the_gil():
+    hub = LocalHub(["cpu", "cpu"])
+    t, box = _spawn_thread(hub.channel(1).recv(0, 0).wait, 5.0, "rank 1 waiting")
+    count, end = 0, time.monotonic() + 0.3
+    while time.monotonic() < end:  # pure Python: only runs if the waiter let go of the GIL
+        count += 1
+    hub.channel(0).send([torch.arange(3)], 1, 0)
+    t.join(5)
+    status, got = box.get_nowait()
+    assert status == "ok" and torch.equal(got[0], torch.arange(3))
+    assert count > 10_000
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@cuda
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("src,dst", [("cuda:0", "cpu"), ("cpu", "cuda:0"), ("cuda:0", "cuda:0"),
+                                     ("cuda:0", f"cuda:{max(0, torch.cuda.device_count() - 1)}")])
+def test_local_cuda_copies_on_copy_streams(src, dst):
+    hub = LocalHub([src, dst])
+    x = torch.randn(256, 256, device=src)
+    y = x @ x  # queued on the producer's compute stream
+    hub.channel(0).send([y, x[:, 1]], 1, 0)
+    got = hub.channel(1).recv(0, 0).wait(10.0, "recv")
+    assert got[0].device == torch.device(dst) and got[1].device == torch.device(dst)
+    torch.testing.assert_close(got[0].cpu(), (x @ x).cpu())
+    torch.testing.assert_close(got[1].cpu(), x[:, 1].cpu())
+    if dst != "cpu" and src != dst:
+        assert streams.copy_stream(dst, "to_device") != streams.current_stream(dst)
+
+
+@pytest.mark.cuda
+@cuda
+def test_stream_event_on_cuda():
+    dev = torch.device("cuda:0")
+    copy = streams.copy_stream(dev, "to_device")
+    ev = streams.Event()
+    with streams.use_stream(copy):
+        assert streams.current_stream(dev) == copy
+        z = torch.ones(1024, 1024, device=dev) * 2
+        ev.record(copy)
+    streams.current_stream(dev).wait(ev)
+    streams.record_stream(z, streams.current_stream(dev))
+    ev.synchronize()
+    assert ev.query() and float(z.sum()) == 2 * 1024 * 1024
+
+
+def test_stream_event_are_noops_on_cpu():
+    s = streams.copy_stream("cpu", "from_device")
+    ev = streams.Event()
+    ev.record(s)
+    s.wait(ev)
+    ev.synchronize()
+    with streams.use_stream(s):
+        pass
+    streams.record_stream(torch.ones(1), s)
+    assert ev.query() and s.query() and not s.is_cuda and s == streams.current_stream("cpu")
