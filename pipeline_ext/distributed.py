@@ -160,7 +160,7 @@ class PipelineSchedule:
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
         device = first.device
-        self._channel = DistChannel(self.group, device)
+        self._channel = DistChannel(self.group, device, num_stages=num_stages)
         self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
@@ -254,7 +254,6 @@ class PipelineSchedule:
         except BaseException:
             for r in self._runners.values():
                 r.reset()
-            self._channel.abort()
             raise
         self._channel.end_step()
         if not self.has_last_stage:
