@@ -27,8 +27,11 @@ _EXPORTS = {
     "ScheduleZBV": "pipeline_ext.distributed",
     "ScheduleDualPipeV": "pipeline_ext.distributed",
     "get_schedule_class": "pipeline_ext.distributed",
+    "Pipe": "pipeline_ext.pipe",
+    "balance_by_params": "pipeline_ext.partition",
+    "balance_by_time": "pipeline_ext.partition",
 }
-_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed"}
+_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

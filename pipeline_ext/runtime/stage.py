@@ -58,6 +58,8 @@ class _State:
     outputs: list[torch.Tensor] = field(default_factory=list)
     grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
     deferred: Optional[DeferredWeightGrad] = None
+    # checkpointed microbatch: (args, kwargs, target, loss_weight) to re-run F with autograd before backward
+    recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float]] = None
 
 
 class StageRunner:
@@ -66,6 +68,11 @@ class StageRunner:
     ``loss_fn(output, target)`` is used on the last stage only. With
     ``scale_grads`` the executor passes each microbatch's row share as
     ``loss_weight``; without it the weight is 1 (plain sum, as torch does).
+
+    ``call(mb, module, args, kwargs)`` runs the module (default: a plain call);
+    ``Pipe`` wraps it to seed RNG per (stage, microbatch). ``checkpoint(mb)``
+    says whether microbatch ``mb`` recomputes its forward in backward instead
+    of keeping activations.
     """
 
     def __init__(
@@ -74,6 +81,8 @@ class StageRunner:
         stage_index: int,
         num_stages: int,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        call: Optional[Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]] = None,
+        checkpoint: Optional[Callable[[int], bool]] = None,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -81,6 +90,8 @@ class StageRunner:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.loss_fn = loss_fn
+        self.call = call if call is not None else _plain_call
+        self.checkpoint = checkpoint
         self._states: dict[int, _State] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
@@ -117,15 +128,29 @@ class StageRunner:
 
         On the last stage with a ``loss_fn`` and a ``target`` the loss is computed,
         kept (unweighted) in ``losses[mb]``, and the weighted loss becomes the
-        root of this microbatch's backward.
+        root of this microbatch's backward. A checkpointed microbatch runs
+        without autograd here and keeps only its inputs; its backward re-runs it.
         """
         if mb in self._states:
             raise StageError(f"stage {self.stage_index}: F of microbatch {mb} ran twice without its backward")
         state = _State()
         if not self.is_first:
             args = tuple(self._as_input(a) for a in args)
+        if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
+            with torch.no_grad():
+                sent = self._run(mb, state, args, kwargs, target, loss_weight)
+            state.recompute = (tuple(args), kwargs, target, loss_weight)
+            self._states[mb] = state
+            return sent
+        return self._run(mb, state, args, kwargs, target, loss_weight)
+
+    def _run(
+        self, mb: int, state: _State, args: Sequence[Any], kwargs: Optional[dict[str, Any]], target: Any, loss_weight: float
+    ) -> tuple[torch.Tensor, ...]:
+        """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
+        if not self.is_first:
             state.grad_inputs = [a for a in args if is_differentiable(a)]
-        out = self.module(*args, **(kwargs or {}))
+        out = self.call(mb, self.module, args, kwargs or {})
         grad_on = torch.is_grad_enabled()
         if self.is_last:
             self.outputs[mb] = _detach_tree(out)
@@ -156,12 +181,18 @@ class StageRunner:
     # -- B / I / W ---------------------------------------------------------------------------
     def _take(self, mb: int, action: str) -> _State:
         try:
-            return self._states[mb]
+            state = self._states[mb]
         except KeyError:
             raise StageError(
                 f"stage {self.stage_index}: {action} of microbatch {mb} has no forward state "
                 "(its F did not run on this stage, or its backward already ran)"
             ) from None
+        if state.recompute is not None and action != "W":
+            args, kwargs, target, weight = state.recompute
+            state.recompute = None
+            with torch.enable_grad():
+                self._run(mb, state, args, kwargs, target, weight)
+        return state
 
     def _grad_pairs(
         self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]]
@@ -211,6 +242,10 @@ class StageRunner:
             raise StageError(f"stage {self.stage_index}: W of microbatch {mb} ran before its I")
         backward_weight(state.deferred)
         del self._states[mb]
+
+
+def _plain_call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return module(*args, **kwargs)
 
 
 def _match_grads(

@@ -1,0 +1,108 @@
+"""Forward inside the caller's autograd graph: what ``Pipe.__call__`` runs.
+
+``pipe(x)`` must return an output that ``loss.backward()`` can flow back
+through, every stage, in the right order, like an ordinary module's. The
+executor and channels move *detached* tensors (that is what makes them cheap
+and lets the copies run on copy streams). ``ConnectedRunner`` therefore keeps
+each stage's graph-connected outputs in a shared table and, on the receiving
+stage, re-attaches the received tensor to them with ``Boundary``: its forward
+is the received data (already on this stage's device), its backward hands the
+gradient to the producing stage's device. Autograd then sees one graph across
+all stages and threads.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from pipeline_ext.runtime.stage import as_output_tuple, is_differentiable
+from pipeline_ext.runtime.streams import Event, Stream, copy_stream, current_stream, record_stream, use_stream
+
+__all__ = ["Boundary", "ConnectedRunner"]
+
+
+def _after(waiter: Stream, producer: Stream) -> None:
+    """``waiter`` runs its later work only after what ``producer`` has queued so far."""
+    event = Event()
+    event.record(producer)
+    waiter.wait(event)
+
+
+class Boundary(torch.autograd.Function):
+    """Identity on the received tensor whose gradient goes to ``source`` (the producer's output)."""
+
+    @staticmethod
+    def forward(ctx: Any, received: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        ctx.src_device = source.device
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        if grad.device == ctx.src_device:
+            return None, grad
+        # Copy the gradient back on the source device's inbound copy stream, after
+        # the work that produced it; the source's compute stream waits for the copy.
+        stream = copy_stream(ctx.src_device, "to_device")
+        _after(stream, current_stream(grad.device))
+        with use_stream(stream):
+            out = grad.to(ctx.src_device, non_blocking=True)
+        record_stream(grad, stream)
+        _after(current_stream(ctx.src_device), stream)
+        return None, out
+
+
+class ConnectedRunner:
+    """Runs one stage's forward without detaching, for ``Pipe.__call__`` (forward-only schedules).
+
+    ``links`` is shared by every stage of the pipe: a stage puts its connected
+    outputs there under (stage, microbatch); the next stage takes them after the
+    channel delivered the data, which orders the two.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        links: dict[tuple[int, int], tuple[torch.Tensor, ...]],
+        call: Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any],
+        checkpoint: Optional[Callable[[int], bool]] = None,
+    ) -> None:
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.links = links
+        self.call = call
+        self.checkpoint = checkpoint
+        self.outputs: dict[int, Any] = {}
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(
+        self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None, loss_weight: float = 1.0
+    ) -> tuple[torch.Tensor, ...]:
+        if self.stage_index > 0:
+            sources = self.links.pop((self.stage_index - 1, mb))
+            args = tuple(
+                Boundary.apply(r, s) if is_differentiable(s) and s.requires_grad else r for r, s in zip(args, sources)
+            )
+        kwargs = kwargs or {}
+
+        def run(*a: Any) -> Any:
+            return self.call(mb, self.module, a, kwargs)
+
+        if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
+            out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = run(*args)
+        if self.is_last:
+            self.outputs[mb] = out
+            return ()
+        outs = as_output_tuple(out, self.stage_index)
+        self.links[(self.stage_index, mb)] = outs
+        return tuple(o.detach() for o in outs)
