@@ -168,6 +168,11 @@ class PipelineSchedule:
         self._device = device
 
     @property
+    def peak_live_microbatches(self) -> dict[int, int]:
+        """Per local stage, the most microbatches whose activations were held at once in the last step."""
+        return {s: r.peak_live_microbatches for s, r in self._runners.items()}
+
+    @property
     def has_first_stage(self) -> bool:
         return 0 in self.stages
 
@@ -176,48 +181,60 @@ class PipelineSchedule:
         return self._last_stage in self.stages
 
     # -- the step ------------------------------------------------------------------------------
-    def _share_step_header(self, args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any], sizes: list[int]) -> tuple[int, list[int]]:
-        """Rank of stage 0 tells every rank the step's signature and microbatch sizes."""
-        m = self.n_microbatches
-        header = torch.zeros(1 + m, dtype=torch.int64, device=self._device)
-        if self.has_first_stage:
-            header[0] = _signature(args_chunks, kwargs_chunks)
-            header[1:] = torch.tensor(sizes, dtype=torch.int64)
-        if self.num_ranks > 1:
-            src = dist.get_global_rank(self.group, self._first_rank) if self.group is not None else self._first_rank
-            dist.broadcast(header, src=src, group=self.group)
-        values = header.tolist()
-        return values[0], values[1:]
-
-    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int], int]:
+        """Split this rank's batch (stage 0 only): chunks, rows per microbatch, signature."""
         if not self.has_first_stage:
             if args or kwargs:
                 raise ValueError(f"rank {self.rank} does not hold stage 0; call step() without inputs here")
-            return [], [], []
+            return [], [], [0] * self.n_microbatches, 0
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
-        args, kwargs = _to_device((args, kwargs), self._device)
         sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
+        args, kwargs = _to_device((args, kwargs), self._device)
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
-        return args_chunks, kwargs_chunks, sizes
+        return args_chunks, kwargs_chunks, sizes, _signature(args_chunks, kwargs_chunks)
 
-    def _split_targets(self, target: Any, sizes: list[int]) -> list[Any]:
+    def _check_target(self, target: Any) -> list[int]:
+        """Rows per microbatch of the target (last stage only; zeros when there is none)."""
+        none = [0] * self.n_microbatches
         if not self.has_last_stage:
             if target is not None:
                 raise ValueError(f"rank {self.rank} does not hold the last stage; pass target= only there")
-            return []
+            return none
         if target is None:
             if self.loss_fn is not None and torch.is_grad_enabled():
                 raise ValueError("the rank holding the last stage must pass target= when loss_fn is set")
-            return []
+            return none
         if self.loss_fn is None:
             raise ValueError("target= was given but the schedule has no loss_fn")
-        target = _to_device(target, self._device)
-        got = microbatch_sizes((target,), {}, self.n_microbatches)
-        chunks, _ = split_args_kwargs((target,), {}, self.n_microbatches)
-        if got != sizes:
-            raise ValueError(f"target splits into microbatches of {got} rows but the inputs into {sizes}")
-        return [c[0] for c in chunks]
+        return microbatch_sizes((target,), {}, self.n_microbatches)
+
+    def _agree(self, error: Optional[BaseException], signature: int, sizes: list[int], target_sizes: list[int]) -> tuple[int, list[int]]:
+        """Every rank shares whether its inputs are valid, before any point-to-point traffic.
+
+        One all_gather per step carries [error flag, signature, input rows per
+        microbatch, target rows per microbatch]. If any rank rejected its part,
+        every rank raises here instead of waiting for messages that never come.
+        """
+        m = self.n_microbatches
+        mine = torch.tensor([1 if error else 0, signature, *sizes, *target_sizes], dtype=torch.int64, device=self._device)
+        if self.num_ranks > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+            dist.all_gather(gathered, mine, group=self.group)
+            rows = [g.tolist() for g in gathered]
+        else:
+            rows = [mine.tolist()]
+        if error is not None:
+            raise error
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        if bad:
+            raise RuntimeError(f"rank {bad[0]} rejected this step's inputs (its error says why); no stage ran")
+        first = rows[self._first_rank]
+        signature, sizes = first[1], first[2 : 2 + m]
+        target_sizes = rows[self.schedule.stage_to_rank[self._last_stage]][2 + m :]
+        if any(target_sizes) and target_sizes != sizes:
+            raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
+        return signature, sizes
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
@@ -242,9 +259,20 @@ class PipelineSchedule:
             return self._run(self._eval_executor, args, kwargs, None, None)
 
     def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
-        args_chunks, kwargs_chunks, sizes = self._split_inputs(args, kwargs)
-        signature, sizes = self._share_step_header(args_chunks, kwargs_chunks, sizes)
-        targets = self._split_targets(target, sizes)
+        error: Optional[BaseException] = None
+        args_chunks: list = []
+        kwargs_chunks: list = []
+        sizes = target_sizes = [0] * self.n_microbatches
+        signature = 0
+        try:
+            args_chunks, kwargs_chunks, sizes, signature = self._check_inputs(args, kwargs)
+            target_sizes = self._check_target(target)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        signature, sizes = self._agree(error, signature, sizes, target_sizes)
+        targets = []
+        if any(target_sizes):
+            targets = [c[0] for c in split_args_kwargs((_to_device(target, self._device),), {}, self.n_microbatches)[0]]
         weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
         for r in self._runners.values():
             r.reset()

@@ -153,6 +153,8 @@ class Pipe(nn.Module):
         )
         self._rng = RngScope(uses_randomness(module) if deterministic is None else deterministic)
         self._pool: Optional[futures.ThreadPoolExecutor] = None
+        #: per stage, the most microbatches whose activations were held at once in the last step()
+        self.peak_live_microbatches: list[int] = []
 
     @staticmethod
     def _schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Optional[Sequence[int]]) -> S.Schedule:
@@ -213,20 +215,28 @@ class Pipe(nn.Module):
         context = _Context.capture()
         self._rng.new_step()
 
+        executors = [
+            Executor(schedule, r, {s: runners[s] for s in schedule.stages_of(r)}, hub.channel(r), timeout=self.timeout)
+            for r in range(len(self.devices))
+        ]
+
         def work(rank: int) -> None:
             with ExitStack() as stack:
                 context.enter(stack)
-                mine = {s: runners[s] for s in schedule.stages_of(rank)}
-                Executor(schedule, rank, mine, hub.channel(rank), timeout=self.timeout).run(inputs)
+                executors[rank].run(inputs)
 
         jobs = {self._pool.submit(work, r): r for r in range(len(self.devices))}
         done, _ = futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
         failed = [f for f in done if f.exception() is not None]
         if failed:
-            first = failed[0]
-            hub.close(f"rank {jobs[first]} failed: {type(first.exception()).__name__}: {first.exception()}")
+            # Wake every other worker at once with the reason instead of letting them time out.
+            rank = jobs[failed[0]]
+            exc = failed[0].exception()
+            a = executors[rank].failed_action
+            where = f" in {a.kind.value} of stage {a.stage}, microbatch {a.microbatch}" if a is not None else ""
+            hub.close(f"rank {rank} failed{where}: {type(exc).__name__}: {exc}")
             futures.wait(jobs)
-            raise first.exception()  # type: ignore[misc]
+            raise exc  # type: ignore[misc]
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the pipe's schedule; returns the mean loss.
@@ -251,6 +261,7 @@ class Pipe(nn.Module):
             for s, part in enumerate(self.partitions)
         }
         self._run(self.schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, weights))
+        self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]
         last = runners[n - 1]
         return sum(w * last.losses[m] for m, w in enumerate(weights))  # type: ignore[return-value]
 

@@ -55,8 +55,9 @@ def run_ranks(
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return ``{rank: (status, value)}``.
 
-    Raises AssertionError if a rank failed (unless ``expect_errors``) or the
-    ranks did not finish within ``timeout`` seconds (all are killed first).
+    Raises AssertionError if a rank failed (unless ``expect_errors``, where a
+    rank that died without reporting comes back as ``("died", exitcode)``) or
+    a rank did not finish within ``timeout`` seconds (all are killed first).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -66,6 +67,7 @@ def run_ranks(
         p.start()
     out: dict[int, tuple[str, Any]] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    # a process killed because it outlived the deadline gets exitcode -9 (SIGKILL) below
     try:
         while len(out) < world:
             left = (deadline - datetime.datetime.now()).total_seconds()
@@ -85,9 +87,15 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    missing = sorted(set(range(world)) - set(out))
-    if missing:
-        raise AssertionError(f"ranks {missing} did not report within {timeout} s (killed)")
+    hung = []
+    for r in sorted(set(range(world)) - set(out)):
+        code = procs[r].exitcode
+        if expect_errors and code is not None and code != -9:  # died on its own (not killed by us)
+            out[r] = ("died", code)
+        else:
+            hung.append(r)
+    if hung:
+        raise AssertionError(f"ranks {hung} did not report within {timeout} s (killed)")
     if not expect_errors:
         errors = {r: v for r, (s, v) in out.items() if s == "error"}
         if errors:

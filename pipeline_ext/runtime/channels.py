@@ -56,8 +56,9 @@ def describe_tag(tag: int, num_stages: Optional[int]) -> str:
         return f"tag {tag}"
     direction, rest = tag % 2, tag // 2
     sender, mb = rest % num_stages, rest // num_stages
-    kind = "SEND_F (activation)" if direction == 0 else "SEND_B (gradient)"
-    return f"{kind} of stage {sender} microbatch {mb} (tag {tag})"
+    if direction == 0:
+        return f"activation of stage {sender} for stage {sender + 1}, microbatch {mb} (tag {tag})"
+    return f"gradient of stage {sender} for stage {sender - 1}, microbatch {mb} (tag {tag})"
 
 
 class ChannelHandle:

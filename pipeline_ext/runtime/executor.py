@@ -31,11 +31,15 @@ import torch
 from pipeline_ext.runtime.stage import StageRunner
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 
-__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PipelineTimeoutError", "message_tag"]
+__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError", "message_tag"]
 
 
 class PipelineTimeoutError(TimeoutError):
     """A wait for a peer ran past the configured timeout."""
+
+
+class PeerError(RuntimeError):
+    """Starting a send or receive failed (typically: the peer is gone); names rank, peer, action."""
 
 
 class Handle(Protocol):
@@ -134,6 +138,7 @@ class Executor:
             ActionKind.RECV_B: self._recv,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        self.failed_action: Optional[Action] = None
 
     # -- helpers -------------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:
@@ -157,9 +162,14 @@ class Executor:
         pending = deque(self._recv_actions)
         self._post(st, pending)
         clock = time_fn()
+        self.failed_action = None
         for action in self.actions:
             start = clock()
-            self._dispatch[action.kind](action, st, inputs)
+            try:
+                self._dispatch[action.kind](action, st, inputs)
+            except BaseException as exc:
+                self._fail(action, exc)
+                raise
             if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                 self._post(st, pending)
             self._reap(st, block=False)
@@ -170,10 +180,27 @@ class Executor:
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
 
+    def _fail(self, action: Action, exc: BaseException) -> None:
+        """Remember where the step failed and say it in the exception (its type is kept)."""
+        self.failed_action = action
+        note = f"pipeline_ext: raised on rank {self.rank} in {action.kind.value} of stage {action.stage}, microbatch {action.microbatch}"
+        if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+
     def _post(self, st: _StepState, pending: deque) -> None:
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
-            st.posted[a] = self.channel.recv(self._peer(a), message_tag(a, self.num_stages))
+            st.posted[a] = self._start(a, lambda: self.channel.recv(self._peer(a), message_tag(a, self.num_stages)))
+
+    def _start(self, a: Action, post: Callable[[], Handle]) -> Handle:
+        """Post a send or receive; a failure to even start it says which and with whom."""
+        try:
+            return post()
+        except (TimeoutError, PeerError):
+            raise
+        except RuntimeError as exc:
+            what = self._what(a).replace("waiting on", "starting")
+            raise PeerError(f"{what}: {exc}") from exc
 
     def _reap(self, st: _StepState, block: bool) -> None:
         while st.sends and (block or st.sends[0][1].is_completed()):
@@ -217,7 +244,7 @@ class Executor:
 
     def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         tensors = self._take(st.to_send, a, a)
-        st.sends.append((a, self.channel.send(tensors, self._peer(a), message_tag(a, self.num_stages))))
+        st.sends.append((a, self._start(a, lambda: self.channel.send(tensors, self._peer(a), message_tag(a, self.num_stages)))))
 
     def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         handle = st.posted.pop(a, None)

@@ -93,6 +93,8 @@ class StageRunner:
         self.call = call if call is not None else _plain_call
         self.checkpoint = checkpoint
         self._states: dict[int, _State] = {}
+        #: most microbatches held at once since construction (or ``reset_peak``)
+        self.peak_live_microbatches = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
 
@@ -109,9 +111,13 @@ class StageRunner:
         """Microbatches whose activations (or deferred weight-grad work) are held."""
         return len(self._states)
 
+    def reset_peak(self) -> None:
+        self.peak_live_microbatches = len(self._states)
+
     def reset(self) -> None:
         """Forget everything of the previous step (after an error, say)."""
         self._states.clear()
+        self.peak_live_microbatches = 0
         self.losses.clear()
         self.outputs.clear()
 
@@ -140,7 +146,7 @@ class StageRunner:
             with torch.no_grad():
                 sent = self._run(mb, state, args, kwargs, target, loss_weight)
             state.recompute = (tuple(args), kwargs, target, loss_weight)
-            self._states[mb] = state
+            self._keep(mb, state)
             return sent
         return self._run(mb, state, args, kwargs, target, loss_weight)
 
@@ -169,8 +175,12 @@ class StageRunner:
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple(o.detach() for o in outs)
         if grad_on:
-            self._states[mb] = state
+            self._keep(mb, state)
         return sent
+
+    def _keep(self, mb: int, state: _State) -> None:
+        self._states[mb] = state
+        self.peak_live_microbatches = max(self.peak_live_microbatches, len(self._states))
 
     def _as_input(self, x: Any) -> Any:
         """A received activation becomes a leaf that collects its gradient."""

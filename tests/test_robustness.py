@@ -1,0 +1,266 @@
+"""Failing loudly and quickly: failures, bad input, memory bounds, determinism.
+
+Each test here is one line of docs/robustness.md. Multi-process tests use a
+10 s channel timeout and tests/mp_utils.run_ranks (hard timeout, cleanup).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_ext as pe
+from models import build, loss_fn, make_batch
+from mp_utils import run_ranks
+
+TIMEOUT = 10.0
+
+
+class FailAt(nn.Module):
+    """Linear layer that misbehaves on one call: raise, exit the process, or stall."""
+
+    def __init__(self, when: int, how: str = "raise") -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.when, self.how, self.calls = when, how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.when:
+            if self.how == "raise":
+                raise ValueError("boom in stage module")
+            if self.how == "exit":
+                os._exit(3)
+            time.sleep(TIMEOUT + 3)  # stall past the peer's timeout, then fail so the process ends
+            raise ValueError("stalled stage gives up")
+        return self.lin(x)
+
+
+# -- failures ---------------------------------------------------------------------------------------
+def test_single_process_failure_stops_every_worker_fast_and_names_where():
+    model = nn.Sequential(nn.Linear(16, 16), FailAt(when=3), nn.Linear(16, 4))
+    pipe = pe.Pipe(model, balance=[1, 1, 1], devices=["cpu"] * 3, chunks=4, schedule="1f1b", timeout=TIMEOUT,
+                   checkpoint="never")  # with recomputation the 3rd call would be microbatch 0's re-run
+    x, y = make_batch("mlp", 8)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="boom in stage module") as info:
+        pipe.step(x, target=y, loss_fn=loss_fn)
+    assert time.monotonic() - t0 < TIMEOUT / 2  # the others were woken, not timed out
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "rank 1 in F of stage 1, microbatch 2" in notes
+    model[1].when = -1  # the pipe is usable again after a failure
+    pipe.step(x, target=y, loss_fn=loss_fn)
+
+
+def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
+    torch.manual_seed(0)
+    module = nn.Linear(16, 16) if rank == 0 else nn.Sequential(FailAt(when=2, how=how), nn.Linear(16, 4))
+    stage = pe.PipelineStage(module, rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
+    x, y = make_batch("mlp", 8)
+    t0 = time.monotonic()
+    try:
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - t0, "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["raise", "exit", "stall"])
+def test_multi_process_peer_failure_makes_others_raise_within_timeout(how):
+    results = run_ranks(_peer_failure, 2, how, timeout=60, expect_errors=True)
+    status, value = results[0]
+    assert status == "ok", value
+    elapsed, message = value
+    assert elapsed < TIMEOUT + 5, (elapsed, message)
+    assert "peer rank 1" in message and "microbatch" in message, message
+    if how == "stall":
+        assert "TimeoutError" in message or "ChannelTimeout" in message, message
+    if how == "raise":
+        assert "boom in stage module" in results[1][1][1]
+
+
+def _shape_change(rank: int, world: int) -> str:
+    class Flip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.wide = nn.Linear(16, 16), False
+
+        def forward(self, x):  # output width depends on state, not on the input's shape
+            out = self.lin(x)
+            return torch.cat([out, out], dim=1) if self.wide else out
+
+    module = Flip() if rank == 0 else nn.Linear(16, 4)
+    stage = pe.PipelineStage(module, rank, world, "cpu")
+    sched = pe.ScheduleGPipe(stage, 2, loss_fn=loss_fn, timeout=TIMEOUT)
+    x, y = make_batch("mlp", 4)
+    sched.step(x) if rank == 0 else sched.step(target=y)
+    if rank == 0:
+        module.wide = True
+    try:
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_shape_change_without_input_change_names_stages_and_shapes():
+    results = run_ranks(_shape_change, 2, timeout=60, expect_errors=True)
+    message = results[0][1]
+    assert "stage 0" in message and "stage 1" in message, message
+    assert "[2, 16]" in message and "[2, 32]" in message, message
+
+
+# -- bad input, before any communication ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: pe.schedules.build("1f1b", 4, 2), "1f1b needs n_microbatches >= num_ranks"),
+        (lambda: pe.schedules.build("interleaved_1f1b", 2, 3, stages_per_rank=2), "interleaved_1f1b"),
+        (lambda: pe.schedules.build("zbv", 2, 4, stages_per_rank=1), "stages_per_rank"),
+        (lambda: pe.schedules.build("dualpipev", 2, 3, stages_per_rank=2), "dualpipev needs n_microbatches >= 2"),
+    ],
+)
+def test_schedule_constraints_name_constraint_and_values(make, match):
+    with pytest.raises(pe.schedules.ScheduleError, match=match):
+        make()
+
+
+def _batch_too_small(rank: int, world: int) -> str:
+    stage = pe.PipelineStage(nn.Linear(16, 16) if rank == 0 else nn.Linear(16, 4), rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
+    x, y = make_batch("mlp", 3 if rank == 0 else 8)  # only rank 0's batch is too small
+    try:
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_batch_smaller_than_microbatches_fails_on_every_rank_before_communication():
+    results = run_ranks(_batch_too_small, 2, timeout=40)
+    assert "ValueError" in results[0][1] and "must not exceed the batch size" in results[0][1]
+    assert "rejected this step's inputs" in results[1][1]
+
+
+def test_non_tensor_stage_output_is_a_clear_error():
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x, {"not": "a tensor"}
+
+    pipe = pe.Pipe(nn.Sequential(Bad(), nn.Linear(16, 4)), balance=[1, 1], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(TypeError, match="stage 0 returned a dict at output position 1"):
+        pipe.step(torch.randn(4, 16), target=torch.randn(4, 4), loss_fn=loss_fn)
+
+
+def _inputs_untouched(rank: int, world: int) -> bool:
+    stage = pe.PipelineStage(nn.Linear(16, 16) if rank == 0 else nn.Linear(16, 4), rank, world, "cpu")
+    sched = pe.ScheduleZBH1(stage, 3, loss_fn=loss_fn)
+    x, y = make_batch("mlp", 7)
+    x0, y0 = x.clone(), y.clone()
+    sched.step(x) if rank == 0 else sched.step(target=y)
+    return torch.equal(x, x0) and torch.equal(y, y0) and not x.requires_grad and x.grad is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_multi_process_inputs_and_targets_not_mutated():
+    results = run_ranks(_inputs_untouched, 2, timeout=40)
+    assert all(v for _, v in results.values())
+
+
+# -- memory -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, bound", [("1f1b", lambda p, m: p), ("gpipe", lambda p, m: m)])
+def test_rank0_holds_at_most_its_schedules_activations(name, bound):
+    p, m = 4, 8
+    pipe = pe.Pipe(nn.Sequential(*build("mlp", p)), balance=[1] * p, devices=["cpu"] * p, chunks=m, schedule=name)
+    x, y = make_batch("mlp", 16)
+    pipe.step(x, target=y, loss_fn=loss_fn)
+    assert pipe.peak_live_microbatches[0] == bound(p, m), pipe.peak_live_microbatches
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _steps_rss(rank: int, world: int, steps: int) -> tuple[int, int, dict]:
+    modules = build("mlp", world)
+    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn)
+    x, y = make_batch("mlp", 32)
+    rss = []
+    for i in range(steps):
+        sched.step(x) if rank == 0 else sched.step(target=y)
+        if i in (19, steps - 1):
+            rss.append(_rss_bytes())
+    return rss[0], rss[1], sched.peak_live_microbatches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_multi_process_200_steps_no_memory_growth_and_1f1b_bound():
+    results = run_ranks(_steps_rss, 2, 200, timeout=100)
+    for rank, (_, (warm, end, peaks)) in results.items():
+        assert end <= warm * 1.05, f"rank {rank}: RSS {warm} -> {end}"
+        assert max(peaks.values()) <= 2, peaks  # 1F1B: at most p microbatches live
+
+
+@pytest.mark.timeout(120)
+def test_single_process_200_steps_no_memory_growth():
+    pipe = pe.Pipe(nn.Sequential(*build("blocks", 2)), balance=[1, 1], devices=["cpu"] * 2, chunks=4, schedule="zb_h1")
+    x, y = make_batch("blocks", 16)
+    for i in range(200):
+        pipe.zero_grad()
+        pipe.step(x, target=y, loss_fn=loss_fn)
+        if i == 19:
+            warm = _rss_bytes()
+    assert _rss_bytes() <= warm * 1.05
+
+
+# -- determinism ------------------------------------------------------------------------------------
+def _train_once(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU()) for _ in range(4)], nn.Linear(16, 4))
+    pipe = pe.Pipe(model, balance=[2, 3], devices=["cpu"] * 2, chunks=4, schedule="zb_h1", checkpoint="except_last")
+    x, y = make_batch("mlp", 10, seed=seed)
+    losses = [pipe.step(x, target=y, loss_fn=loss_fn) for _ in range(2)]
+    return losses, [p.grad.clone() for p in model.parameters()]
+
+
+def test_same_seed_gives_bitwise_identical_losses_and_gradients():
+    (l1, g1), (l2, g2) = _train_once(5), _train_once(5)
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    (l3, _) = _train_once(6)
+    assert not torch.equal(l1[0], l3[0])
+
+
+def _two_runs(rank: int, world: int) -> bool:
+    out = []
+    for _ in range(2):
+        modules = build("blocks", world, seed=1)
+        stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+        sched = pe.ScheduleZBH1(stage, 4, loss_fn=loss_fn)
+        x, y = make_batch("blocks", 9, seed=2)
+        losses: list = []
+        sched.step(x) if rank == 0 else sched.step(target=y, losses=losses)
+        out.append((losses, [p.grad for p in modules[rank].parameters()]))
+    (l1, g1), (l2, g2) = out
+    return all(torch.equal(a, b) for a, b in zip(l1, l2)) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_multi_process_runs_are_bitwise_identical():
+    results = run_ranks(_two_runs, 2, timeout=40)
+    assert all(v for _, v in results.values())
