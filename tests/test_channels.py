@@ -173,7 +173,7 @@ def test_dist_roundtrip_discovery_known_and_shape_change():
         assert r1[f"empty{step}"] == []
     assert r1["new_group"]
     msg = r0["shape_error"]
-    assert "stage 0 microbatch 1" in msg and "changed shape or dtype" in msg
+    assert "activation of stage 0 for stage 1, microbatch 1" in msg and "changed shape or dtype" in msg
     assert "[3]" in msg and "[]" in msg  # both layouts are named
 
 
