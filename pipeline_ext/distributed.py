@@ -32,7 +32,7 @@ from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
-from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
 __all__ = [
     "PipelineStage",
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-class PipelineStage:
+class PipelineStage(StagePosition):
     """One model chunk of a multi-process pipeline, bound to a device and a process group.
 
     ``input_args`` / ``output_args`` are accepted for compatibility with torch;
@@ -83,14 +83,6 @@ class PipelineStage:
         self.group = group
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"

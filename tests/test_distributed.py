@@ -18,6 +18,13 @@ MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"}
 RTOL, ATOL = 1e-5, 1e-6
 
 
+def _expect_no_mismatches(fn, world: int, *args, timeout: float = 100) -> None:
+    """Run ``fn`` on ``world`` ranks; each returns a list of mismatch descriptions, all must be empty."""
+    results = run_ranks(fn, world, *args, timeout=timeout)
+    bad = [b for _, (_, errs) in sorted(results.items()) for b in errs]
+    assert not bad, "\n".join(bad[:20])
+
+
 def _stages_per_rank(name: str) -> int:
     return 2 if name in MULTI_STAGE else 1
 
@@ -131,9 +138,7 @@ def _optimizer_steps(rank: int, world: int, name: str) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
 def test_three_optimizer_steps_match(name):
-    results = run_ranks(_optimizer_steps, 2, name, timeout=100)
-    bad = [b for _, (_, errs) in results.items() for b in errs]
-    assert not bad, "\n".join(bad)
+    _expect_no_mismatches(_optimizer_steps, 2, name)
 
 
 def _shape_changes(rank: int, world: int) -> list[str]:
@@ -155,9 +160,7 @@ def _shape_changes(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_step_with_new_batch_size_and_sequence_length():
-    results = run_ranks(_shape_changes, 2, timeout=100)
-    bad = [b for _, (_, errs) in results.items() for b in errs]
-    assert not bad, "\n".join(bad)
+    _expect_no_mismatches(_shape_changes, 2)
 
 
 def _eval_and_kwargs(rank: int, world: int) -> list[str]:
@@ -203,9 +206,7 @@ def _eval_and_kwargs(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eval_and_first_stage_kwargs():
-    results = run_ranks(_eval_and_kwargs, 2, timeout=100)
-    bad = [b for _, (_, errs) in results.items() for b in errs]
-    assert not bad, "\n".join(bad)
+    _expect_no_mismatches(_eval_and_kwargs, 2)
 
 
 def _torch_style_script(rank: int, world: int, pipelining) -> tuple[list[float], list[torch.Tensor]]:
@@ -250,6 +251,4 @@ def _drop_in(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torch_pipelining_script_runs_unchanged_and_matches():
-    results = run_ranks(_drop_in, 2, timeout=100)
-    bad = [b for _, (_, errs) in results.items() for b in errs]
-    assert not bad, "\n".join(bad)
+    _expect_no_mismatches(_drop_in, 2)

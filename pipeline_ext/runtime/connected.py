@@ -18,7 +18,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from pipeline_ext.runtime.stage import as_output_tuple, is_differentiable
+from pipeline_ext.runtime.stage import StagePosition, as_output_tuple, is_differentiable
 from pipeline_ext.runtime.streams import Event, Stream, copy_stream, current_stream, record_stream, use_stream
 
 __all__ = ["Boundary", "ConnectedRunner"]
@@ -54,7 +54,7 @@ class Boundary(torch.autograd.Function):
         return None, out
 
 
-class ConnectedRunner:
+class ConnectedRunner(StagePosition):
     """Runs one stage's forward without detaching, for ``Pipe.__call__`` (forward-only schedules).
 
     ``links`` is shared by every stage of the pipe: a stage puts its connected
@@ -78,10 +78,6 @@ class ConnectedRunner:
         self.call = call
         self.checkpoint = checkpoint
         self.outputs: dict[int, Any] = {}
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
 
     def forward(
         self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None, loss_weight: float = 1.0

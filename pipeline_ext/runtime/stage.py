@@ -26,7 +26,22 @@ from torch import nn
 
 from pipeline_ext.runtime.split_backward import DeferredWeightGrad, backward_input, backward_weight
 
-__all__ = ["StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
+__all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
+
+
+class StagePosition:
+    """Where a stage sits in the pipeline; shared by every object that stands for a stage."""
+
+    stage_index: int
+    num_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
 
 
 class StageError(RuntimeError):
@@ -62,7 +77,7 @@ class _State:
     recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float]] = None
 
 
-class StageRunner:
+class StageRunner(StagePosition):
     """Runs F / B / I / W of one stage on microbatches.
 
     ``loss_fn(output, target)`` is used on the last stage only. With
@@ -97,14 +112,6 @@ class StageRunner:
         self.peak_live_microbatches = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
 
     @property
     def live_microbatches(self) -> int:
