@@ -33,6 +33,7 @@ from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_w
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 
 __all__ = [
     "PipelineStage",
@@ -121,6 +122,7 @@ class PipelineSchedule:
         output_merge_spec: Any = None,
         scale_grads: bool = True,
         timeout: float = 300.0,
+        trace: bool = False,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -166,6 +168,35 @@ class PipelineSchedule:
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
         self._device = device
+        self._tracer: Optional[Tracer] = None
+        self.enable_tracing(trace)
+
+    # -- tracing -------------------------------------------------------------------------------
+    def enable_tracing(self, on: bool = True) -> None:
+        """Record every executed action of the following steps (off by default; costs ~nothing when off).
+
+        Turning it on again starts a fresh recording. See ``trace_report`` and ``write_trace``.
+        """
+        self._tracer = Tracer(self.rank) if on else None
+        self._executor.on_action = self._tracer.record if on else None
+
+    def trace_report(self, dst: int = 0) -> Optional[TraceReport]:
+        """Measured costs and bubble vs. the simulator's, over the traced steps.
+
+        A collective (every rank calls it); the report comes back on group rank
+        ``dst``, None elsewhere.
+        """
+        if self._tracer is None:
+            raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
+        steps = gather_steps(self._tracer, self.group, dst)
+        return None if steps is None else TraceReport(self.schedule, steps)
+
+    def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
+        """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
+        report = self.trace_report(dst)
+        if report is not None:
+            report.write_chrome_trace(path)
+        return report
 
     @property
     def has_first_stage(self) -> bool:
@@ -249,6 +280,9 @@ class PipelineSchedule:
         for r in self._runners.values():
             r.reset()
         self._channel.begin_step(signature)
+        tracing = self._tracer is not None and executor is self._executor
+        if tracing:
+            self._tracer.begin_step()
         try:
             executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights))
         except BaseException:
@@ -274,9 +308,9 @@ def _named(cls_name: str, name: str, doc: str) -> type:
     """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0) -> None:
+                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False) -> None:
         PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                                  output_merge_spec, scale_grads, timeout)
+                                  output_merge_spec, scale_grads, timeout, trace)
 
     return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
 
