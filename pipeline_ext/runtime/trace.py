@@ -22,6 +22,7 @@ caller synchronises.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -208,6 +209,7 @@ class TraceReport:
         spans = [s for s in self.steps[step] if s.action.kind in _COMPUTE]
         origin = min(s.start for s in spans)
         timeline = [Span(s.rank, s.action, (s.start - origin) * 1e3, (s.end - origin) * 1e3) for s in spans]
-        measured = SimResult(self.schedule, self.costs, timeline, max(s.end for s in timeline),
+        named = dataclasses.replace(self.schedule, name=f"{self.schedule.name} (measured step)")
+        measured = SimResult(named, self.costs, timeline, max(s.end for s in timeline),
                              self.bubble_per_step[step], [], [])
         render_png(measured, path, xlabel="time (ms, measured)", width=12.0)
