@@ -21,7 +21,6 @@ shapes differ from the previous step's works (metadata is exchanged again).
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -33,6 +32,7 @@ from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_w
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.step_header import StepHeader
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 
 __all__ = [
@@ -97,17 +97,6 @@ class PipelineStage:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
 
 
-def _signature(args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> int:
-    """A 62-bit hash of every microbatch's tensor shapes, dtypes and pytree structure."""
-    h = hashlib.blake2b(digest_size=8)
-    for chunk in (*args_chunks, *kwargs_chunks):
-        leaves, spec = torch.utils._pytree.tree_flatten(chunk)
-        h.update(str(spec).encode())
-        for x in leaves:
-            h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__).encode())
-    return int.from_bytes(h.digest(), "little") >> 2
-
-
 class PipelineSchedule:
     """Runs a schedule (built-in name or hand-written ``Schedule``) on this process's stages."""
 
@@ -168,6 +157,7 @@ class PipelineSchedule:
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
         self._device = device
+        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device)
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
 
@@ -207,19 +197,6 @@ class PipelineSchedule:
         return self._last_stage in self.stages
 
     # -- the step ------------------------------------------------------------------------------
-    def _share_step_header(self, args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any], sizes: list[int]) -> tuple[int, list[int]]:
-        """Rank of stage 0 tells every rank the step's signature and microbatch sizes."""
-        m = self.n_microbatches
-        header = torch.zeros(1 + m, dtype=torch.int64, device=self._device)
-        if self.has_first_stage:
-            header[0] = _signature(args_chunks, kwargs_chunks)
-            header[1:] = torch.tensor(sizes, dtype=torch.int64)
-        if self.num_ranks > 1:
-            src = dist.get_global_rank(self.group, self._first_rank) if self.group is not None else self._first_rank
-            dist.broadcast(header, src=src, group=self.group)
-        values = header.tolist()
-        return values[0], values[1:]
-
     def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
         if not self.has_first_stage:
             if args or kwargs:
@@ -274,7 +251,8 @@ class PipelineSchedule:
 
     def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
         args_chunks, kwargs_chunks, sizes = self._split_inputs(args, kwargs)
-        signature, sizes = self._share_step_header(args_chunks, kwargs_chunks, sizes)
+        signature = self._header.signature(args, kwargs, sizes, self.chunk_spec) if self.has_first_stage else 0
+        signature, sizes = self._header.share(signature, sizes)
         targets = self._split_targets(target, sizes)
         weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
         for r in self._runners.values():
@@ -288,7 +266,9 @@ class PipelineSchedule:
         except BaseException:
             for r in self._runners.values():
                 r.reset()
+            self._header.drop()
             raise
+        self._header.finish()
         self._channel.end_step()
         if not self.has_last_stage:
             return None
