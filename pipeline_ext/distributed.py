@@ -30,6 +30,7 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
 from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.shm_channel import ShmChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
 from pipeline_ext.runtime.step_header import StepHeader
@@ -112,6 +113,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         trace: bool = False,
+        transport: str = "auto",
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -151,13 +153,14 @@ class PipelineSchedule:
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
         device = first.device
-        self._channel = DistChannel(self.group, device, num_stages=num_stages)
+        self._channel = _make_channel(transport, self.group, device, num_stages)
         self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
         self._device = device
-        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device)
+        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device,
+                                  self._channel)
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
 
@@ -280,6 +283,24 @@ class PipelineSchedule:
         return out
 
 
+def _make_channel(transport: str, group: Optional[dist.ProcessGroup], device: torch.device,
+                  num_stages: int) -> Union[DistChannel, ShmChannel]:
+    """``"auto"``: shared memory when every rank is a CPU process on this host, else the process group.
+
+    ``"shm"`` insists on shared memory, ``"process_group"`` on the group's own
+    send/recv (Gloo, NCCL). Choosing is a collective, so every rank agrees.
+    """
+    if transport not in ("auto", "shm", "process_group"):
+        raise ValueError(f"transport must be 'auto', 'shm' or 'process_group', got {transport!r}")
+    if transport != "process_group" and device.type == "cpu":
+        channel = ShmChannel.create(group, device, num_stages)
+        if channel is not None:
+            return channel
+    if transport == "shm":
+        raise RuntimeError("transport='shm' needs every rank to be a CPU process on one x86-64 Linux host")
+    return DistChannel(group, device, num_stages=num_stages)
+
+
 def _to_device(tree: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
 
@@ -288,9 +309,10 @@ def _named(cls_name: str, name: str, doc: str) -> type:
     """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False) -> None:
+                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False,
+                 transport: str = "auto") -> None:
         PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                                  output_merge_spec, scale_grads, timeout, trace)
+                                  output_merge_spec, scale_grads, timeout, trace, transport)
 
     return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
 
