@@ -21,7 +21,6 @@ shapes differ from the previous step's works (metadata is exchanged again).
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -31,8 +30,11 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
 from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.shm_channel import ShmChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
+from pipeline_ext.runtime.step_header import REJECTED, StepHeader
+from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 
 __all__ = [
     "PipelineStage",
@@ -88,17 +90,6 @@ class PipelineStage(StagePosition):
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
 
 
-def _signature(args_chunks: Sequence[Any], kwargs_chunks: Sequence[Any]) -> int:
-    """A 62-bit hash of every microbatch's tensor shapes, dtypes and pytree structure."""
-    h = hashlib.blake2b(digest_size=8)
-    for chunk in (*args_chunks, *kwargs_chunks):
-        leaves, spec = torch.utils._pytree.tree_flatten(chunk)
-        h.update(str(spec).encode())
-        for x in leaves:
-            h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__).encode())
-    return int.from_bytes(h.digest(), "little") >> 2
-
-
 class PipelineSchedule:
     """Runs a schedule (built-in name or hand-written ``Schedule``) on this process's stages."""
 
@@ -113,6 +104,8 @@ class PipelineSchedule:
         output_merge_spec: Any = None,
         scale_grads: bool = True,
         timeout: float = 300.0,
+        trace: bool = False,
+        transport: str = "auto",
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -152,12 +145,43 @@ class PipelineSchedule:
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
         device = first.device
-        self._channel = DistChannel(self.group, device, num_stages=num_stages)
+        self._channel = _make_channel(transport, self.group, device, num_stages)
         self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
         self._device = device
+        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device,
+                                  self._channel)
+        self._tracer: Optional[Tracer] = None
+        self.enable_tracing(trace)
+
+    # -- tracing -------------------------------------------------------------------------------
+    def enable_tracing(self, on: bool = True) -> None:
+        """Record every executed action of the following steps (off by default; costs ~nothing when off).
+
+        Turning it on again starts a fresh recording. See ``trace_report`` and ``write_trace``.
+        """
+        self._tracer = Tracer(self.rank) if on else None
+        self._executor.on_action = self._tracer.record if on else None
+
+    def trace_report(self, dst: int = 0) -> Optional[TraceReport]:
+        """Measured costs and bubble vs. the simulator's, over the traced steps.
+
+        A collective (every rank calls it); the report comes back on group rank
+        ``dst``, None elsewhere.
+        """
+        if self._tracer is None:
+            raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
+        steps = gather_steps(self._tracer, self.group, dst)
+        return None if steps is None else TraceReport(self.schedule, steps)
+
+    def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
+        """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
+        report = self.trace_report(dst)
+        if report is not None:
+            report.write_chrome_trace(path)
+        return report
 
     @property
     def peak_live_microbatches(self) -> dict[int, int]:
@@ -173,18 +197,18 @@ class PipelineSchedule:
         return self._last_stage in self.stages
 
     # -- the step ------------------------------------------------------------------------------
-    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int], int]:
-        """Split this rank's batch (stage 0 only): chunks, rows per microbatch, signature."""
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
+        """Split this rank's batch (stage 0 only): chunks and rows per microbatch."""
         if not self.has_first_stage:
             if args or kwargs:
                 raise ValueError(f"rank {self.rank} does not hold stage 0; call step() without inputs here")
-            return [], [], [0] * self.n_microbatches, 0
+            return [], [], [0] * self.n_microbatches
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
         args, kwargs = _to_device((args, kwargs), self._device)
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
-        return args_chunks, kwargs_chunks, sizes, _signature(args_chunks, kwargs_chunks)
+        return args_chunks, kwargs_chunks, sizes
 
     def _check_target(self, target: Any) -> list[int]:
         """Rows per microbatch of the target (last stage only; zeros when there is none)."""
@@ -201,32 +225,31 @@ class PipelineSchedule:
             raise ValueError("target= was given but the schedule has no loss_fn")
         return microbatch_sizes((target,), {}, self.n_microbatches)
 
-    def _agree(self, error: Optional[BaseException], signature: int, sizes: list[int], target_sizes: list[int]) -> tuple[int, list[int]]:
-        """Every rank shares whether its inputs are valid, before any point-to-point traffic.
+    def _check_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], list[int]]:
+        """Validate this rank's part of the step and share the step header, before any stage runs.
 
-        One all_gather per step carries [error flag, signature, input rows per
-        microbatch, target rows per microbatch]. If any rank rejected its part,
-        every rank raises here instead of waiting for messages that never come.
+        The rank of stage 0 sends (signature, rows per microbatch) to every rank;
+        if its batch is invalid it sends ``REJECTED`` instead and raises, so the
+        other ranks raise too rather than wait for activations that never come.
+        A bad target is caught on the last stage's rank before it runs anything;
+        the other ranks then fail at their next wait for it (within ``timeout``).
         """
         m = self.n_microbatches
-        mine = torch.tensor([1 if error else 0, signature, *sizes, *target_sizes], dtype=torch.int64, device=self._device)
-        if self.num_ranks > 1:
-            gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-            dist.all_gather(gathered, mine, group=self.group)
-            rows = [g.tolist() for g in gathered]
-        else:
-            rows = [mine.tolist()]
-        if error is not None:
-            raise error
-        bad = [r for r, row in enumerate(rows) if row[0]]
-        if bad:
-            raise RuntimeError(f"rank {bad[0]} rejected this step's inputs (its error says why); no stage ran")
-        first = rows[self._first_rank]
-        signature, sizes = first[1], first[2 : 2 + m]
-        target_sizes = rows[self.schedule.stage_to_rank[self._last_stage]][2 + m :]
+        try:
+            args_chunks, kwargs_chunks, sizes = self._check_inputs(args, kwargs)
+            target_sizes = self._check_target(target)
+        except (ValueError, TypeError):
+            if self.has_first_stage:
+                self._header.share(REJECTED, [0] * m)
+                self._header.finish()
+            raise
+        signature = self._header.signature(args, kwargs, sizes, self.chunk_spec) if self.has_first_stage else 0
+        signature, sizes = self._header.share(signature, sizes)
+        if signature == REJECTED:
+            raise RuntimeError(f"rank {self._first_rank} rejected this step's inputs (its error says why); no stage ran")
         if any(target_sizes) and target_sizes != sizes:
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        return signature, sizes
+        return args_chunks, kwargs_chunks, sizes, target_sizes
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
@@ -251,17 +274,7 @@ class PipelineSchedule:
             return self._run(self._eval_executor, args, kwargs, None, None)
 
     def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
-        error: Optional[BaseException] = None
-        args_chunks: list = []
-        kwargs_chunks: list = []
-        sizes = target_sizes = [0] * self.n_microbatches
-        signature = 0
-        try:
-            args_chunks, kwargs_chunks, sizes, signature = self._check_inputs(args, kwargs)
-            target_sizes = self._check_target(target)
-        except (ValueError, TypeError) as exc:
-            error = exc
-        signature, sizes = self._agree(error, signature, sizes, target_sizes)
+        args_chunks, kwargs_chunks, sizes, target_sizes = self._check_step(args, kwargs, target)
         targets = []
         if any(target_sizes):
             targets = [c[0] for c in split_args_kwargs((_to_device(target, self._device),), {}, self.n_microbatches)[0]]
@@ -269,12 +282,17 @@ class PipelineSchedule:
         for r in self._runners.values():
             r.reset()
         self._channel.begin_step(signature)
+        tracing = self._tracer is not None and executor is self._executor
+        if tracing:
+            self._tracer.begin_step()
         try:
             executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights))
         except BaseException:
             for r in self._runners.values():
                 r.reset()
+            self._header.drop()
             raise
+        self._header.finish()
         self._channel.end_step()
         if not self.has_last_stage:
             return None
@@ -286,6 +304,24 @@ class PipelineSchedule:
         return out
 
 
+def _make_channel(transport: str, group: Optional[dist.ProcessGroup], device: torch.device,
+                  num_stages: int) -> Union[DistChannel, ShmChannel]:
+    """``"auto"``: shared memory when every rank is a CPU process on this host, else the process group.
+
+    ``"shm"`` insists on shared memory, ``"process_group"`` on the group's own
+    send/recv (Gloo, NCCL). Choosing is a collective, so every rank agrees.
+    """
+    if transport not in ("auto", "shm", "process_group"):
+        raise ValueError(f"transport must be 'auto', 'shm' or 'process_group', got {transport!r}")
+    if transport != "process_group" and device.type == "cpu":
+        channel = ShmChannel.create(group, device, num_stages)
+        if channel is not None:
+            return channel
+    if transport == "shm":
+        raise RuntimeError("transport='shm' needs every rank to be a CPU process on one x86-64 Linux host")
+    return DistChannel(group, device, num_stages=num_stages)
+
+
 def _to_device(tree: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
 
@@ -294,9 +330,10 @@ def _named(cls_name: str, name: str, doc: str) -> type:
     """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0) -> None:
+                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False,
+                 transport: str = "auto") -> None:
         PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                                  output_merge_spec, scale_grads, timeout)
+                                  output_merge_spec, scale_grads, timeout, trace, transport)
 
     return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
 

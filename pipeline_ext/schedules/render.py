@@ -10,7 +10,7 @@ the runtime's tracer writes for measured runs so the two can be compared.
 from __future__ import annotations
 
 import json
-from typing import Union
+from typing import Optional, Union
 
 from pipeline_ext.schedules.ir import ActionKind, Schedule
 from pipeline_ext.schedules.simulate import SimResult, Span, simulate
@@ -61,8 +61,13 @@ def render_ascii(what: Union[Schedule, SimResult]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def render_png(result: Union[Schedule, SimResult], path: str) -> None:
-    """Draw the timeline with matplotlib: one lane per rank, a box per action."""
+def render_png(result: Union[Schedule, SimResult], path: str, xlabel: str = "time (cost units)",
+               width: Optional[float] = None) -> None:
+    """Draw the timeline with matplotlib: one lane per rank, a box per action.
+
+    ``width`` (inches) defaults to one that grows with the makespan in cost
+    units; measured timelines (runtime/trace.py) pass their own, with times in ms.
+    """
     try:
         import matplotlib
 
@@ -74,7 +79,8 @@ def render_png(result: Union[Schedule, SimResult], path: str) -> None:
     result = _result(result)
     sched = result.schedule
     makespan = max((s.end for s in result.timeline), default=1.0)
-    fig, ax = plt.subplots(figsize=(min(4 + makespan / 2, 40), 1 + 0.6 * sched.num_ranks))
+    width = min(4 + makespan / 2, 40) if width is None else width
+    fig, ax = plt.subplots(figsize=(width, 1 + 0.6 * sched.num_ranks))
     for span in result.timeline:
         later = span.action.stage != sched.stages_of(span.rank)[0]
         color = _COLORS[span.action.kind][int(later)]
@@ -84,7 +90,7 @@ def render_png(result: Union[Schedule, SimResult], path: str) -> None:
                 fontsize=6, clip_on=True)
     ax.set_yticks(range(sched.num_ranks), [f"rank {r}" for r in range(sched.num_ranks)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (cost units)")
+    ax.set_xlabel(xlabel)
     ax.set_title(f"{sched.name}: {sched.num_ranks} ranks, {sched.n_microbatches} microbatches, "
                  f"bubble {result.bubble_rate:.4f}")
     kinds = sorted({s.action.kind for s in result.timeline}, key=list(_COLORS).index)

@@ -1,0 +1,253 @@
+"""pipeline_ext vs torch.distributed.pipelining on one workload, side by side.
+
+Two ranks on Gloo (127.0.0.1), one intra-op thread each. The workload of issue
+6: an MLP of 8 x (Linear(d, d) + ReLU), batch 64, 8 microbatches, MSE loss.
+For every schedule both libraries run in the same processes, alternating, in
+interleaved repeats (these machines are shared and noisy; only numbers taken
+side by side mean anything), and the unsplit model's forward+backward is timed
+on one process in the same repeats: "seq" over the same 8 microbatches
+(gradient accumulation: the work the pipeline splits over p ranks, and the
+"sequential" of the efficiency), "seq-1" on the whole batch at once (for
+reference: 8-row GEMMs cost more per row than 64-row ones).
+
+Printed per (d, schedule): median step time of each library, efficiency =
+ideal / measured with ideal = sequential / p x (1 + bubble), bubble being the
+simulator's bubble rate of the schedule at unit costs (F = I = W), and the
+throughput ratio pipeline_ext / torch. ZB-H1 (one stage per rank) has no torch
+twin; torch's closest is ScheduleInterleavedZeroBubble (ZB-H1's I/W split and
+ordering, interleaved) given two stages per rank, which is what it is compared
+with.
+
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 7
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+LAYERS, BATCH, MICROBATCHES, WORLD = 8, 64, 8, 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One schedule: our built-in name, torch's class name, stages per rank on each side."""
+
+    name: str
+    torch_class: str
+    v_ours: int = 1
+    v_torch: int = 1
+
+
+CASES = {
+    "gpipe": Case("gpipe", "ScheduleGPipe"),
+    "1f1b": Case("1f1b", "Schedule1F1B"),
+    "interleaved_1f1b": Case("interleaved_1f1b", "ScheduleInterleaved1F1B", 2, 2),
+    "zb_h1": Case("zb_h1", "ScheduleInterleavedZeroBubble", 1, 2),
+}
+
+
+def mlp_stages(d: int, num_stages: int, seed: int = 0) -> list[nn.Module]:
+    """The 8-layer MLP, cut into ``num_stages`` equal stages (same weights for any cut)."""
+    torch.manual_seed(seed)
+    layers = [m for _ in range(LAYERS) for m in (nn.Linear(d, d), nn.ReLU())]
+    per = len(layers) // num_stages
+    return [nn.Sequential(*layers[i * per:(i + 1) * per]) for i in range(num_stages)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def make_step(case_cls: Any, stage_cls: Any, modules: list[nn.Module], v: int, rank: int, m: int,
+              x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument training step on this rank's stages of ``modules`` (grads cleared each step)."""
+    num_stages = len(modules)
+    mine = [s for s in range(num_stages) if _rank_of(s, v) == rank]
+    stages = [stage_cls(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = case_cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
+    params = [p for s in mine for p in modules[s].parameters()]
+    first, last = 0 in mine, num_stages - 1 in mine
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        if first and last:
+            sched.step(x, target=y)
+        elif first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y)
+        else:
+            sched.step()
+
+    return step
+
+
+def _rank_of(stage: int, v: int) -> int:
+    return stage % WORLD  # looped placement; v = 1 is the identity
+
+
+def sequential_step(d: int, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> Callable[[], None]:
+    """The unsplit model's forward+backward on one process, over ``microbatches`` chunks (1: whole batch).
+
+    The pipeline's ideal is this run with the same microbatches (gradient
+    accumulation), split over p ranks: a GEMM on 8 rows costs several times
+    more per row than one on 64 (it is bound by reading the weights), and that
+    is the microbatch size's price, not the pipeline's.
+    """
+    model = nn.Sequential(*mlp_stages(d, 1))
+    chunks = list(zip(x.tensor_split(microbatches), y.tensor_split(microbatches)))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        for xc, yc in chunks:
+            (loss_fn(model(xc), yc) / len(chunks)).backward()
+
+    return step
+
+
+def timed(step: Callable[[], None], steps: int) -> float:
+    """Seconds per step of ``steps`` steps, all ranks starting and stopping together."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def worker(rank: int, world: int, dims: list[int], names: list[str], repeats: int, steps: int) -> list[dict]:
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tp
+
+    import pipeline_ext as pe
+    from pipeline_ext import schedules as S
+
+    rows = []
+    for d in dims:
+        g = torch.Generator().manual_seed(d)
+        x, y = torch.randn(BATCH, d, generator=g), torch.randn(BATCH, d, generator=g)
+        idle = lambda: None  # noqa: E731 - rank 1 waits while rank 0 runs the unsplit model alone
+        seq = sequential_step(d, x, y, MICROBATCHES) if rank == 0 else idle
+        seq_batch = sequential_step(d, x, y, 1) if rank == 0 else idle
+        for name in names:
+            case = CASES[name]
+            ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, mlp_stages(d, WORLD * case.v_ours),
+                             case.v_ours, rank, MICROBATCHES, x, y)
+            theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage, mlp_stages(d, WORLD * case.v_torch),
+                               case.v_torch, rank, MICROBATCHES, x, y)
+            for fn in (seq, seq_batch, ours, theirs):  # warm-up: shapes, allocator, caches
+                timed(fn, 2)
+            t = {"seq": [], "seq_batch": [], "ours": [], "torch": []}
+            for _ in range(repeats):
+                t["seq"].append(timed(seq, steps))
+                t["seq_batch"].append(timed(seq_batch, steps))
+                t["ours"].append(timed(ours, steps))
+                t["torch"].append(timed(theirs, steps))
+            bubble = S.simulate(S.build(name, WORLD, MICROBATCHES, stages_per_rank=case.v_ours),
+                                S.Costs(1.0, 1.0, 1.0)).bubble_rate
+            med = {k: statistics.median(v) for k, v in t.items()}
+            ideal = med["seq"] / WORLD * (1 + bubble)
+            rows.append({"d": d, "schedule": name, "torch_class": case.torch_class, "bubble": bubble, **med,
+                         "eff_ours": ideal / med["ours"], "eff_torch": ideal / med["torch"],
+                         "ratio": med["torch"] / med["ours"]})
+            dist.barrier()
+    return rows
+
+
+class Scale(nn.Module):
+    """A stage that does next to nothing (one multiply): what is left of a step is the runtime's cost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: int, steps: int) -> list[dict]:
+    """Per-action cost with no-op stages: step time / actions per rank of our lowered schedule.
+
+    Both libraries are divided by the same action count (F, B or I and W,
+    and one SEND or RECV per message), so the two numbers compare directly.
+    """
+    import torch.distributed.pipelining as tp
+
+    import pipeline_ext as pe
+    from pipeline_ext import schedules as S
+
+    x, y = torch.ones(m, 4), torch.ones(m, 4)
+    rows = []
+    for name in names:
+        case = CASES[name]
+        ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, [Scale() for _ in range(WORLD * case.v_ours)],
+                         case.v_ours, rank, m, x, y)
+        theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage,
+                           [Scale() for _ in range(WORLD * case.v_torch)], case.v_torch, rank, m, x, y)
+        lowered = S.lower(S.build(name, WORLD, m, stages_per_rank=case.v_ours))
+        actions = max(len(a) for a in lowered.actions)
+        for fn in (ours, theirs):
+            timed(fn, 3)
+        t = {"ours": [], "torch": []}
+        for _ in range(repeats):
+            t["ours"].append(timed(ours, steps))
+            t["torch"].append(timed(theirs, steps))
+        med = {k: statistics.median(v) for k, v in t.items()}
+        rows.append({"schedule": name, "torch_class": case.torch_class, "actions": actions, **med})
+    return rows
+
+
+def print_overhead(rows: list[dict]) -> None:
+    print(f"{'schedule':<17} {'torch class':<30} {'actions/rank':>12} {'ours ms':>8} {'torch ms':>9} "
+          f"{'ours us/action':>14} {'torch us/action':>15}")
+    for r in rows:
+        print(f"{r['schedule']:<17} {r['torch_class']:<30} {r['actions']:>12} {r['ours'] * 1e3:>8.2f} "
+              f"{r['torch'] * 1e3:>9.2f} {r['ours'] / r['actions'] * 1e6:>14.1f} {r['torch'] / r['actions'] * 1e6:>15.1f}")
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'d':>5} {'schedule':<17} {'torch class':<30} {'seq ms':>7} {'seq-1 ms':>8} {'ours ms':>8} {'torch ms':>9} "
+          f"{'eff ours':>8} {'eff torch':>9} {'ours/torch thrpt':>16}")
+    for r in rows:
+        print(f"{r['d']:>5} {r['schedule']:<17} {r['torch_class']:<30} {r['seq'] * 1e3:>7.2f} {r['seq_batch'] * 1e3:>8.2f} {r['ours'] * 1e3:>8.2f} "
+              f"{r['torch'] * 1e3:>9.2f} {r['eff_ours']:>8.3f} {r['eff_torch']:>9.3f} {r['ratio']:>15.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--schedules", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians are reported")
+    ap.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
+    ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--overhead", action="store_true", help="per-action cost with no-op stages instead")
+    ap.add_argument("--overhead-microbatches", type=int, default=32)
+    args = ap.parse_args()
+
+    from pipeline_ext.launch import spawn
+
+    if args.overhead:
+        m = args.overhead_microbatches
+        print(f"no-op stages (x * w), {m} microbatches, {WORLD} ranks (Gloo), 1 thread/rank, torch {torch.__version__}; "
+              f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
+        out = spawn(overhead_worker, WORLD, args.schedules, m, args.repeats, args.steps, timeout=args.timeout)
+        print_overhead(out[0][1])
+        return
+
+    print(f"MLP {LAYERS} x Linear(d,d)+ReLU, batch {BATCH}, {MICROBATCHES} microbatches, {WORLD} ranks (Gloo), "
+          f"1 thread/rank, torch {torch.__version__}; medians of {args.repeats} interleaved repeats x {args.steps} steps")
+    out = spawn(worker, WORLD, args.dims, args.schedules, args.repeats, args.steps, timeout=args.timeout, threads=1)
+    print_table(out[0][1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Start N local worker processes over Gloo and collect what each returns.
+
+The demo and the benchmarks start their own ranks instead of asking the user
+for ``torchrun``: one command must be enough to see a pipeline train. This is
+the small, safe version of that: spawned processes (``torch.multiprocessing``),
+Gloo on 127.0.0.1 on a free port, a process-group timeout on every collective,
+one wall-clock timeout for the whole run after which every rank still alive is
+killed, and a rank's exception comes back to the caller with its traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["free_port", "spawn", "RankError"]
+
+
+class RankError(RuntimeError):
+    """A worker rank raised, died, or did not finish in time."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any,
+           pg_timeout: float, threads: Optional[int]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0,
+          threads: Optional[int] = 1, raise_errors: bool = True) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return ``{rank: (status, value)}``.
+
+    ``fn`` must be importable (a module-level function). ``threads`` sets each
+    rank's intra-op threads (None leaves torch's default). With ``raise_errors``
+    a failed rank raises :class:`RankError` carrying every failed rank's
+    traceback; a run past ``timeout`` seconds always raises (ranks are killed).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, pg_timeout, threads), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break  # a rank died without reporting (killed, segfault)
+                continue
+            out[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = sorted(set(range(world)) - set(out))
+    if missing:
+        raise RankError(f"ranks {missing} did not report within {timeout:.0f} s (killed)")
+    errors = {r: v for r, (s, v) in out.items() if s == "error"}
+    if errors and raise_errors:
+        raise RankError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return out

@@ -1,0 +1,215 @@
+"""Execution traces: what each rank actually did, when, and how far that is from the model.
+
+A schedule's promise is a timeline (see ``schedules.simulate``); whether a run
+keeps it is only visible by recording the run. With tracing on, the executor's
+``on_action`` hook hands every executed action (F/B/I/W and SEND/RECV) with
+its start and end to a :class:`Tracer`; with tracing off the hook is ``None``
+and the executor pays one attribute test per action.
+
+From the recorded spans a :class:`TraceReport` measures the per-stage F, B (or
+I), W costs and the transfer cost, the bubble rate, and asks the simulator what
+bubble the schedule *should* have at exactly those costs, so "the pipeline is
+slow" can be told apart into "the schedule has a bubble" and "the runtime adds
+waits the model does not have". It writes a Chrome trace (one track per rank,
+open in Perfetto or chrome://tracing) and a timeline PNG.
+
+Clock: ``time.perf_counter``, CLOCK_MONOTONIC on Linux, which every process on
+one host shares, so spans gathered from several processes line up. Across
+hosts the clocks are unrelated: per-rank durations (hence costs and per-rank
+busy time) stay right, but cross-rank alignment in the trace and the transfer
+cost estimate do not. On CUDA, spans are host-side (launch) times unless the
+caller synchronises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from pipeline_ext.runtime.executor import message_tag
+from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate
+from pipeline_ext.schedules.simulate import Span
+
+__all__ = ["Tracer", "TraceReport", "gather_steps", "measure_costs", "measured_bubble"]
+
+_COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+class Tracer:
+    """Collects one rank's spans, step by step. ``record`` is the executor's ``on_action``."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.steps: list[list[Span]] = []
+
+    def begin_step(self) -> None:
+        """Spans recorded from now on belong to a new step."""
+        self.steps.append([])
+
+    def record(self, action: Action, start: float, end: float) -> None:
+        self.steps[-1].append(Span(self.rank, action, start, end))
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+
+def gather_steps(tracer: Tracer, group: Optional[object] = None, dst: int = 0) -> Optional[list[list[Span]]]:
+    """Every rank's spans, step by step, merged on group rank ``dst`` (None elsewhere).
+
+    A collective: every rank of ``group`` must call it, after the same number
+    of traced steps. Without torch.distributed initialised, the local spans.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return [sorted(s, key=lambda x: x.start) for s in tracer.steps]
+    world = dist.get_world_size(group)
+    mine = [[(sp.rank, tuple(sp.action), sp.start, sp.end) for sp in step] for step in tracer.steps]
+    gathered: Optional[list] = [None] * world if dist.get_rank(group) == dst else None
+    dst_global = dist.get_global_rank(group, dst) if group is not None else dst
+    dist.gather_object(mine, gathered, dst=dst_global, group=group)
+    if gathered is None:
+        return None
+    counts = {len(steps) for steps in gathered}
+    if len(counts) != 1:
+        raise RuntimeError(f"ranks traced different numbers of steps: {[len(s) for s in gathered]}")
+    merged: list[list[Span]] = []
+    for i in range(counts.pop()):
+        spans = [Span(r, Action(a[0], ActionKind(a[1]), a[2]), s, e) for steps in gathered for r, a, s, e in steps[i]]
+        merged.append(sorted(spans, key=lambda x: (x.rank, x.start)))
+    return merged
+
+
+def _median_by(spans: Sequence[Span], kinds: Sequence[ActionKind], stage: int) -> float:
+    values = [s.end - s.start for s in spans if s.action.kind in kinds and s.action.stage == stage]
+    return statistics.median(values) if values else 0.0
+
+
+def transfer_samples(schedule: Schedule, spans: Sequence[Span]) -> list[float]:
+    """Message latencies seen by receivers that were already waiting when the send started.
+
+    For such a message, receive end - send start is the transfer time; a
+    receive that found its data already there shows none of it, so it is left
+    out. Needs one clock across ranks (one host).
+    """
+    sends = {message_tag(s.action, schedule.num_stages): s for s in spans if s.action.kind in _SENDS}
+    out = []
+    for r in spans:
+        if r.action.kind in _RECVS:
+            s = sends.get(message_tag(r.action, schedule.num_stages))
+            if s is not None and r.start <= s.start:
+                out.append(r.end - s.start)
+    return out
+
+
+def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]]) -> Costs:
+    """Per-stage median F, B (or I), W and the median transfer time, as simulator ``Costs``.
+
+    A stage that runs full backwards gets b = its B time and w = 0 (the
+    simulator charges b + w for a B); a split one gets b = I and w = W.
+    """
+    spans = [s for step in steps for s in step]
+    stages = range(schedule.num_stages)
+    f = [_median_by(spans, (ActionKind.F,), s) for s in stages]
+    b = [_median_by(spans, (ActionKind.B, ActionKind.I), s) for s in stages]
+    w = [_median_by(spans, (ActionKind.W,), s) for s in stages]
+    samples = [c for step in steps for c in transfer_samples(schedule, step)]
+    return Costs(f=f, b=b, w=w, comm=statistics.median(samples) if samples else 0.0)
+
+
+def measured_bubble(spans: Sequence[Span], num_ranks: int) -> float:
+    """The simulator's bubble rate, on measured spans: mean over ranks of (T - busy_r) / T.
+
+    T is the longest first-compute-start to last-compute-end of any rank and
+    busy_r the rank's compute time; SEND/RECV time counts as idle, as the
+    simulator's model charges comm only on dependencies.
+    """
+    compute = [[s for s in spans if s.rank == r and s.action.kind in _COMPUTE] for r in range(num_ranks)]
+    lengths = [max(s.end for s in c) - min(s.start for s in c) for c in compute if c]
+    longest = max(lengths, default=0.0)
+    if longest <= 0:
+        return 0.0
+    return sum((longest - sum(s.end - s.start for s in c)) / longest for c in compute) / num_ranks
+
+
+@dataclass
+class TraceReport:
+    """Measured vs. simulated, over the traced steps (merged from every rank)."""
+
+    schedule: Schedule
+    steps: list[list[Span]]
+    costs: Costs = field(init=False)
+    simulated: SimResult = field(init=False)
+    bubble_per_step: list[float] = field(init=False)
+    step_times: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("no traced steps: enable tracing and run at least one step first")
+        self.costs = measure_costs(self.schedule, self.steps)
+        self.simulated = simulate(self.schedule, self.costs)
+        self.bubble_per_step = [measured_bubble(s, self.schedule.num_ranks) for s in self.steps]
+        self.step_times = [max(s.end for s in st) - min(s.start for s in st) for st in self.steps]
+
+    @property
+    def measured_bubble(self) -> float:
+        """Median over the traced steps of the measured bubble rate."""
+        return statistics.median(self.bubble_per_step)
+
+    @property
+    def simulated_bubble(self) -> float:
+        return self.simulated.bubble_rate
+
+    def summary(self) -> str:
+        """A few lines for a terminal: costs, step time, measured vs simulated bubble."""
+        ms = lambda v: "/".join(f"{x * 1e3:.2f}" for x in (v if isinstance(v, list) else [v]))  # noqa: E731
+        c = self.costs
+        return (
+            f"trace of {len(self.steps)} step(s) of {self.schedule.name} on {self.schedule.num_ranks} ranks: "
+            f"step {statistics.median(self.step_times) * 1e3:.1f} ms (actions, median)\n"
+            f"  measured costs per stage (ms): F {ms(c.f)}  B/I {ms(c.b)}  W {ms(c.w)}  comm {ms(c.comm)}\n"
+            f"  bubble: measured {self.measured_bubble:.3f}, simulated at these costs {self.simulated_bubble:.3f}"
+        )
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace JSON: one track per rank, every action (comm too), steps as enclosing spans."""
+        origin = min(s.start for step in self.steps for s in step)
+        us = lambda t: (t - origin) * 1e6  # noqa: E731
+        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+                               "args": {"name": f"{self.schedule.name} (measured)"}}]
+        for r in range(self.schedule.num_ranks):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+        for i, step in enumerate(self.steps):
+            for r in range(self.schedule.num_ranks):
+                mine = [s for s in step if s.rank == r]
+                if mine:
+                    start, end = min(s.start for s in mine), max(s.end for s in mine)
+                    events.append({"name": f"step {i}", "cat": "step", "ph": "X", "pid": 0, "tid": r,
+                                   "ts": us(start), "dur": (end - start) * 1e6})
+            for s in step:
+                a = s.action
+                events.append({"name": str(a), "cat": a.kind.value, "ph": "X", "pid": 0, "tid": s.rank,
+                               "ts": us(s.start), "dur": (s.end - s.start) * 1e6,
+                               "args": {"stage": a.stage, "microbatch": a.microbatch, "step": i}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.chrome_trace(), fh)
+
+    def write_png(self, path: str, step: int = -1) -> None:
+        """The measured timeline of one step (compute actions, ms), drawn like a simulated one."""
+        from pipeline_ext.schedules import render_png
+
+        spans = [s for s in self.steps[step] if s.action.kind in _COMPUTE]
+        origin = min(s.start for s in spans)
+        timeline = [Span(s.rank, s.action, (s.start - origin) * 1e3, (s.end - origin) * 1e3) for s in spans]
+        named = dataclasses.replace(self.schedule, name=f"{self.schedule.name} (measured step)")
+        measured = SimResult(named, self.costs, timeline, max(s.end for s in timeline),
+                             self.bubble_per_step[step], [], [])
+        render_png(measured, path, xlabel="time (ms, measured)", width=12.0)

@@ -1,0 +1,90 @@
+"""Tracing: measured costs and bubble agree with the simulator on its own timeline, and a
+traced multi-process run records every action of every rank (comm included)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mp_utils import run_ranks
+from models import build, loss_fn, make_batch
+from pipeline_ext import schedules as S
+from pipeline_ext.runtime.trace import TraceReport, measure_costs, measured_bubble, transfer_samples
+from pipeline_ext.schedules.simulate import Span
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_simulated_timeline_read_as_a_trace_gives_back_costs_and_bubble(name):
+    sch = S.build(name, 2, 4)
+    ns = sch.num_stages
+    costs = S.Costs(f=[1.0 + s for s in range(ns)], b=[2.0 + s for s in range(ns)],
+                    w=[0.5 * (name == "zb_h1")] * ns, comm=0.0)
+    sim = S.simulate(sch, costs)
+    assert measured_bubble(sim.timeline, 2) == pytest.approx(sim.bubble_rate)
+    got = measure_costs(sch, [sim.timeline])
+    if name != "zb_h1":  # a full B is measured as b (+ w = 0), the simulator charged b + w
+        assert got.f == pytest.approx(costs.f) and got.b == pytest.approx(costs.b)
+    else:
+        assert (got.f, got.b, got.w) == (pytest.approx(costs.f), pytest.approx(costs.b), pytest.approx(costs.w))
+    assert got.comm == 0.0  # no SEND/RECV spans, no transfer samples
+    report = TraceReport(sch, [sim.timeline])
+    assert report.simulated_bubble == pytest.approx(sim.bubble_rate)
+
+
+def test_transfer_time_is_read_only_from_receivers_that_waited():
+    sch = S.lower(S.build("1f1b", 2, 2))
+    a = S.Action
+    spans = [
+        Span(0, a(0, S.ActionKind.SEND_F, 0), 1.0, 1.1), Span(1, a(1, S.ActionKind.RECV_F, 0), 0.5, 1.6),  # waited
+        Span(1, a(1, S.ActionKind.SEND_B, 0), 3.0, 3.1), Span(0, a(0, S.ActionKind.RECV_B, 0), 4.0, 4.01),  # found data
+    ]
+    assert transfer_samples(sch, spans) == [pytest.approx(0.6)]
+
+
+def _traced(rank: int, world: int, name: str, path: str) -> dict:
+    import pipeline_ext as pe
+
+    v = 2 if name == "interleaved_1f1b" else 1
+    placement = S.build(name, world, 4, stages_per_rank=v).stage_to_rank
+    modules = build("mlp", world * v)
+    mine = [s for s, r in enumerate(placement) if r == rank]
+    stages = [pe.PipelineStage(modules[s], s, world * v, "cpu") for s in mine]
+    sched = pe.PipelineSchedule(stages, name, 4, loss_fn=loss_fn)
+    x, y = make_batch("mlp", 8)
+    args, target = ((x,) if 0 in mine else ()), (y if world * v - 1 in mine else None)
+    out = {"off_hook": sched._executor.on_action}
+    sched.step(*args, target=target)  # untraced
+    sched.enable_tracing()
+    for _ in range(2):
+        sched.step(*args, target=target)
+    report = sched.write_trace(path)
+    out["report"] = None if report is None else {
+        "steps": len(report.steps), "actions": [[str(s.action) for s in st] for st in report.steps],
+        "ranks": [sorted({s.rank for s in st}) for st in report.steps],
+        "f": report.costs.f, "measured": report.measured_bubble, "simulated": report.simulated_bubble,
+        "expected": [sorted(str(a) for acts in sched.schedule.actions for a in acts)],
+    }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_traced_run_records_every_action_and_writes_a_chrome_trace(tmp_path, name):
+    path = str(tmp_path / "trace.json")
+    results = run_ranks(_traced, 2, name, path, timeout=100)
+    assert all(v["off_hook"] is None for _, v in results.values())  # tracing is off by default
+    rep = results[0][1]["report"]
+    assert results[1][1]["report"] is None  # the report lands on rank 0 only
+    assert rep["steps"] == 2  # the untraced first step is not in it
+    for actions, ranks in zip(rep["actions"], rep["ranks"]):
+        assert sorted(actions) == rep["expected"][0] and ranks == [0, 1]
+    assert all(f > 0 for f in rep["f"])
+    assert 0.0 <= rep["measured"] < 1.0 and 0.0 <= rep["simulated"] < 1.0
+    trace = json.load(open(path))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"rank 0", "rank 1"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+    assert len(spans) == 2 * len(rep["expected"][0])
+    assert {e["cat"] for e in spans} >= {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
