@@ -18,7 +18,11 @@ twin; torch's closest is ScheduleInterleavedZeroBubble (ZB-H1's I/W split and
 ordering, interleaved) given two stages per rank, which is what it is compared
 with.
 
-    PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 7
+pipeline_ext runs with its default transport ("auto": shared memory between
+CPU ranks on one host); torch uses the Gloo group.
+
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --overhead
 """
 from __future__ import annotations
 
