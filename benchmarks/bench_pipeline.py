@@ -18,7 +18,11 @@ twin; torch's closest is ScheduleInterleavedZeroBubble (ZB-H1's I/W split and
 ordering, interleaved) given two stages per rank, which is what it is compared
 with.
 
-    PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 7
+pipeline_ext runs with its default transport ("auto": shared memory between
+CPU ranks on one host); torch uses the Gloo group.
+
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --overhead
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -206,6 +210,60 @@ def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: in
     return rows
 
 
+def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int) -> Optional[dict]:
+    """The runtime's own cost per action, without any transfer: one stage on a one-rank group.
+
+    Rank 0 runs a single-stage schedule (m forwards, m backwards) over a group
+    of itself, with both libraries, and the same m forward+backward calls by
+    hand ("bare"); (step - bare) / 2m is the per-action cost of the runtime.
+    The other rank waits at the barrier, so nothing else of ours competes.
+    """
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tp
+
+    import pipeline_ext as pe
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    if rank != 0:
+        for _ in range(2 + 3 * repeats):
+            dist.barrier()
+        return None
+    g = groups[0]
+    x, y = torch.ones(m, 4), torch.ones(m, 4)
+    mod = Scale()
+    ours = pe.Schedule1F1B(pe.PipelineStage(mod, 0, 1, "cpu", group=g), m, loss_fn=loss_fn)
+    theirs = tp.Schedule1F1B(tp.PipelineStage(mod, 0, 1, torch.device("cpu"), group=g), m, loss_fn=loss_fn)
+    chunks = list(zip(x.tensor_split(m), y.tensor_split(m)))
+
+    def bare() -> None:
+        for xc, yc in chunks:
+            (loss_fn(mod(xc), yc) / m).backward()
+
+    fns = {"ours": lambda: ours.step(x, target=y), "torch": lambda: theirs.step(x, target=y), "bare": bare}
+    for fn in fns.values():
+        fn()
+    dist.barrier()
+    t: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                mod.w.grad = None
+                fn()
+            t[k].append((time.perf_counter() - t0) / steps)
+            dist.barrier()
+    dist.barrier()
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {"m": m, **med}
+
+
+def print_executor_cost(row: dict) -> None:
+    per = {k: (row[k] - row["bare"]) / (2 * row["m"]) * 1e6 for k in ("ours", "torch")}
+    print(f"one rank, one no-op stage, {row['m']} microbatches (F and B each): step ours {row['ours'] * 1e3:.2f} ms, "
+          f"torch {row['torch'] * 1e3:.2f} ms, bare F+B calls {row['bare'] * 1e3:.2f} ms")
+    print(f"runtime cost per action (step - bare) / {2 * row['m']}: ours {per['ours']:.1f} us, torch {per['torch']:.1f} us")
+
+
 def print_overhead(rows: list[dict]) -> None:
     print(f"{'schedule':<17} {'torch class':<30} {'actions/rank':>12} {'ours ms':>8} {'torch ms':>9} "
           f"{'ours us/action':>14} {'torch us/action':>15}")
@@ -241,6 +299,8 @@ def main() -> None:
               f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
         out = spawn(overhead_worker, WORLD, args.schedules, m, args.repeats, args.steps, timeout=args.timeout)
         print_overhead(out[0][1])
+        out = spawn(executor_cost_worker, WORLD, m, args.repeats, args.steps, timeout=args.timeout)
+        print_executor_cost(out[0][1])
         return
 
     print(f"MLP {LAYERS} x Linear(d,d)+ReLU, batch {BATCH}, {MICROBATCHES} microbatches, {WORLD} ranks (Gloo), "

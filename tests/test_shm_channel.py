@@ -48,8 +48,6 @@ def _messages(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     dist.barrier()
-    ch.close()
-    dist.barrier()
     left = glob.glob(ch.prefix + "*")
     if left:
         bad.append(f"files left: {left}")

@@ -13,9 +13,11 @@ Layout, per ordered pair (src -> dst): a control file (created by dst) with the
 write counter (src only writes it), the read counter (dst only writes it), the
 pids of both ends, and ``SLOTS`` slot headers (tag, data generation, layout);
 and one data file per slot (created by src, replaced by a bigger one of the
-next generation when a message does not fit). Files live in /dev/shm and are
-unlinked as soon as both ends have mapped them, so nothing leaks if a process
-dies. Messages from one peer are read in the order sent; a receive waiting for
+next generation when a message does not fit). Files live in /dev/shm; the
+reader unlinks each as soon as it has mapped it (the sender may be gone by
+then: a send completes when the bytes are in the file, so a sender's process
+can finish its step and drop its channel before the reader looks), so only a
+file whose message is never read can outlive the run. Messages from one peer are read in the order sent; a receive waiting for
 another tag sets earlier messages aside (any order of receives works), and a
 sender waiting for a free slot drains its own inbound rings meanwhile (no
 cycle of full rings can deadlock).
@@ -26,11 +28,11 @@ the front door then uses the process-group channel.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import time
 import uuid
-import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -57,10 +59,15 @@ def supported(device: torch.device) -> bool:
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    if create:
-        with open(path, "wb") as fh:
-            fh.truncate(nbytes)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    """``nbytes`` of the file at ``path``, shared; attaching to a missing file raises (never creates one)."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def _unlink(path: str) -> None:
@@ -71,13 +78,12 @@ def _unlink(path: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited rank stays one until its parent reaps it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Ring:
@@ -140,8 +146,6 @@ class ShmChannel:
         self._in, self._out = inbound, outbound
         self._stash: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._peer_pids = {p: int(r.ctrl[_SRC_PID]) for p, r in inbound.items()}
-        self._created: list[str] = []  # data files made here; unlinked by the reader, or at the latest here
-        self._finalizer = weakref.finalize(self, _unlink_all, self._created)
 
     @classmethod
     def create(cls, group: Optional[dist.ProcessGroup] = None, device: torch.device = torch.device("cpu"),
@@ -210,9 +214,7 @@ class ShmChannel:
         if data is None or data.numel() < need:
             ring.gen[slot] += 1
             cap = max(need, 2 * (0 if data is None else data.numel()), 4096)
-            path = ring.data_path(slot, ring.gen[slot])
-            ring.data[slot] = data = _map(path, cap, create=True)
-            self._created.append(path)
+            ring.data[slot] = data = _map(ring.data_path(slot, ring.gen[slot]), cap, create=True)
         _, layout = ops.pack(tensors, out=data)
         words = layout.to_tensor()
         if words.numel() > LAYOUT_WORDS:
@@ -289,15 +291,6 @@ class ShmChannel:
             else:
                 time.sleep(5e-5)
 
-    def close(self) -> None:
-        """Unlink the data files this rank created (mappings stay valid until dropped)."""
-        self._finalizer()
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        _unlink(path)
-    paths.clear()
 
 
 def _all_ok(ok: bool, group: Optional[dist.ProcessGroup]) -> bool:
