@@ -18,8 +18,8 @@ twin; torch's closest is ScheduleInterleavedZeroBubble (ZB-H1's I/W split and
 ordering, interleaved) given two stages per rank, which is what it is compared
 with.
 
-pipeline_ext runs with its default transport ("auto": shared memory between
-CPU ranks on one host); torch uses the Gloo group.
+pipeline_ext and torch both move stage-to-stage messages over the same Gloo
+group (pipeline_ext through its C++ ProcessGroupChannel).
 
     PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
     PYTHONPATH=. python benchmarks/bench_pipeline.py --overhead

@@ -121,8 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = GPTConfig(layers=args.layers)
     print(f"pipeline_ext demo: GPT ({args.layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab}, seq {cfg.seq_len}) "
           f"on {args.stages} worker processes ({args.stages * v} stages), schedule {args.schedule}, "
-          f"{args.microbatches} microbatches of {args.batch} sequences per step; Gloo on 127.0.0.1 to set up, "
-          "shared memory between the stages", flush=True)
+          f"{args.microbatches} microbatches of {args.batch} sequences per step; Gloo on 127.0.0.1", flush=True)
     opts = {k: getattr(args, k) for k in ("schedule", "microbatches", "steps", "batch", "layers", "lr", "trace_steps",
                                          "png", "trace_json")}
     t0 = time.perf_counter()

@@ -30,7 +30,6 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
 from pipeline_ext.runtime.channels import DistChannel
-from pipeline_ext.runtime.shm_channel import ShmChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.step_header import REJECTED, StepHeader
@@ -105,7 +104,6 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         trace: bool = False,
-        transport: str = "auto",
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -145,14 +143,13 @@ class PipelineSchedule:
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
         device = first.device
-        self._channel = _make_channel(transport, self.group, device, num_stages)
+        self._channel = DistChannel(self.group, device, num_stages=num_stages)
         self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
         self._device = device
-        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device,
-                                  self._channel)
+        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device)
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
 
@@ -225,7 +222,7 @@ class PipelineSchedule:
             raise ValueError("target= was given but the schedule has no loss_fn")
         return microbatch_sizes((target,), {}, self.n_microbatches)
 
-    def _check_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], list[int]]:
+    def _check_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], list[int], int]:
         """Validate this rank's part of the step and share the step header, before any stage runs.
 
         The rank of stage 0 sends (signature, rows per microbatch) to every rank;
@@ -249,7 +246,7 @@ class PipelineSchedule:
             raise RuntimeError(f"rank {self._first_rank} rejected this step's inputs (its error says why); no stage ran")
         if any(target_sizes) and target_sizes != sizes:
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        return args_chunks, kwargs_chunks, sizes, target_sizes
+        return args_chunks, kwargs_chunks, sizes, target_sizes, signature
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
@@ -274,7 +271,7 @@ class PipelineSchedule:
             return self._run(self._eval_executor, args, kwargs, None, None)
 
     def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
-        args_chunks, kwargs_chunks, sizes, target_sizes = self._check_step(args, kwargs, target)
+        args_chunks, kwargs_chunks, sizes, target_sizes, signature = self._check_step(args, kwargs, target)
         targets = []
         if any(target_sizes):
             targets = [c[0] for c in split_args_kwargs((_to_device(target, self._device),), {}, self.n_microbatches)[0]]
@@ -304,24 +301,6 @@ class PipelineSchedule:
         return out
 
 
-def _make_channel(transport: str, group: Optional[dist.ProcessGroup], device: torch.device,
-                  num_stages: int) -> Union[DistChannel, ShmChannel]:
-    """``"auto"``: shared memory when every rank is a CPU process on this host, else the process group.
-
-    ``"shm"`` insists on shared memory, ``"process_group"`` on the group's own
-    send/recv (Gloo, NCCL). Choosing is a collective, so every rank agrees.
-    """
-    if transport not in ("auto", "shm", "process_group"):
-        raise ValueError(f"transport must be 'auto', 'shm' or 'process_group', got {transport!r}")
-    if transport != "process_group" and device.type == "cpu":
-        channel = ShmChannel.create(group, device, num_stages)
-        if channel is not None:
-            return channel
-    if transport == "shm":
-        raise RuntimeError("transport='shm' needs every rank to be a CPU process on one x86-64 Linux host")
-    return DistChannel(group, device, num_stages=num_stages)
-
-
 def _to_device(tree: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
 
@@ -330,10 +309,9 @@ def _named(cls_name: str, name: str, doc: str) -> type:
     """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False,
-                 transport: str = "auto") -> None:
+                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False) -> None:
         PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                                  output_merge_spec, scale_grads, timeout, trace, transport)
+                                  output_merge_spec, scale_grads, timeout, trace)
 
     return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
 

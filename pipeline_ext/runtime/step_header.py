@@ -39,10 +39,8 @@ class StepHeader:
     """Shares (signature, microbatch sizes) from the rank of stage 0 with the other ranks of ``group``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, first_rank: int,
-                 n_microbatches: int, device: torch.device, channel: Any = None) -> None:
+                 n_microbatches: int, device: torch.device) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
-        # a channel whose send/recv work between steps (shared memory) carries the header itself
-        self.channel = channel if getattr(channel, "stepless", False) else None
         self.first_rank, self.n_microbatches, self.device = first_rank, n_microbatches, device
         self._pending: list[Any] = []  # (tensor, works) of headers in flight
         self._signatures: dict[tuple, int] = {}
@@ -70,8 +68,6 @@ class StepHeader:
         """On the rank of stage 0: start sending; elsewhere: receive. Returns (signature, sizes) everywhere."""
         if self.num_ranks == 1:
             return signature, list(sizes)
-        if self.channel is not None:
-            return self._share_on_channel(signature, sizes)
         if self.rank == self.first_rank:
             header = torch.tensor([signature, *sizes], dtype=torch.int64, device=self.device)
             works = [dist.isend(header, self._global(r), group=self.group, tag=HEADER_TAG)
@@ -81,17 +77,6 @@ class StepHeader:
         header = torch.empty(1 + self.n_microbatches, dtype=torch.int64, device=self.device)
         dist.recv(header, self._global(self.first_rank), group=self.group, tag=HEADER_TAG)
         values = header.tolist()
-        return values[0], values[1:]
-
-    def _share_on_channel(self, signature: int, sizes: Sequence[int]) -> tuple[int, list[int]]:
-        if self.rank == self.first_rank:
-            header = torch.tensor([signature, *sizes], dtype=torch.int64)
-            for r in range(self.num_ranks):
-                if r != self.rank:
-                    self.channel.send([header], r, HEADER_TAG)
-            return signature, list(sizes)
-        what = f"rank {self.rank} waiting for the step header from rank {self.first_rank}"
-        values = self.channel.recv(self.first_rank, HEADER_TAG).wait(None, what)[0].tolist()
         return values[0], values[1:]
 
     def finish(self) -> None:
