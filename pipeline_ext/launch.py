@@ -60,7 +60,9 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     ``fn`` must be importable (a module-level function). ``threads`` sets each
     rank's intra-op threads (None leaves torch's default). With ``raise_errors``
     a failed rank raises :class:`RankError` carrying every failed rank's
-    traceback; a run past ``timeout`` seconds always raises (ranks are killed).
+    traceback; without it, a rank that died without reporting comes back as
+    ``("died", exitcode)``. A rank still running after ``timeout`` seconds
+    always raises (every rank still alive is killed).
     """
     import torch.multiprocessing as mp
 
@@ -89,9 +91,15 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    missing = sorted(set(range(world)) - set(out))
-    if missing:
-        raise RankError(f"ranks {missing} did not report within {timeout:.0f} s (killed)")
+    hung = []
+    for r in sorted(set(range(world)) - set(out)):
+        code = procs[r].exitcode
+        if not raise_errors and code is not None and code != -9:  # died on its own, not killed by us
+            out[r] = ("died", code)
+        else:
+            hung.append(r)
+    if hung:
+        raise RankError(f"ranks {hung} did not report within {timeout:.0f} s (killed)")
     errors = {r: v for r, (s, v) in out.items() if s == "error"}
     if errors and raise_errors:
         raise RankError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
