@@ -86,7 +86,7 @@ setup(
     python_requires=">=3.9",
     # The compiled core is tied to this exact torch release.
     install_requires=[f"torch=={TORCH_VERSION}"],
-    extras_require={"png": ["matplotlib"], "test": ["pytest", "hypothesis"]},
+    extras_require={"png": ["matplotlib"], "demo": ["tqdm", "matplotlib"], "test": ["pytest", "hypothesis"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     zip_safe=False,

@@ -80,10 +80,41 @@ def train(rank: int, world: int, opts: dict[str, Any]) -> Optional[dict[str, Any
     return out
 
 
-def _progress(total: int) -> Any:
-    from tqdm import tqdm
+class _PlainProgress:
+    """Stand-in for tqdm when it is not installed: the loss lines still show progress."""
 
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("(no progress bar: `pip install tqdm`, or install with the [demo] extra)", flush=True)
+        return _PlainProgress(total)
     return tqdm(total=total, desc="training", unit="step", file=sys.stdout, dynamic_ncols=True, leave=True)
+
+
+def _can_plot() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("(no timeline PNG: `pip install matplotlib`, or install with the [demo] extra)", flush=True)
+        return False
+    return True
 
 
 def _args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -103,6 +134,8 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--trace-json", default="", help="also write a Chrome trace of the traced steps here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are killed")
     args = ap.parse_args(argv)
+    if args.png and not _can_plot():
+        args.png = ""
     v = _V_DEFAULT.get(args.schedule, 1)
     try:
         S.build(args.schedule, args.stages, args.microbatches, stages_per_rank=v)
