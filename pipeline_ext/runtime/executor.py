@@ -22,6 +22,7 @@ Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -161,7 +162,7 @@ class Executor:
         st = _StepState()
         pending = deque(self._recv_actions)
         self._post(st, pending)
-        clock = time_fn()
+        clock = time.perf_counter
         self.failed_action = None
         for action in self.actions:
             start = clock()
@@ -266,9 +267,3 @@ class Executor:
                 "(is the schedule lowered and validated?)"
             ) from None
 
-
-def time_fn() -> Callable[[], float]:
-    """The clock used for action timings (perf_counter; CUDA callers synchronise in tracing)."""
-    import time
-
-    return time.perf_counter
