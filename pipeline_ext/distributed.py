@@ -28,7 +28,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_ext import schedules as S
-from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
+from pipeline_ext.microbatch import (
+    merge_chunks,
+    microbatch_sizes,
+    microbatch_weights,
+    split_args_kwargs,
+    split_target,
+    to_device,
+)
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
@@ -203,7 +210,7 @@ class PipelineSchedule:
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
-        args, kwargs = _to_device((args, kwargs), self._device)
+        args, kwargs = to_device((args, kwargs), self._device)
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
         return args_chunks, kwargs_chunks, sizes
 
@@ -274,7 +281,7 @@ class PipelineSchedule:
         args_chunks, kwargs_chunks, sizes, target_sizes, signature = self._check_step(args, kwargs, target)
         targets = []
         if any(target_sizes):
-            targets = [c[0] for c in split_args_kwargs((_to_device(target, self._device),), {}, self.n_microbatches)[0]]
+            targets = split_target(to_device(target, self._device), self.n_microbatches)
         weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
         for r in self._runners.values():
             r.reset()
@@ -299,10 +306,6 @@ class PipelineSchedule:
         out = merge_chunks([last.outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec)
         last.outputs.clear()
         return out
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
 
 
 def _named(cls_name: str, name: str, doc: str) -> type:

@@ -31,6 +31,8 @@ __all__ = [
     "merge_chunks",
     "microbatch_sizes",
     "microbatch_weights",
+    "split_target",
+    "to_device",
 ]
 
 
@@ -199,3 +201,13 @@ def merge_chunks(chunks: Sequence[Any], spec: _Spec = None) -> Any:
     specs = _flat_specs(chunks[0], spec, "outputs")
     merged = [_merge_leaf([f[0][j] for f in flat], specs[j]) for j in range(len(specs))]
     return pytree.tree_unflatten(merged, tree)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """The pytree with its tensors on ``device`` (tensors already there are passed through)."""
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
+
+
+def split_target(target: Any, n_microbatches: int) -> list[Any]:
+    """The loss target (a tensor or pytree) cut into microbatches like a single positional input."""
+    return [c[0] for c in split_args_kwargs((target,), {}, n_microbatches)[0]]

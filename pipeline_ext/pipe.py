@@ -27,7 +27,14 @@ from torch import nn
 
 from pipeline_ext import schedules as S
 from pipeline_ext.checkpoint import RngScope, checkpoint_predicate, uses_randomness
-from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, microbatch_weights, split_args_kwargs
+from pipeline_ext.microbatch import (
+    merge_chunks,
+    microbatch_sizes,
+    microbatch_weights,
+    split_args_kwargs,
+    split_target,
+    to_device,
+)
 from pipeline_ext.partition import balance_by_params
 from pipeline_ext.runtime.channels import LocalHub
 from pipeline_ext.runtime.connected import ConnectedRunner
@@ -201,9 +208,7 @@ class Pipe(nn.Module):
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
         sizes = microbatch_sizes(args, kwargs, self.chunks)
-        args, kwargs = torch.utils._pytree.tree_map(
-            lambda x: x.to(self.stage_devices[0]) if isinstance(x, torch.Tensor) else x, (args, kwargs)
-        )
+        args, kwargs = to_device((args, kwargs), self.stage_devices[0])
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.chunks)
         return args_chunks, kwargs_chunks, sizes
 
@@ -247,13 +252,11 @@ class Pipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step runs a backward; call it with autograd enabled (not under no_grad)")
         args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
-        target = torch.utils._pytree.tree_map(
-            lambda x: x.to(self.stage_devices[-1]) if isinstance(x, torch.Tensor) else x, target
-        )
+        target = to_device(target, self.stage_devices[-1])
         target_sizes = microbatch_sizes((target,), {}, self.chunks)
         if target_sizes != sizes:
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        targets = [c[0] for c in split_args_kwargs((target,), {}, self.chunks)[0]]
+        targets = split_target(target, self.chunks)
         weights = microbatch_weights(sizes)
         n = len(self.partitions)
         runners = {
