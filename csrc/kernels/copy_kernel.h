@@ -1,4 +1,4 @@
-// Declarations shared by the copy-plan kernel (copy.cu) and its host side
+// Declarations shared by the copy-plan kernel (copy_kernel.cu) and its host side
 // (copy_cuda.cpp). Plain C++ so that the .cu does not have to parse ATen.
 #pragma once
 
@@ -29,7 +29,7 @@ struct InlineCopyTable {
 };
 constexpr int64_t kCopyTileBytes = 16 * 1024;
 
-// copy.cu: exactly one kernel launch on `stream`. `table` is a device pointer
+// copy_kernel.cu: exactly one kernel launch on `stream`. `table` is a device pointer
 // used when n_segments > kInlineSegments, else `inline_table` is used.
 void launch_copy_plan_kernel(const CopyTileDesc* table, const InlineCopyTable& inline_table,
                              int64_t n_segments, int64_t total_tiles, void* stream);
