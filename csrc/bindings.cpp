@@ -161,14 +161,24 @@ void bind_channels(py::module_& m) {
       .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
 
   py::class_<LocalHub, std::shared_ptr<LocalHub>>(m, "LocalHub", "Mailboxes between in-process ranks.")
-      .def(py::init<std::vector<at::Device>, int64_t, int64_t>(), py::arg("devices"), py::arg("capacity") = 4096,
-           py::arg("send_timeout_ms") = 300000)
+      .def(py::init<std::vector<at::Device>, int64_t, int64_t, bool>(), py::arg("devices"),
+           py::arg("capacity") = 4096, py::arg("send_timeout_ms") = 300000, py::arg("copy_streams") = true)
       .def_property_readonly("size", &LocalHub::size)
       .def_property_readonly("capacity", &LocalHub::capacity)
+      .def_property_readonly("copy_streams", &LocalHub::copy_streams)
       .def("device", &LocalHub::device, py::arg("rank"))
       .def("pending", &LocalHub::pending)
       .def("close", &LocalHub::close, py::arg("reason"), release())
       .def_property_readonly("closed", &LocalHub::closed);
+
+  // transfer + consume in one call, for a reader on the calling thread (Pipe's Boundary backward).
+  m.def(
+      "copy_between_devices",
+      [](const std::vector<at::Tensor>& tensors, const at::Device& src, const at::Device& dst) {
+        return consume(transfer(tensors, src, dst), dst);
+      },
+      py::arg("tensors"), py::arg("src"), py::arg("dst"), release(),
+      "Copy tensors src -> dst on the copy streams; dst's current stream (or the host) waits for them.");
 
   py::class_<LocalChannel, std::shared_ptr<LocalChannel>>(m, "LocalChannel", "One rank's view of a LocalHub.")
       .def(py::init<std::shared_ptr<LocalHub>, int>(), py::arg("hub"), py::arg("rank"))

@@ -25,8 +25,16 @@ __all__ = ["CHECKPOINT_MODES", "checkpoint_predicate", "RngScope", "uses_randomn
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
-# torch's CPU generator is process-global: a seeded forward holds it exclusively.
-_CPU_RNG_LOCK = threading.RLock()
+# A device's generator is shared by every stage on that device (torch's CPU
+# generator by the whole process; a GPU's by every worker thread placed on it):
+# a seeded forward holds it exclusively.
+_RNG_LOCKS: dict[torch.device, threading.RLock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(device: torch.device) -> threading.RLock:
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(device, threading.RLock())
 
 
 def checkpoint_predicate(mode: str, n_microbatches: int) -> Optional[Callable[[int], bool]]:
@@ -55,10 +63,12 @@ class RngScope:
     """Seeds the generator of a stage's device per (step, stage, microbatch) around its forward.
 
     Disabled, it costs nothing and forwards draw from the shared generators as
-    usual. Enabled, forwards on CPU stages hold a process-wide lock while they
-    run (the CPU generator is global), which serialises them: the price of
-    reproducible randomness on CPU. CUDA stages use their device's generator,
-    which only that stage's worker thread touches.
+    usual. Enabled, a forward holds its device generator's lock while it runs,
+    which serialises the forwards of stages that share a device (all CPU stages
+    share torch's global generator; two stages on one GPU share its generator):
+    the price of reproducible randomness. Stages on different GPUs do not
+    contend. On CUDA, seeding and restoring the generator is host-side state
+    (seed and offset), so it never synchronises the device.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -79,19 +89,14 @@ class RngScope:
             yield
             return
         if device.type == "cuda":
-            gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-            lock: Optional[threading.RLock] = None
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            gen = torch.cuda.default_generators[device.index]
         else:
-            gen, lock = torch.default_generator, _CPU_RNG_LOCK
-        if lock is not None:
-            lock.acquire()
-        try:
+            device, gen = torch.device("cpu"), torch.default_generator
+        with _rng_lock(device):
             saved = gen.get_state()
             gen.manual_seed(self.seed(stage, mb))
             try:
                 yield
             finally:
                 gen.set_state(saved)
-        finally:
-            if lock is not None:
-                lock.release()

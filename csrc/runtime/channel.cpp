@@ -21,10 +21,18 @@ bool looks_like_timeout(const std::string& message) {
 
 // Requests over c10d works: completes when every work has, then `finish`
 // turns the buffers into the result (unpack for receives).
+//
+// On a CUDA channel (NCCL) the wait is device-side: Work::wait() with no
+// timeout only makes the current stream wait for the communication stream, so
+// the host goes on queueing work. Any timeout argument would make NCCL's
+// WorkNCCL::wait spin the host until the GPU finished (a host-device
+// synchronisation on every receive), so there a hang is caught by the process
+// group's own timeout (NCCL's watchdog) instead of ours.
 class WorkRequest : public Request {
  public:
-  WorkRequest(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<std::vector<at::Tensor>()> finish)
-      : works_(std::move(works)), finish_(std::move(finish)) {}
+  WorkRequest(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<std::vector<at::Tensor>()> finish,
+              bool device_side)
+      : works_(std::move(works)), finish_(std::move(finish)), device_side_(device_side) {}
 
   // Gloo marks send/recv works completed only inside wait(), so for Gloo this
   // stays false until waited; NCCL and in-process works report real progress.
@@ -42,7 +50,7 @@ class WorkRequest : public Request {
     for (auto& w : works_) {
       bool done = false;
       try {
-        done = w->wait(remaining(deadline, timeout));
+        done = device_side_ ? w->wait() : w->wait(remaining(deadline, timeout));
       } catch (const std::exception& e) {
         // Gloo's own clock may fire a hair early; a timeout is a timeout-shaped
         // error near the deadline, anything else is the peer's failure.
@@ -60,6 +68,7 @@ class WorkRequest : public Request {
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<std::vector<at::Tensor>()> finish_;
+  bool device_side_;
 };
 
 // Gloo dislikes zero-byte messages: every buffer on the wire has at least one byte.
@@ -91,7 +100,12 @@ void ProcessGroupChannel::check_peer(int peer, int tag) const {
   TORCH_CHECK_VALUE(tag >= 0 && tag < kLayoutTagBit, "ProcessGroupChannel: tag ", tag, " is outside [0, 2^30)");
 }
 
-at::Tensor ProcessGroupChannel::on_device(at::Tensor t) const { return t.device() == device_ ? t : t.to(device_); }
+at::Tensor ProcessGroupChannel::on_device(at::Tensor t) const {
+  // Non-blocking only into a CUDA buffer: the copy is then ordered before the
+  // send on the stream. Into host memory the backend reads it at once, so the
+  // copy must have landed.
+  return t.device() == device_ ? t : t.to(device_, /*non_blocking=*/device_.is_cuda());
+}
 
 std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const std::vector<at::Tensor>& tensors,
                                                                           int peer, int tag,
@@ -112,7 +126,8 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
     TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
                       ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
                       " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
-    at::Tensor msg = at::zeros({kLayoutWords}, at::TensorOptions().dtype(at::kLong));
+    // Pinned on a CUDA channel so the upload does not synchronise the host.
+    at::Tensor msg = at::zeros({kLayoutWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(device_.is_cuda()));
     std::copy(words.begin(), words.end(), msg.mutable_data_ptr<int64_t>());
     buffers.push_back(on_device(msg));
     std::vector<at::Tensor> one{buffers.back()};
@@ -124,7 +139,8 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
   std::vector<at::Tensor> one{data};
   works.push_back(group_->send(one, peer, tag));
   // The buffers must outlive the works: the finisher owns them.
-  auto request = std::make_shared<WorkRequest>(std::move(works), [buffers]() { return std::vector<at::Tensor>{}; });
+  auto request = std::make_shared<WorkRequest>(
+      std::move(works), [buffers]() { return std::vector<at::Tensor>{}; }, device_.is_cuda());
   return {request, layout};
 }
 
@@ -134,8 +150,9 @@ std::shared_ptr<Request> ProcessGroupChannel::recv(const PackLayout& layout, int
   at::Tensor buffer = at::empty({wire_bytes(layout.nbytes)}, at::TensorOptions().dtype(at::kByte).device(device_));
   std::vector<at::Tensor> one{buffer};
   auto work = group_->recv(one, peer, tag);
-  return std::make_shared<WorkRequest>(std::vector<c10::intrusive_ptr<c10d::Work>>{work},
-                                       [buffer, layout]() { return unpack(buffer, layout); });
+  return std::make_shared<WorkRequest>(
+      std::vector<c10::intrusive_ptr<c10d::Work>>{work}, [buffer, layout]() { return unpack(buffer, layout); },
+      device_.is_cuda());
 }
 
 std::shared_ptr<Request> ProcessGroupChannel::recv_layout(int peer, int tag) {
@@ -143,9 +160,11 @@ std::shared_ptr<Request> ProcessGroupChannel::recv_layout(int peer, int tag) {
   at::Tensor buffer = at::empty({kLayoutWords}, at::TensorOptions().dtype(at::kLong).device(device_));
   std::vector<at::Tensor> one{buffer};
   auto work = group_->recv(one, peer, tag | kLayoutTagBit);
-  return std::make_shared<WorkRequest>(std::vector<c10::intrusive_ptr<c10d::Work>>{work}, [buffer]() {
-    return std::vector<at::Tensor>{strip_layout_padding(buffer)};
-  });
+  // The layout is read on the host (it sizes the data buffer): a discovery
+  // step synchronises here once per message; known steps never do.
+  return std::make_shared<WorkRequest>(
+      std::vector<c10::intrusive_ptr<c10d::Work>>{work},
+      [buffer]() { return std::vector<at::Tensor>{strip_layout_padding(buffer)}; }, device_.is_cuda());
 }
 
 at::Tensor strip_layout_padding(const at::Tensor& words) {

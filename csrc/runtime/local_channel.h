@@ -28,15 +28,37 @@ struct LocalMessage {
   Event ready;
 };
 
+// Moves `tensors` (detached) from `src` to `dst` without stalling either
+// device's compute stream: the copy runs on src's FromDevice and dst's ToDevice
+// copy streams, after everything src's current stream has queued so far. The
+// result is allocated on dst's copy stream and may be read once `ready` fires:
+// a CUDA reader must wait for it on its stream and record_stream the tensors
+// there (see `consume`), a host reader must synchronize it. Same device: the
+// tensors themselves, ready after src's current stream. With
+// `copy_streams=false` the copy is queued on the current streams instead.
+// Shared by LocalChannel (activations, forward) and Pipe's Boundary (gradients,
+// backward), so both directions follow one protocol.
+LocalMessage transfer(const std::vector<at::Tensor>& tensors, const at::Device& src, const at::Device& dst,
+                      bool copy_streams = true);
+
+// The reader's half of `transfer` on `device`: its current stream (or the
+// host, for CPU) waits for `message.ready`, and the caching allocator learns
+// that the tensors are used on that stream. Returns the tensors.
+std::vector<at::Tensor> consume(LocalMessage message, const at::Device& device);
+
 class LocalHub {
  public:
   // `devices[r]` is rank r's device. At most `capacity` messages may wait from
   // one rank to another; a send beyond that blocks up to `send_timeout_ms`.
-  explicit LocalHub(std::vector<at::Device> devices, int64_t capacity = 4096, int64_t send_timeout_ms = 300000);
+  // `copy_streams=false` copies between devices on the producer's compute
+  // stream instead: the baseline of benchmarks/bench_overlap.py, never faster.
+  explicit LocalHub(std::vector<at::Device> devices, int64_t capacity = 4096, int64_t send_timeout_ms = 300000,
+                    bool copy_streams = true);
 
   int size() const { return static_cast<int>(devices_.size()); }
   const at::Device& device(int rank) const;
   int64_t capacity() const { return capacity_; }
+  bool copy_streams() const { return copy_streams_; }
 
   // Queues a message from src to dst under tag (blocks while src->dst is full).
   void put(int src, int dst, int64_t tag, LocalMessage message);
@@ -58,6 +80,7 @@ class LocalHub {
   std::vector<at::Device> devices_;
   int64_t capacity_;
   Millis send_timeout_;
+  bool copy_streams_;
   std::mutex mu_;
   std::condition_variable cv_;  // one for all: a handful of threads, notify_all is cheap
   std::map<std::tuple<int, int, int64_t>, std::deque<LocalMessage>> boxes_;
@@ -79,8 +102,6 @@ class LocalChannel {
   std::shared_ptr<Request> recv(int peer, int64_t tag);
 
  private:
-  LocalMessage transfer(const std::vector<at::Tensor>& tensors, const at::Device& dst) const;
-
   std::shared_ptr<LocalHub> hub_;
   int rank_;
 };

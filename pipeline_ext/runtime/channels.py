@@ -252,11 +252,14 @@ class LocalHub:
     beyond it waits up to ``send_timeout`` seconds). ``close(reason)`` makes
     every wait fail with ``reason``: call it when a worker thread fails so the
     others stop at once instead of waiting out their timeouts.
+    ``copy_streams=False`` queues copies between devices on the compute
+    streams instead of the copy streams: only the overlap benchmark's baseline.
     """
 
-    def __init__(self, devices: Sequence[Device], capacity: int = 4096, send_timeout: Optional[float] = 300.0) -> None:
+    def __init__(self, devices: Sequence[Device], capacity: int = 4096, send_timeout: Optional[float] = 300.0,
+                 copy_streams: bool = True) -> None:
         self.devices = [torch.device(d) for d in devices]
-        self._hub = _C.LocalHub(self.devices, capacity, _ms(send_timeout))
+        self._hub = _C.LocalHub(self.devices, capacity, _ms(send_timeout), copy_streams)
 
     @property
     def size(self) -> int:

@@ -18,17 +18,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from pipeline_ext._ext import _C
 from pipeline_ext.runtime.stage import StagePosition, as_output_tuple, is_differentiable
-from pipeline_ext.runtime.streams import Event, Stream, copy_stream, current_stream, record_stream, use_stream
 
 __all__ = ["Boundary", "ConnectedRunner"]
-
-
-def _after(waiter: Stream, producer: Stream) -> None:
-    """``waiter`` runs its later work only after what ``producer`` has queued so far."""
-    event = Event()
-    event.record(producer)
-    waiter.wait(event)
 
 
 class Boundary(torch.autograd.Function):
@@ -43,14 +36,10 @@ class Boundary(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         if grad.device == ctx.src_device:
             return None, grad
-        # Copy the gradient back on the source device's inbound copy stream, after
-        # the work that produced it; the source's compute stream waits for the copy.
-        stream = copy_stream(ctx.src_device, "to_device")
-        _after(stream, current_stream(grad.device))
-        with use_stream(stream):
-            out = grad.to(ctx.src_device, non_blocking=True)
-        record_stream(grad, stream)
-        _after(current_stream(ctx.src_device), stream)
+        # The same protocol as activations going forward (LocalChannel): copy on
+        # the copy streams after the work that produced the gradient; the source
+        # device's current stream waits for the copy and owns the result.
+        (out,) = _C.copy_between_devices([grad], grad.device, ctx.src_device)
         return None, out
 
 
