@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Runs every CUDA path of pipeline_ext on a real GPU and writes a Markdown report.
+#
+#   tools/gpu_check.sh REPORT_DIR
+#
+# Made for a bare GPU machine with its own CUDA build of torch, nvcc, pytest and
+# hypothesis, and no network: it builds against the torch that is there (any
+# version: nothing is downloaded), then runs, each step logged to
+# REPORT_DIR/logs/ and summarised in REPORT_DIR/report.md:
+#   1. build of the CUDA extension; torch, CUDA and device versions
+#   2. pytest -m cuda, then the whole suite (run last, in the time left)
+#   3. benchmarks/bench_kernels.py on CUDA (split/concat/pack vs torch and vs a plain copy)
+#   4. Pipe on cuda:0: every schedule x checkpoint mode x fp32/autocast bf16 (tests/test_cuda_paths.py)
+#   5. benchmarks/bench_overlap.py: copy time hidden behind compute, copy streams vs compute stream
+#   6. compute-sanitizer memcheck and racecheck over the CUDA tests
+#   7. tools/gpu_sync_count.py: host-device synchronisations in one Pipe.step
+# Without a GPU it says so and exits 0. Exit status: 0 when every step passed.
+# Every step runs even when an earlier one failed (except after a failed build).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:?usage: tools/gpu_check.sh REPORT_DIR}
+mkdir -p "$OUT_DIR/logs"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOGS=$OUT_DIR/logs
+REPORT=$OUT_DIR/report.md
+PY=${PYTHON:-python3}
+QUICK=${GPU_CHECK_QUICK:-0}  # 1: smaller benchmarks (a smoke run of this script)
+SKIP=" ${GPU_CHECK_SKIP:-} "  # step names to leave out while iterating, e.g. "pytest_all sanitizer_racecheck"
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  msg="gpu_check: no GPU (torch.cuda.is_available() is False, or torch is missing): nothing was checked"
+  echo "$msg"
+  printf '# GPU check\n\n%s.\n' "$msg" >"$REPORT"
+  exit 0
+fi
+
+declare -a SUMMARY=()
+FAILED=0
+# step NAME TIMEOUT_S CMD...: runs CMD with a time limit, logs to logs/NAME.log.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  if [[ $SKIP == *" $name "* ]]; then
+    SUMMARY+=("| $name | skipped (GPU_CHECK_SKIP) | - | - |")
+    FAILED=1
+    return 0
+  fi
+  echo "== $name: $*"
+  local t0=$SECONDS rc
+  timeout --kill-after=30 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  local took=$((SECONDS - t0)) status=pass
+  if [ $rc -ne 0 ]; then
+    status="FAIL (exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${limit}s"))"
+    FAILED=1
+  fi
+  echo "   $status in ${took}s"
+  tail -n 3 "$LOGS/$name.log" | sed 's/^/   | /'
+  SUMMARY+=("| $name | $status | ${took}s | \`logs/$name.log\` |")
+  return $rc
+}
+
+# pytest's closing line ("12 passed, 1 skipped in 3.4s") of a log.
+verdict() { grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1 | tr -d '='; }
+
+# 1. build
+# torch's extension build compiles and links with $CXX. Some GPU images point
+# it at a toolchain that links libstdc++ statically (seen: /opt/gcc/bin/g++):
+# the extension then carries a second C++ runtime beside torch's and segfaults
+# on its first formatted error message. The system compiler links it shared.
+export CXX=${GPU_CHECK_CXX:-c++} CC=${GPU_CHECK_CC:-cc}
+
+# pip may refuse (an old pip, a setuptools that re-enters pip with isolation):
+# then an in-place build against the same torch, found through PYTHONPATH.
+if ! step build 900 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation -e .; then
+  step build_inplace 900 env MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace || {
+    printf '# GPU check\n\nThe build failed; see `logs/build.log` and `logs/build_inplace.log`.\n' >"$REPORT"
+    tail -n 40 "$LOGS/build_inplace.log"
+    exit 1
+  }
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+step versions 120 "$PY" -c '
+import torch, pipeline_ext
+from pipeline_ext._ext import _C
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+print(f"device {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
+print(f"pipeline_ext._C built with CUDA: {_C.with_cuda}")
+assert _C.with_cuda, "the extension was built without CUDA"
+import subprocess
+assert "libstdc++.so" in subprocess.run(["ldd", _C.__file__], capture_output=True, text=True).stdout, \
+    "_C links libstdc++ statically: a second C++ runtime beside the one torch uses"
+'
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOGS/versions.log" 2>&1
+nvcc --version | tail -n 2 >>"$LOGS/versions.log" 2>&1
+
+# 2. tests
+step pytest_cuda 900 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
+
+# 3. kernel benchmark
+bench_args=(--device cuda --markdown "$OUT_DIR/kernels.md")
+[ "$QUICK" = 1 ] && bench_args+=(--quick)
+step bench_kernels 900 "$PY" benchmarks/bench_kernels.py "${bench_args[@]}"
+
+# 4. Pipe equivalence table (the tests ran in step 2; this lists them one by one)
+"$PY" - "$LOGS/cuda.xml" >"$OUT_DIR/equivalence.md" 2>>"$LOGS/equivalence.log" <<'EOF'
+import re, sys, xml.etree.ElementTree as ET
+rows = {}
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    m = re.match(r"test_pipe_on_one_gpu_matches_unsplit\[(\w+)-(always|except_last|never)-(fp32|bf16)\]",
+                 case.get("name", ""))
+    if not m:
+        continue
+    name, checkpoint, precision = m.groups()
+    bad = case.find("failure") is not None or case.find("error") is not None
+    skipped = case.find("skipped") is not None
+    rows.setdefault(name, {})[(checkpoint, precision)] = "FAIL" if bad else "skip" if skipped else "ok"
+cols = [(c, p) for c in ("always", "except_last", "never") for p in ("fp32", "bf16")]
+print("| schedule | " + " | ".join(f"{c} {p}" for c, p in cols) + " |")
+print("|---|" + "---|" * len(cols))
+for name, cells in rows.items():
+    print(f"| {name} | " + " | ".join(cells.get(k, "-") for k in cols) + " |")
+EOF
+
+# 5. overlap benchmark
+overlap_args=(--markdown "$OUT_DIR/overlap.md")
+[ "$QUICK" = 1 ] && overlap_args+=(--quick)
+step bench_overlap 900 "$PY" benchmarks/bench_overlap.py "${overlap_args[@]}"
+
+# 6. compute-sanitizer (without the caching allocator, so out-of-bounds accesses
+# inside a cached block are seen too)
+# racecheck instruments every shared-memory access of torch's own kernels too,
+# so it runs a smaller selection of the Pipe cases.
+# Every kernel and copy of ours runs under it: ops on CUDA, the copy streams, and
+# a few Pipe schedules (each Pipe case runs the same kernels; the tools slow
+# torch's own kernels tenfold, so not all 48).
+SAN_TESTS=(tests/test_ops.py tests/test_channels.py tests/test_cuda_paths.py -m cuda -q -p no:cacheprovider -x
+           -k "test_ops or test_channels or connected or dist_channel or (split_between and (1f1b or zbv)) or (matches_unsplit and (1f1b-except_last-fp32 or zb_h1-always-fp32 or zbv-never-fp32)) or (dropout and zb_h1)")
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    step "sanitizer_$tool" 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
+      --error-exitcode 97 --target-processes all "$PY" -m pytest "${SAN_TESTS[@]}"
+  done
+else
+  SUMMARY+=("| sanitizer | FAIL (compute-sanitizer not on PATH) | - | - |")
+  FAILED=1
+fi
+
+# 7. synchronisations in one step
+step sync_count 600 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
+
+# 2b. the whole suite, last: it is mostly the CPU suite (as in CI) and takes
+# whatever time is left before GPU_CHECK_DEADLINE (seconds since the start;
+# default 1800). Several workers when pytest-xdist is there: the multi-process
+# tests pick free ports.
+xdist=()
+"$PY" -c 'import xdist' 2>/dev/null && xdist=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))")
+left=$(( ${GPU_CHECK_DEADLINE:-1800} - SECONDS ))
+step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}"
+
+# -- report ------------------------------------------------------------------------------
+{
+  echo "# GPU check"
+  echo
+  echo "\`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+  echo
+  echo '```'
+  cat "$LOGS/versions.log"
+  echo '```'
+  echo
+  echo "| step | result | time | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo
+  echo "## Tests"
+  echo
+  echo "- \`pytest -m cuda\`: $(verdict "$LOGS/pytest_cuda.log")"
+  echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
+  for tool in memcheck racecheck; do
+    [ -f "$LOGS/sanitizer_$tool.log" ] &&
+      echo "- compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer_$tool.log" | sort | uniq -c | tr -s ' ' | paste -sd ';' -) ($(verdict "$LOGS/sanitizer_$tool.log"))"
+  done
+  echo
+  echo "## Pipe on cuda:0 against the unsplit model"
+  echo
+  echo "Every schedule, checkpoint mode and precision (tests/test_cuda_paths.py; loss and every gradient within"
+  echo "rtol/atol 1e-4/1e-5 for fp32 and 3e-2/3e-3 under autocast bf16):"
+  echo
+  cat "$OUT_DIR/equivalence.md"
+  echo
+  echo "## Kernels (benchmarks/bench_kernels.py)"
+  echo
+  cat "$OUT_DIR/kernels.md" 2>/dev/null || echo "(no table: see logs/bench_kernels.log)"
+  echo
+  echo "## Copy/compute overlap (benchmarks/bench_overlap.py)"
+  echo
+  cat "$OUT_DIR/overlap.md" 2>/dev/null || echo "(no table: see logs/bench_overlap.log)"
+  echo
+  echo "## Host-device synchronisations in one step (tools/gpu_sync_count.py)"
+  echo
+  cat "$OUT_DIR/syncs.md" 2>/dev/null || echo "(no table: see logs/sync_count.log)"
+} >"$REPORT"
+echo "report: $REPORT"
+exit $FAILED

@@ -1,0 +1,120 @@
+"""Counts host-device synchronisations in one ``Pipe.step`` (needs a CUDA GPU).
+
+Why: a pipeline only overlaps stages if the host keeps queueing work; every
+synchronisation stalls the worker thread until the GPU drains. Two independent
+counts, after a warm-up step:
+
+- the CUDA runtime calls that block the host (``cudaStreamSynchronize``,
+  ``cudaEventSynchronize``, ``cudaDeviceSynchronize``, blocking ``cudaMemcpy``,
+  ``cudaFree``), read from the profiler's trace;
+- the warnings of ``torch.cuda.set_sync_debug_mode("warn")``.
+
+With every stage on the GPU both must be 0. A CPU stage must wait for the data
+it receives from the GPU, so there one ``cudaEventSynchronize`` per received
+message is expected and nothing else.
+
+    python tools/gpu_sync_count.py [--markdown PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import warnings
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+import pipeline_ext as pe
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cudaMemcpy2D", "cudaFree", "cudaMemset")
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
+
+
+def runtime_syncs(run: Callable[[], object]) -> Counter:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return Counter(e["name"] for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS)
+
+
+def debug_mode_warnings(run: Callable[[], object]) -> list[str]:
+    """The sync-debug warnings ``run`` raises (first line of each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+
+
+def model(n_stages: int, d: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)) for _ in range(n_stages)])
+
+
+def count(name: str, devices: list[str], call: bool = False) -> dict:
+    v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1
+    n = len(devices) * v
+    pipe = pe.Pipe(model(n), balance=[1] * n, devices=devices, chunks=4, schedule=name, checkpoint="except_last")
+    x = torch.randn(64, 256, device=devices[0])
+    y = torch.randn(64, 256, device=devices[-1] if v == 1 else devices[0])
+    if call:
+        def run() -> None:
+            pipe(x).float().pow(2).mean().backward()
+    else:
+        def run() -> None:
+            pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    run()  # warm-up: CUDA context, cuBLAS, allocator
+    torch.cuda.synchronize()
+    calls = runtime_syncs(run)
+    torch.cuda.synchronize()
+    return {"config": f"{'pipe(x)+backward' if call else 'step'} {name} on {devices}", "calls": calls,
+            "warnings": debug_mode_warnings(run)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_sync_count: no GPU (torch.cuda.is_available() is False); nothing to count")
+        return 0
+    # What the profiler itself calls (it synchronises the device when it stops).
+    baseline = runtime_syncs(lambda: None)
+    rows = [{"config": "profiler alone (subtracted below)", "calls": baseline, "warnings": []}]
+    measured = [count(name, ["cuda:0", "cuda:0"]) for name in SCHEDULES]
+    measured.append(count("gpipe", ["cuda:0", "cuda:0"], call=True))
+    measured.append(count("1f1b", ["cuda:0", "cpu"]))
+    for r in measured:
+        r["calls"] = r["calls"] - baseline
+    rows += measured
+    lines = ["| configuration | blocking CUDA runtime calls | sync-debug warnings |", "|---|---|---|"]
+    for r in rows:
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["calls"].items())) or "none"
+        warned = "; ".join(sorted(set(r["warnings"])))
+        lines.append(f"| {r['config']} | {calls} | {len(r['warnings'])}{': ' + warned if warned else ''} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    all_gpu = [r for r in measured if "cpu" not in r["config"]]
+    return 1 if any(r["calls"] or r["warnings"] for r in all_gpu) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
