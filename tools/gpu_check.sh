@@ -62,7 +62,7 @@ step() {
 }
 
 # pytest's closing line ("12 passed, 1 skipped in 3.4s") of a log.
-verdict() { grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1 | tr -d '='; }
+verdict() { grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
 
 # 1. build
 # torch's extension build compiles and links with $CXX. Some GPU images point
@@ -164,7 +164,7 @@ step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -q -p no:cacheprovi
 {
   echo "# GPU check"
   echo
-  echo "\`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+  echo "\`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
   echo
   echo '```'
   cat "$LOGS/versions.log"
@@ -180,7 +180,7 @@ step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -q -p no:cacheprovi
   echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
   for tool in memcheck racecheck; do
     [ -f "$LOGS/sanitizer_$tool.log" ] &&
-      echo "- compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer_$tool.log" | sort | uniq -c | tr -s ' ' | paste -sd ';' -) ($(verdict "$LOGS/sanitizer_$tool.log"))"
+      echo "- compute-sanitizer $tool: $(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -n 1 | sed 's/^=* *//') over $(verdict "$LOGS/sanitizer_$tool.log")"
   done
   echo
   echo "## Pipe on cuda:0 against the unsplit model"
