@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from loopback_pg import Loopback
 from pipeline_ext.runtime import streams
 from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
 
@@ -282,6 +283,21 @@ def test_local_wait_releases_the_gil():
     status, got = box.get_nowait()
     assert status == "ok" and torch.equal(got[0], torch.arange(3))
     assert count > 10_000
+
+
+def test_host_channel_waits_with_the_callers_timeout():
+    """On a CPU (Gloo) channel our timeout is passed to every wait; only CUDA channels wait
+    device-side (tests/test_cuda_paths.py), so a hung peer still times out here."""
+    pg = Loopback()
+    channel = DistChannel(pg, "cpu", num_stages=2)
+    for step in range(2):  # a discovery step, then a known one
+        channel.begin_step(3)
+        send = channel.send([torch.full((2, 3), float(step)), torch.arange(4)], 1, 0)
+        got = channel.recv(1, 0).wait(5.0, "recv")
+        send.wait(5.0, "send")
+        channel.end_step()
+        assert torch.equal(got[0], torch.full((2, 3), float(step))) and torch.equal(got[1], torch.arange(4))
+    assert pg.waits and all(0 < t.total_seconds() <= 5.0 for t in pg.waits)
 
 
 # -- CUDA ------------------------------------------------------------------------------------

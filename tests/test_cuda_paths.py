@@ -16,10 +16,10 @@ import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
+from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from pipeline_ext import schedules as S
 from pipeline_ext.checkpoint import CHECKPOINT_MODES
@@ -163,45 +163,6 @@ def test_pipe_step_never_synchronises_the_host(name, no_host_sync):
 
 
 # -- the multi-process channel on a CUDA device (the NCCL path) --------------------------------
-class _Work(dist._Work):
-    """Already complete; remembers the timeout each wait was given."""
-
-    def __init__(self, waits: list) -> None:
-        super().__init__()
-        self.waits = waits
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self.waits.append(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _Loopback(dist.ProcessGroup):
-    """Rank 0 of a pretend 2-rank group whose peer sends back what it receives.
-
-    Copies run on the current stream (as NCCL's stream is fenced with it), so
-    nothing here touches the host: any synchronisation seen is the channel's.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(0, 2)
-        self.wire: dict[int, list[torch.Tensor]] = {}
-        self.waits: list = []
-
-    def getBackendName(self) -> str:
-        return "loopback"
-
-    def send(self, tensors, dst, tag):
-        self.wire.setdefault(tag, []).append(tensors[0].clone())
-        return _Work(self.waits)
-
-    def recv(self, tensors, src, tag):
-        tensors[0].copy_(self.wire[tag].pop(0))
-        return _Work(self.waits)
-
-
 def _exchange(channel: DistChannel, step: int) -> list[torch.Tensor]:
     sent = [torch.full((4, 8), float(step), device="cuda"), torch.arange(5, device="cuda") + step]
     send = channel.send(sent, 1, 0)
@@ -212,7 +173,7 @@ def _exchange(channel: DistChannel, step: int) -> list[torch.Tensor]:
 
 def test_dist_channel_on_cuda_never_synchronises_known_steps(no_host_sync):
     torch.cuda.set_sync_debug_mode("default")
-    pg = _Loopback()
+    pg = Loopback()
     channel = DistChannel(pg, "cuda:0", num_stages=2)
     assert channel.begin_step(7)  # discovery: layouts are read on the host once
     _exchange(channel, 0)

@@ -154,11 +154,12 @@ step sync_count 600 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
 # 2b. the whole suite, last: it is mostly the CPU suite (as in CI) and takes
 # whatever time is left before GPU_CHECK_DEADLINE (seconds since the start;
 # default 1800). Several workers when pytest-xdist is there: the multi-process
-# tests pick free ports.
+# tests pick free ports. -v prints each result as it comes, so a run cut at the
+# deadline still names its failures.
 xdist=()
 "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))")
 left=$(( ${GPU_CHECK_DEADLINE:-1800} - SECONDS ))
-step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}"
+step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -v -p no:cacheprovider "${xdist[@]}"
 
 # -- report ------------------------------------------------------------------------------
 {
@@ -178,6 +179,7 @@ step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -q -p no:cacheprovi
   echo
   echo "- \`pytest -m cuda\`: $(verdict "$LOGS/pytest_cuda.log")"
   echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
+  grep -E '(FAILED|ERROR) tests/' "$LOGS/pytest_all.log" "$LOGS/pytest_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
   for tool in memcheck racecheck; do
     [ -f "$LOGS/sanitizer_$tool.log" ] &&
       echo "- compute-sanitizer $tool: $(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -n 1 | sed 's/^=* *//') over $(verdict "$LOGS/sanitizer_$tool.log")"
