@@ -285,7 +285,11 @@ class PipelineSchedule:
         weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
         for r in self._runners.values():
             r.reset()
-        self._channel.begin_step(signature)
+        # Layouts are cached per (batch signature, plan): a forward-only step
+        # exchanges only activations, so if eval() and step() shared a key, a
+        # step after an eval of the same shapes would find no gradient layouts.
+        plan = "train" if executor is self._executor else "forward"
+        self._channel.begin_step((signature, plan))
         tracing = self._tracer is not None and executor is self._executor
         if tracing:
             self._tracer.begin_step()

@@ -252,3 +252,33 @@ def _drop_in(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_torch_pipelining_script_runs_unchanged_and_matches():
     _expect_no_mismatches(_drop_in, 2)
+
+
+def _eval_then_step(rank: int, world: int, model: str) -> list[str]:
+    """A validate-then-train loop: eval, step, eval, step, with the same shapes and then new ones."""
+    bad = []
+    for name in SCHEDULES:
+        v = _stages_per_rank(name)
+        ns, m = world * v, 2 * world
+        modules, ref = build(model, ns), build(model, ns)
+        sched, mine = _make_schedule(name, rank, world, m, modules)
+        for i, n in enumerate((8 * world, 8 * world, 8 * world + 3, 8 * world + 3)):
+            x, y = make_batch(model, n, seed=i)
+            where = f"{name} {model} rank {rank} round {i} n={n}"
+            out = sched.eval(*((x,) if 0 in mine else ()))
+            if ns - 1 in mine:
+                with torch.no_grad():
+                    expected = run_stages(ref, x)
+                if not torch.allclose(out, expected, rtol=RTOL, atol=ATOL):
+                    bad.append(f"{where}: eval output differs")
+            _step(sched, mine, ns, x, y)
+            loss_fn(run_stages(ref, x), y).backward()
+        bad += _grad_mismatches(modules, mine, [[p.grad for p in r.parameters()] for r in ref], f"{name} rank {rank}")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_eval_then_step_every_schedule():
+    """eval() and step() with one batch shape are different plans: neither may reuse the other's layouts."""
+    _expect_no_mismatches(_eval_then_step, 2, "blocks", timeout=150)

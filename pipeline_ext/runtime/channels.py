@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -117,9 +117,10 @@ class DistChannel:
     ``num_stages`` only makes error messages name stage and microbatch.
 
     Call ``begin_step(signature)`` before a step and ``end_step()`` after it.
-    The signature must be the same on every rank for the same step shape (e.g.
-    derived from batch size and microbatch count); without ``begin_step`` every
-    message carries its layout (correct, one extra small message each).
+    The signature (any hashable) must be the same on every rank for the same
+    step shape and the same plan (e.g. derived from batch size, microbatch
+    count and training vs forward-only); without ``begin_step`` every message
+    carries its layout (correct, one extra small message each).
     """
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
@@ -134,8 +135,8 @@ class DistChannel:
         self.num_stages = num_stages
         self._known: dict[tuple, "_C.PackLayout"] = {}  # (signature, direction, peer, tag) -> layout
         self._seen: dict[tuple, "_C.PackLayout"] = {}  # layouts of the current discovery step
-        self._signatures: set[int] = set()
-        self._signature: Optional[int] = None
+        self._signatures: set[Hashable] = set()
+        self._signature: Optional[Hashable] = None
         self._discovery = True
         self._unresolved: dict[int, deque[_DiscoveryRecv]] = {}
 
@@ -148,7 +149,7 @@ class DistChannel:
         return self._pg.device
 
     # -- steps -----------------------------------------------------------------------------
-    def begin_step(self, signature: int) -> bool:
+    def begin_step(self, signature: Hashable) -> bool:
         """Start a step; returns True if it is a discovery step (signature never completed)."""
         self._signature = signature
         self._discovery = signature not in self._signatures
@@ -229,7 +230,7 @@ class LocalChannel:
         self.rank = rank
         self._channel = _C.LocalChannel(hub._hub, rank)
 
-    def begin_step(self, signature: int) -> bool:
+    def begin_step(self, signature: Hashable) -> bool:
         """Nothing to discover in process (tensors travel as they are); always False."""
         return False
 
