@@ -27,6 +27,8 @@ _EXPORTS = {
     "ScheduleZBV": "pipeline_ext.distributed",
     "ScheduleDualPipeV": "pipeline_ext.distributed",
     "get_schedule_class": "pipeline_ext.distributed",
+    "StepAgreementError": "pipeline_ext.runtime.step_header",
+    "StepRejectedError": "pipeline_ext.runtime.step_header",
     "Pipe": "pipeline_ext.pipe",
     "balance_by_params": "pipeline_ext.partition",
     "balance_by_time": "pipeline_ext.partition",

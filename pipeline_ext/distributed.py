@@ -36,11 +36,19 @@ from pipeline_ext.microbatch import (
     split_target,
     to_device,
 )
-from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.channels import DistChannel, stable_hash
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
-from pipeline_ext.runtime.step_header import REJECTED, StepHeader
+from pipeline_ext.runtime.step_header import (
+    Agreement,
+    StepAgreement,
+    StepAgreementError,
+    StepRecord,
+    agree,
+)
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
+
+_TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see step_header.PLANS)
 
 __all__ = [
     "PipelineStage",
@@ -155,8 +163,15 @@ class PipelineSchedule:
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
+        self._last_rank = self.schedule.stage_to_rank[-1]
+        self.num_stages = num_stages
         self._device = device
-        self._header = StepHeader(self.group, self.rank, self.num_ranks, self._first_rank, n_microbatches, device)
+        self._agreement = StepAgreement(self.group, self.rank, self.num_ranks, device, timeout)
+        self._step_no = 0
+        self._schedule_key = stable_hash(repr((
+            self.schedule.name, tuple(self.schedule.stage_to_rank), n_microbatches,
+            [[str(a) for a in acts] for acts in self.schedule.actions],
+        )))
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
 
@@ -206,7 +221,7 @@ class PipelineSchedule:
         if not self.has_first_stage:
             if args or kwargs:
                 raise ValueError(f"rank {self.rank} does not hold stage 0; call step() without inputs here")
-            return [], [], [0] * self.n_microbatches
+            return [], [], []
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
@@ -214,57 +229,76 @@ class PipelineSchedule:
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
         return args_chunks, kwargs_chunks, sizes
 
-    def _check_target(self, target: Any) -> list[int]:
-        """Rows per microbatch of the target (last stage only; zeros when there is none)."""
-        none = [0] * self.n_microbatches
-        if not self.has_last_stage:
+    def _check_target(self, plan: int, target: Any) -> int:
+        """Rows of the target (last stage of a training step), -1 when there is none."""
+        if not self.has_last_stage or plan == _FORWARD:
             if target is not None:
-                raise ValueError(f"rank {self.rank} does not hold the last stage; pass target= only there")
-            return none
+                where = "the schedule has no loss_fn" if self.has_last_stage else (
+                    f"rank {self.rank} does not hold the last stage; pass target= only there")
+                raise ValueError(f"target= was given but {where}")
+            return -1
         if target is None:
-            if self.loss_fn is not None and torch.is_grad_enabled():
-                raise ValueError("the rank holding the last stage must pass target= when loss_fn is set")
-            return none
-        if self.loss_fn is None:
-            raise ValueError("target= was given but the schedule has no loss_fn")
-        return microbatch_sizes((target,), {}, self.n_microbatches)
+            raise ValueError(
+                f"rank {self.rank} holds the last stage: a training step needs target= "
+                "(for a forward-only step use eval(), or loss_fn=None on every rank)"
+            )
+        return sum(microbatch_sizes((target,), {}, self.n_microbatches))
 
-    def _check_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], list[int], int]:
-        """Validate this rank's part of the step and share the step header, before any stage runs.
+    def _agree(self, plan: int, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, Agreement]:
+        """Check this rank's part of the step, then agree on the step with every rank, before any stage runs.
 
-        The rank of stage 0 sends (signature, rows per microbatch) to every rank;
-        if its batch is invalid it sends ``REJECTED`` instead and raises, so the
-        other ranks raise too rather than wait for activations that never come.
-        A bad target is caught on the last stage's rank before it runs anything;
-        the other ranks then fail at their next wait for it (within ``timeout``).
+        Every call takes part in exactly one exchange (docs/ARCHITECTURE.md,
+        "Step agreement"), a rejected one too: so a rank that rejects its own
+        inputs raises its own error, every other rank raises
+        ``StepRejectedError`` naming it, and all of them stay in step.
         """
-        m = self.n_microbatches
+        record = StepRecord(rank=self.rank, step=self._step_no, plan=plan, schedule=self.schedule.name,
+                            schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
+                            num_stages=self.num_stages, has_loss=self.loss_fn is not None,
+                            layouts=self._channel.known_digest)
+        self._step_no += 1
+        args_chunks: list = []
+        kwargs_chunks: list = []
+        error: Optional[Exception] = None
         try:
             args_chunks, kwargs_chunks, sizes = self._check_inputs(args, kwargs)
-            target_sizes = self._check_target(target)
-        except (ValueError, TypeError):
             if self.has_first_stage:
-                self._header.share(REJECTED, [0] * m)
-                self._header.finish()
+                record.rows = sum(sizes)
+                record.signature = self._agreement.signature(args, kwargs, sizes, self.chunk_spec)
+            record.target_rows = self._check_target(plan, target)
+        except (ValueError, TypeError) as exc:
+            error = exc
+            record.rejected = f"{type(exc).__name__}: {exc}"
+        records = self._agreement.exchange(record)
+        try:
+            agreement = agree(records, self._first_rank, self._last_rank)
+        except StepAgreementError:
+            if error is not None:
+                error.add_note(f"pipeline_ext: rank {self.rank} rejected step {record.step}; every rank was told "
+                               "and raised, no stage ran")
+                raise error from None
             raise
-        signature = self._header.signature(args, kwargs, sizes, self.chunk_spec) if self.has_first_stage else 0
-        signature, sizes = self._header.share(signature, sizes)
-        if signature == REJECTED:
-            raise RuntimeError(f"rank {self._first_rank} rejected this step's inputs (its error says why); no stage ran")
-        if any(target_sizes) and target_sizes != sizes:
-            raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        return args_chunks, kwargs_chunks, sizes, target_sizes, signature
+        return args_chunks, kwargs_chunks, agreement
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
 
         Gradients accumulate into ``.grad``. On the last stage, per-microbatch
         losses are appended to ``losses`` and the merged output is returned.
+        With ``loss_fn=None`` (on every rank) the step is forward only, as in
+        torch: no backward, ``.grad`` untouched.
         """
-        return self._run(self._executor, args, kwargs, target, losses)
+        if self.loss_fn is None:
+            with torch.no_grad():
+                return self._run(_FORWARD, args, kwargs, target, None)
+        return self._run(_TRAIN, args, kwargs, target, losses)
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage."""
+        with torch.no_grad():
+            return self._run(_FORWARD, args, kwargs, None, None)
+
+    def _forward_executor(self) -> Executor:
         if self._eval_executor is None:
             # The forwards of a valid schedule, in the same order, are a valid forward-only schedule.
             fwd = S.Schedule(
@@ -274,23 +308,25 @@ class PipelineSchedule:
                 name=f"{self.schedule.name}-forward",
             )
             self._eval_executor = Executor(S.lower(fwd), self.rank, self._runners, self._channel, timeout=self.timeout)
-        with torch.no_grad():
-            return self._run(self._eval_executor, args, kwargs, None, None)
+        return self._eval_executor
 
-    def _run(self, executor: Executor, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
-        args_chunks, kwargs_chunks, sizes, target_sizes, signature = self._check_step(args, kwargs, target)
+    def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
+        args_chunks, kwargs_chunks, agreement = self._agree(plan, args, kwargs, target)
+        executor = self._executor if plan == _TRAIN else self._forward_executor()
         targets = []
-        if any(target_sizes):
+        if plan == _TRAIN and self.has_last_stage:
             targets = split_target(to_device(target, self._device), self.n_microbatches)
+        sizes = agreement.sizes
         weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
         for r in self._runners.values():
             r.reset()
         # Layouts are cached per (batch signature, plan): a forward-only step
         # exchanges only activations, so if eval() and step() shared a key, a
         # step after an eval of the same shapes would find no gradient layouts.
-        plan = "train" if executor is self._executor else "forward"
-        self._channel.begin_step((signature, plan))
-        tracing = self._tracer is not None and executor is self._executor
+        # When the ranks' caches differ (a step failed on some ranks after
+        # others had committed its layouts), every rank exchanges them again.
+        self._channel.begin_step((agreement.signature, plan), force_discovery=agreement.discovery)
+        tracing = self._tracer is not None and plan == _TRAIN
         if tracing:
             self._tracer.begin_step()
         try:
@@ -298,9 +334,7 @@ class PipelineSchedule:
         except BaseException:
             for r in self._runners.values():
                 r.reset()
-            self._header.drop()
             raise
-        self._header.finish()
         self._channel.end_step()
         if not self.has_last_stage:
             return None

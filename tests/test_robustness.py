@@ -149,7 +149,8 @@ def _batch_too_small(rank: int, world: int) -> str:
 def test_batch_smaller_than_microbatches_fails_on_every_rank_before_communication():
     results = run_ranks(_batch_too_small, 2, timeout=40)
     assert "ValueError" in results[0][1] and "must not exceed the batch size" in results[0][1]
-    assert "rejected this step's inputs" in results[1][1]
+    said = results[1][1]
+    assert "StepRejectedError" in said and "rank 0: ValueError" in said and "must not exceed the batch size" in said
 
 
 def test_non_tensor_stage_output_is_a_clear_error():

@@ -19,6 +19,7 @@ naming what it waited for, or ``ChannelError`` when a peer failed.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections import deque
@@ -36,6 +37,7 @@ __all__ = [
     "LocalHub",
     "LocalChannel",
     "describe_tag",
+    "stable_hash",
 ]
 
 ChannelError = _C.ChannelError
@@ -77,6 +79,11 @@ class ChannelHandle:
         """True once done. Gloo only marks sends/receives done inside ``wait``, so this
         stays False until then there; NCCL and in-process requests report progress."""
         return self._request.is_completed()
+
+
+def stable_hash(text: str) -> int:
+    """62 bits of blake2b over ``text``: the same in every process (unlike ``hash``), fits an int64 word."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
 class _DiscoveryRecv:
@@ -139,6 +146,7 @@ class DistChannel:
         self._signature: Optional[Hashable] = None
         self._discovery = True
         self._unresolved: dict[int, deque[_DiscoveryRecv]] = {}
+        self._digest = 0
 
     @property
     def rank(self) -> int:
@@ -149,10 +157,15 @@ class DistChannel:
         return self._pg.device
 
     # -- steps -----------------------------------------------------------------------------
-    def begin_step(self, signature: Hashable) -> bool:
-        """Start a step; returns True if it is a discovery step (signature never completed)."""
+    @property
+    def known_digest(self) -> int:
+        """A digest of the signatures whose layouts are cached: equal on two ranks when their caches are."""
+        return self._digest
+
+    def begin_step(self, signature: Hashable, force_discovery: bool = False) -> bool:
+        """Start a step; returns True if it is a discovery step (signature never completed, or forced)."""
         self._signature = signature
-        self._discovery = signature not in self._signatures
+        self._discovery = force_discovery or signature not in self._signatures
         self._seen = {}
         self._unresolved = {}  # receives a failed step never waited on must not block this one
         return self._discovery
@@ -161,7 +174,9 @@ class DistChannel:
         """Commit the layouts a discovery step saw, so later steps preallocate from them."""
         if self._signature is not None and self._discovery:
             self._known.update(self._seen)
-            self._signatures.add(self._signature)
+            if self._signature not in self._signatures:
+                self._signatures.add(self._signature)
+                self._digest ^= stable_hash(repr(self._signature))
         self._seen = {}
         self._signature = None
         self._discovery = True

@@ -1,48 +1,192 @@
-"""The step header: what every rank must know before a multi-process step starts.
+"""Step agreement: before any activation moves, every rank knows every rank agrees to this step.
 
-The rank holding stage 0 splits the batch, so only it knows the step's shapes;
-every other rank needs them (as a *signature*, to pick cached message layouts)
-and the rows per microbatch (loss weights). This module computes the signature
-cheaply and moves the header with direct point-to-point messages.
+Real training loops catch errors and go on, validate between training steps,
+and get ranks to disagree by accident (a different ``n_microbatches`` on one
+rank, a missing ``loss_fn`` or target on another). Each of those used to leave
+the ranks one step apart, silently pairing one step's activations with the
+next step's targets, or to abort a process inside Gloo. So every step starts
+with one exchange: each rank sends every other rank a fixed-size record, and
+waits (bounded by ``timeout``) for theirs:
 
-Why not ``dist.broadcast``: on Gloo a collective runs on the process group's
-worker thread, so each rank pays a hand-off to that thread and back (two thread
-wake-ups per rank per step, on a critical path), while a point-to-point send
-or receive runs in the caller's thread. The sender does not wait for its sends
-here; ``finish`` reaps them after the step, so stage 0 starts computing at once.
+=====  ==================================================================
+word   meaning
+=====  ==================================================================
+0      magic (a record from something else is rejected by name)
+1      step number: every call of ``step``/``eval`` on this schedule, failed
+       ones included, so a rank that skipped a call is named
+2      plan: training or forward-only
+3      schedule key (hash of name, placement, microbatches, stages)
+4, 5   n_microbatches, num_stages
+6      status: 0 accepted; 1 this rank rejected its own inputs
+7      whether this rank has a ``loss_fn``
+8, 9   batch signature and rows (rank of stage 0)
+10     target rows (rank of the last stage; -1: none)
+11     digest of the message layouts this rank has cached (they must match)
+12     the sender's rank
+16-19  schedule name (ASCII)
+20-35  the rejecting rank's reason (UTF-8, truncated)
+=====  ==================================================================
+
+Every rank then runs the same pure decision (:func:`agree`) over the same
+records, so either every rank starts the step with the same signature, sizes
+and layout plan, or every rank raises, naming the rank and the reason, and
+all stay in step for the next call. Being fixed-size, a record can be received
+whatever the peer's configuration: a disagreement is described in words,
+never met as a Gloo abort or a read of unwritten memory.
+
+Why point to point (not ``all_gather``): on Gloo a collective runs on the
+group's worker thread (two thread wake-ups per rank per step on a critical
+path); a send or receive runs in the caller's thread.
 """
 from __future__ import annotations
 
-import hashlib
+import datetime
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = ["HEADER_TAG", "REJECTED", "StepHeader", "step_signature"]
+from pipeline_ext.ops import even_sizes
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, stable_hash
+
+__all__ = ["AGREEMENT_TAG", "StepRecord", "StepAgreement", "StepAgreementError", "StepRejectedError", "agree"]
 
 # Outside the executor's message tags (< 2^30) and their layout bit (2^30).
-HEADER_TAG = 2**31 - 1
+AGREEMENT_TAG = 2**31 - 1
 
+_MAGIC = 0x7065_5F73_7465_70  # "pe_step"
+_WORDS = 36
+_NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
 _CACHE_LIMIT = 64
-
-#: the signature sent when the rank of stage 0 rejected the step's batch (real ones are >= 0)
-REJECTED = -1
+PLANS = {1: "a training step", 2: "a forward-only step (eval(), or step() without a loss_fn)"}
 
 
-def _leaf_key(x: Any) -> Any:
-    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+class StepAgreementError(RuntimeError):
+    """The ranks disagree about the step (schedule, microbatches, plan, loss, step number); no stage ran."""
 
 
-class StepHeader:
-    """Shares (signature, microbatch sizes) from the rank of stage 0 with the other ranks of ``group``."""
+class StepRejectedError(StepAgreementError):
+    """Another rank rejected its inputs for this step; no stage ran on any rank."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, first_rank: int,
-                 n_microbatches: int, device: torch.device) -> None:
-        self.group, self.rank, self.num_ranks = group, rank, num_ranks
-        self.first_rank, self.n_microbatches, self.device = first_rank, n_microbatches, device
-        self._pending: list[Any] = []  # (tensor, works) of headers in flight
+
+@dataclass
+class StepRecord:
+    """What one rank says about the step it is about to run."""
+
+    rank: int
+    step: int
+    plan: int
+    schedule: str
+    schedule_key: int
+    n_microbatches: int
+    num_stages: int
+    has_loss: bool
+    rejected: str = ""  # this rank's reason, empty when it accepts
+    signature: int = 0
+    rows: int = 0
+    target_rows: int = -1
+    layouts: int = 0  # DistChannel.known_digest: which layouts this rank has cached
+
+    def encode(self) -> list[int]:
+        words = [0] * _WORDS
+        words[:13] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
+                      int(bool(self.rejected)), int(self.has_loss), self.signature, self.rows, self.target_rows,
+                      self.layouts, self.rank]
+        words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
+        words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
+        return words
+
+    @classmethod
+    def decode(cls, words: Sequence[int], sender: int) -> "StepRecord":
+        if len(words) != _WORDS or words[0] != _MAGIC:
+            raise StepAgreementError(
+                f"rank {sender} sent a step record pipeline_ext cannot read (another version of pipeline_ext, "
+                "or something else sending on its tag?)"
+            )
+        w = list(words)
+        return cls(rank=w[12], step=w[1], plan=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
+                   schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
+                   rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
+                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11])
+
+
+def _text_words(text: str, span: tuple[int, int]) -> list[int]:
+    n = (span[1] - span[0]) * 8
+    raw = text.encode("utf-8")[:n].ljust(n, b"\0")
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, n, 8)]
+
+
+def _words_text(words: Sequence[int]) -> str:
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+@dataclass
+class Agreement:
+    """What every rank starts the step with."""
+
+    signature: int
+    sizes: list[int]
+    discovery: bool  # exchange every message's layout again, whatever the caches say
+
+
+def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
+    """The first thing the ranks disagree on, in words; None when they agree."""
+    def differ(key: Any) -> bool:
+        return len({key(r) for r in records}) > 1
+
+    if differ(lambda r: r.step):
+        said = ", ".join(f"rank {r.rank} is at step {r.step}" for r in records)
+        return (f"the ranks are out of step: {said}. Every rank must call step()/eval() the same number of times "
+                "(a failed step raises on every rank: catch it on every rank)")
+    if differ(lambda r: (r.schedule_key, r.n_microbatches, r.num_stages)):
+        return "the ranks run different schedules: " + ", ".join(
+            f"rank {r.rank} runs {r.schedule} with {r.n_microbatches} microbatches over {r.num_stages} stages"
+            for r in records)
+    if differ(lambda r: r.has_loss):  # before the plan: a missing loss_fn is what makes step() forward-only
+        said = ", ".join(f"rank {r.rank} {'has a' if r.has_loss else 'has no'} loss_fn" for r in records)
+        return (f"the ranks disagree on the loss: {said}. Pass the same loss_fn on every rank "
+                "(loss_fn=None on every rank makes step() forward-only)")
+    if differ(lambda r: r.plan):
+        return "the ranks run different plans: " + ", ".join(
+            f"rank {r.rank} runs {PLANS.get(r.plan, r.plan)}" for r in records)
+    return None
+
+
+def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agreement:
+    """The one decision every rank takes over the same records (so they all take the same one)."""
+    records = sorted(records, key=lambda r: r.rank)
+    step = records[0].step
+    problem = _disagreement(records)
+    if problem is not None:
+        raise StepAgreementError(f"step {step}: {problem}; no stage ran")
+    rejected = [r for r in records if r.rejected]
+    if rejected:
+        said = "; ".join(f"rank {r.rank}: {r.rejected}" for r in rejected)
+        raise StepRejectedError(f"step {step} was rejected before any stage ran ({said})")
+    by_rank = {r.rank: r for r in records}
+    first, last = by_rank[first_rank], by_rank[last_rank]
+    if last.target_rows >= 0 and last.target_rows != first.rows:
+        raise StepRejectedError(
+            f"step {step} was rejected before any stage ran: the target on rank {last_rank} has "
+            f"{last.target_rows} rows but the batch on rank {first_rank} has {first.rows}"
+        )
+    n = records[0].n_microbatches
+    # Caches differ when a step failed on some ranks after others had committed
+    # its layouts: then every rank exchanges them again (a known step on one
+    # side and a discovery step on the other would deadlock).
+    return Agreement(first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1)
+
+
+class StepAgreement:
+    """Runs the exchange of :class:`StepRecord` between the ranks of ``group``, bounded by ``timeout``."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, device: torch.device,
+                 timeout: float) -> None:
+        self.group, self.rank, self.num_ranks, self.device = group, rank, num_ranks, device
+        self.timeout = timeout
         self._signatures: dict[tuple, int] = {}
 
     def _global(self, group_rank: int) -> int:
@@ -58,39 +202,53 @@ class StepHeader:
         key = (spec, tuple(_leaf_key(x) for x in leaves), tuple(sizes), repr(chunk_spec))
         sig = self._signatures.get(key)
         if sig is None:
-            sig = step_signature(repr(key))
+            sig = stable_hash(repr(key))
             if len(self._signatures) >= _CACHE_LIMIT:
                 self._signatures.clear()
             self._signatures[key] = sig
         return sig
 
-    def share(self, signature: int, sizes: Sequence[int]) -> tuple[int, list[int]]:
-        """On the rank of stage 0: start sending; elsewhere: receive. Returns (signature, sizes) everywhere."""
+    def exchange(self, mine: StepRecord) -> list[StepRecord]:
+        """Send ``mine`` to every other rank and receive theirs; ``mine`` comes first in the result."""
         if self.num_ranks == 1:
-            return signature, list(sizes)
-        if self.rank == self.first_rank:
-            header = torch.tensor([signature, *sizes], dtype=torch.int64, device=self.device)
-            works = [dist.isend(header, self._global(r), group=self.group, tag=HEADER_TAG)
-                     for r in range(self.num_ranks) if r != self.rank]
-            self._pending.append((header, works))
-            return signature, list(sizes)
-        header = torch.empty(1 + self.n_microbatches, dtype=torch.int64, device=self.device)
-        dist.recv(header, self._global(self.first_rank), group=self.group, tag=HEADER_TAG)
-        values = header.tolist()
-        return values[0], values[1:]
+            return [mine]
+        peers = [r for r in range(self.num_ranks) if r != self.rank]
+        out = torch.tensor(mine.encode(), dtype=torch.int64, device=self.device)
+        bufs = {r: torch.zeros(_WORDS, dtype=torch.int64, device=self.device) for r in peers}
+        recvs = {r: self._start(lambda r=r: dist.irecv(bufs[r], self._global(r), group=self.group,
+                                                       tag=AGREEMENT_TAG), r, mine.step) for r in peers}
+        sends = {r: self._start(lambda r=r: dist.isend(out, self._global(r), group=self.group, tag=AGREEMENT_TAG),
+                                r, mine.step) for r in peers}
+        for r, work in recvs.items():
+            self._wait(work, r, mine.step, "receiving")
+        for r, work in sends.items():
+            self._wait(work, r, mine.step, "sending")
+        return [mine] + [StepRecord.decode(bufs[r].tolist(), r) for r in peers]
 
-    def finish(self) -> None:
-        """Wait for the header sends of the step (they completed long ago on any real step)."""
-        pending, self._pending = self._pending, []
-        for _, works in pending:
-            for w in works:
-                w.wait()
+    def _what(self, peer: int, step: int, doing: str) -> str:
+        return f"rank {self.rank} {doing} the step record of step {step} with rank {peer}"
 
-    def drop(self) -> None:
-        """Forget sends of a failed step (the group is not reused after a failure)."""
-        self._pending = []
+    def _start(self, post: Any, peer: int, step: int) -> Any:
+        try:
+            return post()
+        except RuntimeError as exc:
+            raise ChannelError(f"{self._what(peer, step, 'exchanging')}: {exc}") from exc
+
+    def _wait(self, work: Any, peer: int, step: int, doing: str) -> None:
+        what = self._what(peer, step, doing)
+        try:
+            done = work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "imed out" in text or "imeout" in text:
+                raise ChannelTimeout(
+                    f"{what}: timed out after {self.timeout:g} s (is rank {peer} calling step()/eval() on the "
+                    f"same schedule? After a Gloo timeout the group is closed: create a new process group)"
+                ) from exc
+            raise ChannelError(f"{what}: rank {peer} failed or is gone: {text}") from exc
+        if done is False:
+            raise ChannelTimeout(f"{what}: timed out after {self.timeout:g} s")
 
 
-def step_signature(text: str) -> int:
-    """62 bits of blake2b over ``text``: fits an int64 header slot with room to spare."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+def _leaf_key(x: Any) -> Any:
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,0 +1,280 @@
+"""Every rank agrees on every step, or every rank says why (runtime/step_header.py).
+
+The loops here are the ones users write: catch the library's error, skip the
+batch, go on; validate between training steps; and the accidents of a
+multi-process job (a different n_microbatches, schedule or loss_fn on one
+rank, a rank that never calls step(), a rank that dies). The steps that follow
+a caught error are compared with the unsplit model on the batches that were
+accepted: one step apart would show up as wrong gradients.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from models import build, loss_fn, make_batch, run_stages
+from mp_utils import run_ranks
+from pipeline_ext.runtime.step_header import StepAgreementError, StepRecord, StepRejectedError, agree
+
+TIMEOUT = 10.0
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# -- the decision, without processes ---------------------------------------------------------------
+def _record(rank: int, **kw) -> StepRecord:
+    base = dict(rank=rank, step=3, plan=1, schedule="1f1b", schedule_key=11, n_microbatches=4, num_stages=2,
+                has_loss=True, signature=99 if rank == 0 else 0, rows=8 if rank == 0 else 0,
+                target_rows=8 if rank == 1 else -1)
+    base.update(kw)
+    return StepRecord(**base)
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (dict(step=4), r"out of step: rank 0 is at step 3, rank 1 is at step 4"),
+        (dict(plan=2), r"rank 0 runs a training step, rank 1 runs a forward-only step \(eval\(\)"),
+        (dict(n_microbatches=2, schedule_key=12),
+         r"rank 0 runs 1f1b with 4 microbatches over 2 stages, rank 1 runs 1f1b with 2 microbatches"),
+        (dict(schedule="gpipe", schedule_key=13), r"rank 1 runs gpipe with 4 microbatches"),
+        (dict(has_loss=False), r"rank 0 has a loss_fn, rank 1 has no loss_fn"),
+    ],
+)
+def test_disagreements_are_named_in_words(other, match):
+    for order in ([_record(0), _record(1, **other)], [_record(1, **other), _record(0)]):  # same on every rank
+        with pytest.raises(StepAgreementError, match=match):
+            agree(order, first_rank=0, last_rank=1)
+
+
+def test_a_rejection_names_the_rank_and_its_reason_on_every_rank():
+    with pytest.raises(StepRejectedError, match=r"step 3 was rejected before any stage ran \(rank 1: ValueError: "
+                                                r"no target\)"):
+        agree([_record(0), _record(1, rejected="ValueError: no target")], 0, 1)
+    with pytest.raises(StepRejectedError, match="the target on rank 1 has 6 rows but the batch on rank 0 has 8"):
+        agree([_record(0), _record(1, target_rows=6)], 0, 1)
+
+
+def test_agreement_gives_every_rank_the_same_step():
+    a = agree([_record(0), _record(1)], 0, 1)
+    assert (a.signature, a.sizes, a.discovery) == (99, [2, 2, 2, 2], False)
+    # caches that differ (a step failed on one rank after the other committed its layouts): rediscover
+    assert agree([_record(0, layouts=5), _record(1, layouts=6)], 0, 1).discovery
+
+
+def test_record_round_trip_and_a_foreign_record_is_named():
+    r = _record(1, rejected="ValueError: " + "x" * 400, layouts=2**61 + 7)
+    back = StepRecord.decode(r.encode(), 1)
+    assert back.rejected.startswith("ValueError: xxx") and len(back.rejected.encode()) == 128
+    assert back.layouts == 2**61 + 7 and back.schedule == "1f1b" and back.target_rows == 8
+    with pytest.raises(StepAgreementError, match="rank 1 sent a step record pipeline_ext cannot read"):
+        StepRecord.decode([0] * len(r.encode()), 1)
+
+
+# -- the loops, on 2 Gloo ranks ----------------------------------------------------------------------
+def _schedule(rank: int, world: int, modules, name="1f1b", m=4, loss=loss_fn, timeout=TIMEOUT):
+    import pipeline_ext as pe
+
+    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    return pe.get_schedule_class(name)(stage, m, loss_fn=loss, timeout=timeout)
+
+
+def _call(sched, rank: int, x, y, kind: str = "step"):
+    if kind == "eval":
+        return sched.eval(*((x,) if rank == 0 else ()))
+    return sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 1 else {}))
+
+
+def _catch_and_skip(rank: int, world: int) -> list[str]:
+    """Rejections on one or both ranks, caught, and the loop goes on: the accepted steps must be exact."""
+    modules, ref = build("mlp", world), build("mlp", world)
+    sched = _schedule(rank, world, modules)
+    said = []
+    plan = [  # (batch rows, what goes wrong on which rank)
+        (8, None), (0, "empty batch on both ranks"), (8, "no target on the last rank"), (12, None),
+        (8, "eval between steps"), (8, None),
+    ]
+    for i, (n, trouble) in enumerate(plan):
+        x, y = make_batch("mlp", max(n, 1), seed=i)
+        x, y = x[:n], y[:n]
+        try:
+            if trouble == "no target on the last rank":
+                sched.step(*((x,) if rank == 0 else ()))
+            elif trouble == "eval between steps":
+                out = _call(sched, rank, x, y, "eval")
+                if rank == 1:
+                    with torch.no_grad():
+                        assert torch.allclose(out, run_stages(ref, x), rtol=RTOL, atol=ATOL)
+                continue
+            else:
+                _call(sched, rank, x, y)
+        except (ValueError, StepAgreementError) as exc:
+            said.append(f"{i}:{type(exc).__name__}: {exc}")
+            continue
+        assert trouble is None, f"round {i} ({trouble}) was accepted on rank {rank}"
+        loss_fn(run_stages(ref, x), y).backward()
+    bad = [f"param {j}" for j, (p, q) in enumerate(zip(modules[rank].parameters(), ref[rank].parameters()))
+           if not torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL)]
+    return said + [f"rank {rank}: gradients differ from the unsplit model on the accepted batches: {bad}"] * bool(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_catch_and_skip_loop_stays_in_step_and_exact():
+    results = run_ranks(_catch_and_skip, 2, timeout=90)
+    said = {r: v for r, (_, v) in results.items()}
+    assert not [s for v in said.values() for s in v if "gradients differ" in s], said
+    # round 1: both ranks reject their own empty input; round 2: rank 1 rejects, rank 0 is told why
+    assert said[0][0].startswith("1:ValueError") and said[1][0].startswith("1:ValueError"), said
+    assert said[0][1].startswith("2:StepRejectedError") and "rank 1: ValueError" in said[0][1], said
+    assert "needs target=" in said[0][1] and said[1][1].startswith("2:ValueError"), said
+    assert all(len(v) == 2 for v in said.values()), said
+
+
+def _disagree(rank: int, world: int) -> list[str]:
+    """Misconfigured ranks: every rank raises a named error, and both go on to the next case."""
+    modules = build("mlp", world)
+    x, y = make_batch("mlp", 8)
+    cases = {
+        "n_microbatches": dict(m=4 if rank == 0 else 2),
+        "schedule": dict(name="1f1b" if rank == 0 else "gpipe"),
+        "loss": dict(loss=loss_fn if rank == 1 else None),
+    }
+    said = []
+    for case, kw in cases.items():
+        sched = _schedule(rank, world, modules, **kw)
+        try:
+            _call(sched, rank, x, y)
+            said.append(f"{case}: no error")
+        except StepAgreementError as exc:
+            said.append(f"{case}: {exc}")
+    sched = _schedule(rank, world, modules)
+    try:
+        _call(sched, rank, x, y, "eval" if rank == 0 else "step")
+        said.append("plan: no error")
+    except StepAgreementError as exc:
+        said.append(f"plan: {exc}")
+    _call(sched, rank, x, y)  # agreed again: the next step runs
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_disagreements_raise_named_errors_on_every_rank():
+    results = run_ranks(_disagree, 2, timeout=90)
+    for rank, (_, said) in results.items():
+        assert "rank 0 runs 1f1b with 4 microbatches over 2 stages, rank 1 runs 1f1b with 2" in said[0], said
+        assert "rank 1 runs gpipe" in said[1], said
+        assert "rank 0 has no loss_fn, rank 1 has a loss_fn" in said[2], said
+        assert "rank 0 runs a forward-only step (eval(), or step() without a loss_fn), rank 1 runs a training step" \
+            in said[3], said
+
+
+def _forward_only_without_loss(rank: int, world: int) -> list[str]:
+    modules, ref = build("mlp", world), build("mlp", world)
+    sched = _schedule(rank, world, modules, loss=None)
+    x, _ = make_batch("mlp", 8)
+    out = sched.step(*((x,) if rank == 0 else ()))
+    bad = [f"rank {rank}: .grad was written" for p in modules[rank].parameters() if p.grad is not None]
+    if rank == 1:
+        with torch.no_grad():
+            if not torch.allclose(out, run_stages(ref, x), rtol=RTOL, atol=ATOL):
+                bad.append("output differs from the unsplit model")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_loss_fn_none_on_every_rank_is_a_forward_only_step():
+    results = run_ranks(_forward_only_without_loss, 2, timeout=40)
+    assert not [b for _, (_, v) in results.items() for b in v], results
+
+
+def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
+    if rank == 0:
+        if how == "exit":
+            os._exit(3)
+        time.sleep(3 * 3 + 2)  # never calls step() within the peer's timeout
+        return 0.0, "slept"
+    sched = _schedule(rank, world, build("mlp", world), timeout=3.0)
+    x, y = make_batch("mlp", 8)
+    t0 = time.monotonic()
+    try:
+        _call(sched, rank, x, y)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - t0, "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["stall", "exit"])
+def test_a_peer_that_never_comes_is_named_within_the_timeout(how):
+    results = run_ranks(_absent_peer, 2, how, timeout=60, expect_errors=True)
+    status, value = results[1]
+    assert status == "ok", value
+    elapsed, message = value
+    assert elapsed < 3.0 + 5, (elapsed, message)
+    assert "rank 1" in message and "step 0 with rank 0" in message, message
+    if how == "stall":
+        assert "ChannelTimeout" in message and "timed out after 3 s" in message, message
+
+
+class _FailLastBackward(torch.nn.Module):
+    """Linear layer whose backward raises once, in the last microbatch of an armed step."""
+
+    def __init__(self, m: int) -> None:
+        super().__init__()
+        self.lin, self.m, self.armed, self.calls = torch.nn.Linear(16, 16), m, False, 0
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.calls += 1
+        if self.armed and self.calls == self.m:
+            self.armed = False
+
+            def boom(grad):
+                raise ValueError("boom in the last backward")
+
+            out.register_hook(boom)
+        return out
+
+
+def _failure_after_the_last_message(rank: int, world: int) -> list[str]:
+    """Rank 0 fails in its last backward of a discovery step, after every message of the step arrived:
+    rank 1 commits the step's layouts, rank 0 does not. The next step of that shape must still be exact."""
+    m = 4
+    modules, ref = build("mlp", world), build("mlp", world)
+    if rank == 0:
+        failing = _FailLastBackward(m)
+        failing.lin.load_state_dict(modules[0][0].state_dict())
+        modules[0][0] = failing
+    sched = _schedule(rank, world, modules, m=m)
+    x, y = make_batch("mlp", 8)
+    said = []
+    if rank == 0:
+        failing.armed, failing.calls = True, 0
+    try:
+        _call(sched, rank, x, y)
+        said.append("no error")
+    except ValueError as exc:
+        said.append(str(exc))
+    for mod in modules:
+        mod.zero_grad(set_to_none=True)
+    _call(sched, rank, x, y)  # same shape: a known step on rank 1, an unknown one on rank 0
+    loss_fn(run_stages(ref, x), y).backward()
+    mine = [p.grad for p in modules[rank].parameters()]
+    want = [p.grad for p in ref[rank].parameters()]
+    if not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(mine, want)):
+        said.append(f"rank {rank}: gradients differ after the failed step")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_failure_after_the_last_message_of_a_discovery_step():
+    results = run_ranks(_failure_after_the_last_message, 2, timeout=60)
+    said = {r: v for r, (_, v) in results.items()}
+    assert said[0] == ["boom in the last backward"] and said[1] == ["no error"], said
