@@ -300,6 +300,25 @@ def test_host_channel_waits_with_the_callers_timeout():
     assert pg.waits and all(0 < t.total_seconds() <= 5.0 for t in pg.waits)
 
 
+def test_layout_cache_is_bounded_and_an_evicted_signature_is_rediscovered():
+    pg = Loopback()
+    channel = DistChannel(pg, "cpu", num_stages=2, max_signatures=8)
+    digests = set()
+    for shape in list(range(1, 41)) + [1, 2]:  # 40 batch shapes, then two evicted long ago
+        x = torch.arange(shape * 3, dtype=torch.float32).reshape(shape, 3)
+        discovery = channel.begin_step(("sig", shape))
+        send = channel.send([x], 1, 0)
+        got = channel.recv(1, 0).wait(5.0, "recv")
+        send.wait(5.0, "send")
+        channel.end_step()
+        assert discovery and torch.equal(got[0], x)
+        digests.add(channel.known_digest)
+    assert channel.cached_layouts == 8 * 2  # 8 signatures x (one send + one receive layout)
+    assert not channel.begin_step(("sig", 2))  # still cached: a known step
+    channel.end_step()
+    assert len(digests) == 42  # every commit and eviction changed the digest
+
+
 # -- CUDA ------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @cuda

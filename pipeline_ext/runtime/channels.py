@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Hashable, Optional, Sequence, Union
 
 import torch
@@ -127,11 +127,12 @@ class DistChannel:
     The signature (any hashable) must be the same on every rank for the same
     step shape and the same plan (e.g. derived from batch size, microbatch
     count and training vs forward-only); without ``begin_step`` every message
-    carries its layout (correct, one extra small message each).
+    carries its layout (correct, one extra small message each). The layouts of
+    the ``max_signatures`` (default 64) most recently used signatures are kept.
     """
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
-                 num_stages: Optional[int] = None) -> None:
+                 num_stages: Optional[int] = None, max_signatures: int = 64) -> None:
         import torch.distributed as dist
 
         if group is None:
@@ -140,9 +141,12 @@ class DistChannel:
             group = dist.group.WORLD
         self._pg = _C.ProcessGroupChannel(group, torch.device(device))
         self.num_stages = num_stages
-        self._known: dict[tuple, "_C.PackLayout"] = {}  # (signature, direction, peer, tag) -> layout
+        if max_signatures < 1:
+            raise ValueError(f"max_signatures must be at least 1, got {max_signatures}")
+        # signature -> {(direction, peer, tag): layout}, least recently used first
+        self._cache: OrderedDict[Hashable, dict[tuple, "_C.PackLayout"]] = OrderedDict()
+        self.max_signatures = max_signatures
         self._seen: dict[tuple, "_C.PackLayout"] = {}  # layouts of the current discovery step
-        self._signatures: set[Hashable] = set()
         self._signature: Optional[Hashable] = None
         self._discovery = True
         self._unresolved: dict[int, deque[_DiscoveryRecv]] = {}
@@ -165,33 +169,49 @@ class DistChannel:
     def begin_step(self, signature: Hashable, force_discovery: bool = False) -> bool:
         """Start a step; returns True if it is a discovery step (signature never completed, or forced)."""
         self._signature = signature
-        self._discovery = force_discovery or signature not in self._signatures
+        self._discovery = force_discovery or signature not in self._cache
+        if signature in self._cache:
+            self._cache.move_to_end(signature)
         self._seen = {}
         self._unresolved = {}  # receives a failed step never waited on must not block this one
         return self._discovery
 
     def end_step(self) -> None:
-        """Commit the layouts a discovery step saw, so later steps preallocate from them."""
+        """Commit the layouts a discovery step saw, so later steps preallocate from them.
+
+        At most ``max_signatures`` signatures are kept (least recently used
+        goes first). Ranks that evict differently still agree on every step:
+        the step agreement compares ``known_digest`` and makes every rank
+        rediscover when the caches differ.
+        """
         if self._signature is not None and self._discovery:
-            self._known.update(self._seen)
-            if self._signature not in self._signatures:
-                self._signatures.add(self._signature)
+            if self._signature not in self._cache:
                 self._digest ^= stable_hash(repr(self._signature))
+            self._cache[self._signature] = self._seen
+            self._cache.move_to_end(self._signature)
+            while len(self._cache) > self.max_signatures:
+                old, _ = self._cache.popitem(last=False)
+                self._digest ^= stable_hash(repr(old))
         self._seen = {}
         self._signature = None
         self._discovery = True
 
     # -- messages --------------------------------------------------------------------------
+    @property
+    def cached_layouts(self) -> int:
+        """How many message layouts are cached, over every kept signature."""
+        return sum(len(layouts) for layouts in self._cache.values())
+
     def _key(self, direction: str, peer: int, tag: int) -> tuple:
-        return (self._signature, direction, peer, tag)
+        return (direction, peer, tag)
 
     def _cached(self, key: tuple) -> "_C.PackLayout":
         try:
-            return self._known[key]
+            return self._cache[self._signature][key]
         except KeyError:
             raise ChannelError(
-                f"rank {self.rank}: no layout was exchanged for {key[1]} with rank {key[2]}, "
-                f"{describe_tag(key[3], self.num_stages)}, under step signature {key[0]}: a known step "
+                f"rank {self.rank}: no layout was exchanged for {key[0]} with rank {key[1]}, "
+                f"{describe_tag(key[2], self.num_stages)}, under step signature {self._signature}: a known step "
                 "must exchange the same messages as its discovery step"
             ) from None
 
