@@ -330,7 +330,7 @@ class PipelineSchedule:
         if tracing:
             self._tracer.begin_step()
         try:
-            executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights))
+            executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights), step=agreement.step)
         except BaseException:
             for r in self._runners.values():
                 r.reset()

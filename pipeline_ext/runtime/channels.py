@@ -28,6 +28,7 @@ from typing import Hashable, Optional, Sequence, Union
 import torch
 
 from pipeline_ext._ext import _C
+from pipeline_ext.runtime.tags import describe_tag, message_of
 
 __all__ = [
     "ChannelError",
@@ -50,17 +51,6 @@ def _ms(timeout: Optional[float]) -> int:
     if timeout is None or math.isinf(timeout):
         return -1
     return max(0, int(math.ceil(timeout * 1000)))
-
-
-def describe_tag(tag: int, num_stages: Optional[int]) -> str:
-    """Names the message behind a tag; inverts ``executor.message_tag``."""
-    if not num_stages:
-        return f"tag {tag}"
-    direction, rest = tag % 2, tag // 2
-    sender, mb = rest % num_stages, rest // num_stages
-    if direction == 0:
-        return f"activation of stage {sender} for stage {sender + 1}, microbatch {mb} (tag {tag})"
-    return f"gradient of stage {sender} for stage {sender - 1}, microbatch {mb} (tag {tag})"
 
 
 class ChannelHandle:
@@ -203,7 +193,8 @@ class DistChannel:
         return sum(len(layouts) for layouts in self._cache.values())
 
     def _key(self, direction: str, peer: int, tag: int) -> tuple:
-        return (direction, peer, tag)
+        # The same message in every step of a signature has the same layout, whatever the step bits.
+        return (direction, peer, message_of(tag))
 
     def _cached(self, key: tuple) -> "_C.PackLayout":
         try:

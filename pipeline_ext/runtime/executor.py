@@ -30,9 +30,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.tags import check_tag_space, message_tag
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 
-__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError", "message_tag"]
+__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError"]
 
 
 class PipelineTimeoutError(TimeoutError):
@@ -57,20 +58,6 @@ class Channel(Protocol):
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle: ...
 
     def recv(self, peer: int, tag: int) -> Handle: ...
-
-
-def message_tag(action: Action, num_stages: int) -> int:
-    """One tag per (direction, stage, microbatch), the same on sender and receiver.
-
-    A SEND_F of stage s and the RECV_F of stage s+1 carry the same message, so
-    both are keyed by the sending stage.
-    """
-    kind = action.kind
-    if kind in (ActionKind.SEND_F, ActionKind.RECV_F):
-        sender, direction = (action.stage if kind == ActionKind.SEND_F else action.stage - 1), 0
-    else:
-        sender, direction = (action.stage if kind == ActionKind.SEND_B else action.stage + 1), 1
-    return (action.microbatch * num_stages + sender) * 2 + direction
 
 
 @dataclass
@@ -140,6 +127,8 @@ class Executor:
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
         self.failed_action: Optional[Action] = None
+        check_tag_space(self.num_stages, schedule.n_microbatches)
+        self._step = 0  # the step being run: part of every message's tag (runtime/tags.py)
 
     # -- helpers -------------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:
@@ -150,15 +139,23 @@ class Executor:
     def _what(self, action: Action) -> str:
         return (
             f"rank {self.rank} waiting on {action.kind.value} of stage {action.stage} microbatch "
-            f"{action.microbatch} with peer rank {self._peer(action)}"
+            f"{action.microbatch} with peer rank {self._peer(action)} in step {self._step}"
         )
+
+    def _tag(self, action: Action) -> int:
+        return message_tag(action, self.num_stages, self._step)
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage < self.num_stages and self._rank_of[stage] == self.rank
 
     # -- step ----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs) -> None:
-        """Execute this rank's actions for one step; raise on the first failure."""
+    def run(self, inputs: StepInputs, step: int = 0) -> None:
+        """Execute this rank's actions for step number ``step``; raise on the first failure.
+
+        Every rank must run a step under the same number (the step agreement
+        sees to that): it is part of every message's tag.
+        """
+        self._step = step
         st = _StepState()
         pending = deque(self._recv_actions)
         self._post(st, pending)
@@ -191,7 +188,7 @@ class Executor:
     def _post(self, st: _StepState, pending: deque) -> None:
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
-            st.posted[a] = self._start(a, lambda: self.channel.recv(self._peer(a), message_tag(a, self.num_stages)))
+            st.posted[a] = self._start(a, lambda: self.channel.recv(self._peer(a), self._tag(a)))
 
     def _start(self, a: Action, post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
@@ -245,7 +242,7 @@ class Executor:
 
     def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         tensors = self._take(st.to_send, a, a)
-        st.sends.append((a, self._start(a, lambda: self.channel.send(tensors, self._peer(a), message_tag(a, self.num_stages)))))
+        st.sends.append((a, self._start(a, lambda: self.channel.send(tensors, self._peer(a), self._tag(a)))))
 
     def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         handle = st.posted.pop(a, None)

@@ -60,6 +60,8 @@ _MAGIC = 0x7065_5F73_7465_70  # "pe_step"
 _WORDS = 36
 _NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
 _CACHE_LIMIT = 64
+_CLOSED = (" (if an earlier step timed out, the backend closed this connection for good: "
+           "create a new process group and schedule on every rank)")
 PLANS = {1: "a training step", 2: "a forward-only step (eval(), or step() without a loss_fn)"}
 
 
@@ -127,6 +129,7 @@ def _words_text(words: Sequence[int]) -> str:
 class Agreement:
     """What every rank starts the step with."""
 
+    step: int  # the step number, part of every message's tag (runtime/tags.py)
     signature: int
     sizes: list[int]
     discovery: bool  # exchange every message's layout again, whatever the caches say
@@ -177,7 +180,7 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
     # Caches differ when a step failed on some ranks after others had committed
     # its layouts: then every rank exchanges them again (a known step on one
     # side and a discovery step on the other would deadlock).
-    return Agreement(first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1)
+    return Agreement(step, first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1)
 
 
 class StepAgreement:
@@ -232,7 +235,7 @@ class StepAgreement:
         try:
             return post()
         except RuntimeError as exc:
-            raise ChannelError(f"{self._what(peer, step, 'exchanging')}: {exc}") from exc
+            raise ChannelError(f"{self._what(peer, step, 'exchanging')}: {exc}{_CLOSED}") from exc
 
     def _wait(self, work: Any, peer: int, step: int, doing: str) -> None:
         what = self._what(peer, step, doing)
@@ -245,7 +248,7 @@ class StepAgreement:
                     f"{what}: timed out after {self.timeout:g} s (is rank {peer} calling step()/eval() on the "
                     f"same schedule? After a Gloo timeout the group is closed: create a new process group)"
                 ) from exc
-            raise ChannelError(f"{what}: rank {peer} failed or is gone: {text}") from exc
+            raise ChannelError(f"{what}: rank {peer} failed or is gone: {text}{_CLOSED}") from exc
         if done is False:
             raise ChannelTimeout(f"{what}: timed out after {self.timeout:g} s")
 

@@ -1,0 +1,61 @@
+"""Message identity between pipeline ranks: one tag per (step, direction, stage, microbatch).
+
+Bits 0-19 name the message within a step, ``(microbatch * num_stages +
+sending_stage) * 2 + direction`` (0: activation, 1: gradient), the same on
+sender and receiver. Bits 20-29 carry the step number modulo 1024, so a message
+a failed step left behind (sent, never received) can never be taken for this
+step's: it would need 1024 more steps to match again. Bit 30 marks a layout
+message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the step
+agreement's tag.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pipeline_ext.schedules import Action, ActionKind
+
+__all__ = ["STEP_SHIFT", "STEPS", "message_tag", "message_of", "describe_tag", "check_tag_space"]
+
+STEP_SHIFT = 20
+STEPS = 1 << 10  # step numbers wrap around after this many steps
+_IN_STEP = (1 << STEP_SHIFT) - 1
+
+
+def check_tag_space(num_stages: int, n_microbatches: int) -> None:
+    """Every message of a step must fit the 20 bits a tag gives the step's messages."""
+    if 2 * num_stages * n_microbatches > 1 << STEP_SHIFT:
+        raise ValueError(
+            f"{num_stages} stages x {n_microbatches} microbatches need more than the 2^{STEP_SHIFT} message tags "
+            f"a step has; use fewer microbatches (at most {(1 << STEP_SHIFT) // (2 * num_stages)})"
+        )
+
+
+def message_tag(action: Action, num_stages: int, step: int = 0) -> int:
+    """The tag of the message a SEND_*/RECV_* action moves in step ``step``.
+
+    A SEND_F of stage s and the RECV_F of stage s+1 carry the same message, so
+    both are keyed by the sending stage.
+    """
+    kind = action.kind
+    if kind in (ActionKind.SEND_F, ActionKind.RECV_F):
+        sender, direction = (action.stage if kind == ActionKind.SEND_F else action.stage - 1), 0
+    else:
+        sender, direction = (action.stage if kind == ActionKind.SEND_B else action.stage + 1), 1
+    return ((step % STEPS) << STEP_SHIFT) | ((action.microbatch * num_stages + sender) * 2 + direction)
+
+
+def message_of(tag: int) -> int:
+    """The message within its step (the tag without the step bits): what layouts are cached by."""
+    return tag & _IN_STEP
+
+
+def describe_tag(tag: int, num_stages: Optional[int]) -> str:
+    """Names the message behind a tag (inverts ``message_tag``)."""
+    if not num_stages:
+        return f"tag {tag}"
+    step, rest = tag >> STEP_SHIFT, tag & _IN_STEP
+    direction, rest = rest % 2, rest // 2
+    sender, mb = rest % num_stages, rest // num_stages
+    what = (f"activation of stage {sender} for stage {sender + 1}" if direction == 0
+            else f"gradient of stage {sender} for stage {sender - 1}")
+    return f"{what}, microbatch {mb} (tag {tag}, step {step} mod {STEPS})"
