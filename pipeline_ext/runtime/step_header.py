@@ -218,20 +218,20 @@ class StepAgreement:
         peers = [r for r in range(self.num_ranks) if r != self.rank]
         out = torch.tensor(mine.encode(), dtype=torch.int64, device=self.device)
         bufs = {r: torch.zeros(_WORDS, dtype=torch.int64, device=self.device) for r in peers}
-        recvs = {r: self._start(lambda r=r: dist.irecv(bufs[r], self._global(r), group=self.group,
-                                                       tag=AGREEMENT_TAG), r, mine.step) for r in peers}
-        sends = {r: self._start(lambda r=r: dist.isend(out, self._global(r), group=self.group, tag=AGREEMENT_TAG),
-                                r, mine.step) for r in peers}
-        for r, work in recvs.items():
-            self._wait(work, r, mine.step, "receiving")
-        for r, work in sends.items():
-            self._wait(work, r, mine.step, "sending")
+        # One batch (torch's batch_isend_irecv): NCCL runs a pair's sends and receives on one stream,
+        # so separately issued "everyone receives, then sends" would deadlock there.
+        ops = [dist.P2POp(dist.irecv, bufs[r], self._global(r), self.group, AGREEMENT_TAG) for r in peers]
+        ops += [dist.P2POp(dist.isend, out, self._global(r), self.group, AGREEMENT_TAG) for r in peers]
+        works = self._start(lambda: dist.batch_isend_irecv(ops), ", ".join(map(str, peers)), mine.step)
+        doing = ["receiving"] * len(peers) + ["sending"] * len(peers)
+        for work, peer, what in zip(works, peers + peers, doing):
+            self._wait(work, peer, mine.step, what)
         return [mine] + [StepRecord.decode(bufs[r].tolist(), r) for r in peers]
 
-    def _what(self, peer: int, step: int, doing: str) -> str:
+    def _what(self, peer: Any, step: int, doing: str) -> str:
         return f"rank {self.rank} {doing} the step record of step {step} with rank {peer}"
 
-    def _start(self, post: Any, peer: int, step: int) -> Any:
+    def _start(self, post: Any, peer: Any, step: int) -> Any:
         try:
             return post()
         except RuntimeError as exc:
