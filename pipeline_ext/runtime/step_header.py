@@ -36,7 +36,8 @@ never met as a Gloo abort or a read of unwritten memory.
 
 Why point to point (not ``all_gather``): on Gloo a collective runs on the
 group's worker thread (two thread wake-ups per rank per step on a critical
-path); a send or receive runs in the caller's thread.
+path); a send or receive runs in the caller's thread. The sends and receives
+go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
