@@ -266,16 +266,22 @@ class PipelineSchedule:
                 record.rows = sum(sizes)
                 record.signature = self._agreement.signature(args, kwargs, sizes, self.chunk_spec)
             record.target_rows = self._check_target(plan, target)
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
             record.rejected = f"{type(exc).__name__}: {exc}"
-        records = self._agreement.exchange(record)
+        try:
+            records = self._agreement.exchange(record)
+        except Exception as exc:
+            if error is not None:  # the peers could not be told; say both
+                raise exc from error
+            raise
         try:
             agreement = agree(records, self._first_rank, self._last_rank)
         except StepAgreementError:
             if error is not None:
-                error.add_note(f"pipeline_ext: rank {self.rank} rejected step {record.step}; every rank was told "
-                               "and raised, no stage ran")
+                if hasattr(error, "add_note"):
+                    error.add_note(f"pipeline_ext: rank {self.rank} rejected step {record.step}; every rank was "
+                                   "told and raised, no stage ran")
                 raise error from None
             raise
         return args_chunks, kwargs_chunks, agreement
