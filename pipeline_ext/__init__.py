@@ -25,6 +25,7 @@ _EXPORTS = {
     "ScheduleZBH1": "pipeline_ext.distributed",
     "ScheduleZBH2": "pipeline_ext.distributed",
     "ScheduleZBV": "pipeline_ext.distributed",
+    "ScheduleZBVZeroBubble": "pipeline_ext.distributed",
     "ScheduleDualPipeV": "pipeline_ext.distributed",
     "get_schedule_class": "pipeline_ext.distributed",
     "StepAgreementError": "pipeline_ext.runtime.step_header",

@@ -60,6 +60,7 @@ __all__ = [
     "ScheduleZBH1",
     "ScheduleZBH2",
     "ScheduleZBV",
+    "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV",
     "get_schedule_class",
 ]
@@ -219,9 +220,7 @@ class PipelineSchedule:
     def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
         """Split this rank's batch (stage 0 only): chunks and rows per microbatch."""
         if not self.has_first_stage:
-            if args or kwargs:
-                raise ValueError(f"rank {self.rank} does not hold stage 0; call step() without inputs here")
-            return [], [], []
+            return [], [], []  # as in torch: inputs given to a rank without stage 0 are not used
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
@@ -289,8 +288,10 @@ class PipelineSchedule:
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
 
-        Gradients accumulate into ``.grad``. On the last stage, per-microbatch
-        losses are appended to ``losses`` and the merged output is returned.
+        Gradients accumulate into ``.grad``. On the last stage, ``losses`` is
+        filled with this step's per-microbatch losses (cleared first, as in
+        torch) and the merged output is returned. Inputs given on a rank that
+        does not hold stage 0 are not used (as in torch).
         With ``loss_fn=None`` (on every rank) the step is forward only, as in
         torch: no backward, ``.grad`` untouched.
         """
@@ -346,6 +347,7 @@ class PipelineSchedule:
             return None
         last = self._runners[self._last_stage]
         if losses is not None and last.losses:
+            losses.clear()  # as in torch: the list holds this step's per-microbatch losses
             losses.extend(last.losses[m] for m in range(self.n_microbatches))
         out = merge_chunks([last.outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec)
         last.outputs.clear()
@@ -370,6 +372,7 @@ ScheduleLoopedBFS = _named("ScheduleLoopedBFS", "looped_bfs", "LoopedBFS: severa
 ScheduleZBH1 = _named("ScheduleZBH1", "zb_h1", "ZBH1: zero-bubble H1, backward split into I and W, 1F1B memory.")
 ScheduleZBH2 = _named("ScheduleZBH2", "zb_h2", "ZBH2: zero-bubble H2, more warm-up forwards to fill the bubble.")
 ScheduleZBV = _named("ScheduleZBV", "zbv", "ZBV: zero-bubble V, two stages per rank in a V.")
+ScheduleZBVZeroBubble = ScheduleZBV  # torch's name for the same schedule
 ScheduleDualPipeV = _named("ScheduleDualPipeV", "dualpipev", "DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank.")
 
 _CLASSES = {

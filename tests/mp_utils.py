@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from pipeline_ext.launch import RankError, free_port, spawn
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "rank_values", "no_complaints"]
 
 
 def run_ranks(
@@ -28,3 +28,14 @@ def run_ranks(
         return spawn(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, threads=1, raise_errors=not expect_errors)
     except RankError as exc:
         raise AssertionError(str(exc)) from exc
+
+
+def rank_values(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> dict[int, Any]:
+    """``{rank: what fn returned there}``; any rank raising fails the test (see ``run_ranks``)."""
+    return {r: v for r, (_, v) in run_ranks(fn, world, *args, timeout=timeout).items()}
+
+
+def no_complaints(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> None:
+    """Run ``fn`` (returning a list of complaints) on ``world`` ranks; every list must be empty."""
+    said = rank_values(fn, world, *args, timeout=timeout)
+    assert not [c for v in said.values() for c in v], said

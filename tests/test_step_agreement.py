@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from models import build, loss_fn, make_batch, run_stages
-from mp_utils import run_ranks
+from mp_utils import no_complaints, rank_values, run_ranks
 from pipeline_ext.runtime.step_header import StepAgreementError, StepRecord, StepRejectedError, agree
 
 TIMEOUT = 10.0
@@ -82,11 +82,6 @@ def _schedule(rank: int, world: int, modules, name="1f1b", m=4, loss=loss_fn, ti
     return pe.get_schedule_class(name)(stage, m, loss_fn=loss, timeout=timeout)
 
 
-def _said(fn, timeout: float = 60) -> dict:
-    """What each of 2 ranks running ``fn`` returned."""
-    return {r: v for r, (_, v) in run_ranks(fn, 2, timeout=timeout).items()}
-
-
 def _exact(modules, ref, rank: int) -> bool:
     """Whether this rank's stage has the unsplit model's gradients."""
     return all(torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL)
@@ -134,7 +129,7 @@ def _catch_and_skip(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_catch_and_skip_loop_stays_in_step_and_exact():
-    said = _said(_catch_and_skip, timeout=90)
+    said = rank_values(_catch_and_skip, 2, timeout=90)
     assert not [s for v in said.values() for s in v if "gradients differ" in s], said
     # round 1: both ranks reject their own empty input; round 2: rank 1 rejects, rank 0 is told why
     assert said[0][0].startswith("1:ValueError") and said[1][0].startswith("1:ValueError"), said
@@ -198,8 +193,7 @@ def _forward_only_without_loss(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_loss_fn_none_on_every_rank_is_a_forward_only_step():
-    results = run_ranks(_forward_only_without_loss, 2, timeout=40)
-    assert not [b for _, (_, v) in results.items() for b in v], results
+    no_complaints(_forward_only_without_loss, 2, timeout=40)
 
 
 def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
@@ -290,7 +284,7 @@ def _failure_after_the_last_message(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_failure_after_the_last_message_of_a_discovery_step():
-    said = _said(_failure_after_the_last_message)
+    said = rank_values(_failure_after_the_last_message, 2)
     assert said[0] == ["boom in backward"] and said[1] == ["no error"], said
 
 
@@ -322,7 +316,7 @@ def _messages_left_behind(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_messages_a_failed_step_left_behind_are_never_taken_for_a_later_steps():
-    said = _said(_messages_left_behind)
+    said = rank_values(_messages_left_behind, 2)
     assert said[0][0] == said[1][0] == "0: exact", said
     assert said[0][1].startswith("1: error: ValueError: boom in backward") and said[1][1].startswith("1: error"), said
     # the step after: exact on both ranks, or an error on both; never accepted on one side only
