@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
 import statistics
-import tempfile
 import threading
 from typing import Callable, Optional
 
@@ -42,6 +39,7 @@ from torch import nn
 import pipeline_ext as pe
 from pipeline_ext import pipe as pipe_module
 from pipeline_ext.runtime.channels import LocalHub
+from pipeline_ext.runtime.trace import profiler_events
 
 GPU = torch.device("cuda:0")
 
@@ -90,16 +88,7 @@ def h2d(hub: LocalHub, xs: list[torch.Tensor], w: torch.Tensor, iters: int) -> N
 
 def hidden_from_trace(run: Callable[[], None]) -> float:
     """Fraction of GPU memcpy time that overlaps a running compute kernel, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    events = profiler_events(lambda: (run(), torch.cuda.synchronize()))
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
     copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"]
     merged: list[list[float]] = []

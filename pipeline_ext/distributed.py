@@ -307,14 +307,8 @@ class PipelineSchedule:
 
     def _forward_executor(self) -> Executor:
         if self._eval_executor is None:
-            # The forwards of a valid schedule, in the same order, are a valid forward-only schedule.
-            fwd = S.Schedule(
-                [[a for a in acts if a.kind == S.ActionKind.F] for acts in self.schedule.actions],
-                list(self.schedule.stage_to_rank),
-                self.n_microbatches,
-                name=f"{self.schedule.name}-forward",
-            )
-            self._eval_executor = Executor(S.lower(fwd), self.rank, self._runners, self._channel, timeout=self.timeout)
+            self._eval_executor = Executor(S.forward_only(self.schedule), self.rank, self._runners, self._channel,
+                                           timeout=self.timeout)
         return self._eval_executor
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:

@@ -150,14 +150,7 @@ class Pipe(nn.Module):
             nn.Module.to(part, dev)
         self.schedule = S.lower(schedule_obj)
         S.validate(self.schedule)
-        self._forward_schedule = S.lower(
-            S.Schedule(
-                [[a for a in acts if a.kind == S.ActionKind.F] for acts in self.schedule.actions],
-                list(self.schedule.stage_to_rank),
-                chunks,
-                name=f"{self.schedule.name}-forward",
-            )
-        )
+        self._forward_schedule = S.forward_only(self.schedule)
         self._rng = RngScope(uses_randomness(module) if deterministic is None else deterministic)
         self._pool: Optional[futures.ThreadPoolExecutor] = None
         #: per stage, the most microbatches whose activations were held at once in the last step()

@@ -21,7 +21,6 @@ from torch import nn
 import pipeline_ext as pe
 from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
-from pipeline_ext import schedules as S
 from pipeline_ext.checkpoint import CHECKPOINT_MODES
 from pipeline_ext.runtime.channels import DistChannel
 

@@ -88,3 +88,12 @@ def test_traced_run_records_every_action_and_writes_a_chrome_trace(tmp_path, nam
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
     assert len(spans) == 2 * len(rep["expected"][0])
     assert {e["cat"] for e in spans} >= {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+
+
+def test_profiler_events_are_the_chrome_trace_of_the_run():
+    """The helper the GPU tools read (tools/gpu_sync_count.py, benchmarks/bench_overlap.py), checked on CPU."""
+    from pipeline_ext.runtime.trace import profiler_events
+
+    a = torch.randn(64, 64)
+    events = profiler_events(lambda: a @ a)
+    assert any(e.get("cat") == "cpu_op" and e.get("name") == "aten::mm" and e.get("dur", -1) >= 0 for e in events)

@@ -18,9 +18,6 @@ message is expected and nothing else.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 import warnings
 from collections import Counter
 from typing import Callable, Optional
@@ -29,6 +26,7 @@ import torch
 from torch import nn
 
 import pipeline_ext as pe
+from pipeline_ext.runtime.trace import profiler_events
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
               "cudaMemcpy2D", "cudaFree", "cudaMemset")
@@ -36,15 +34,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2"
 
 
 def runtime_syncs(run: Callable[[], object]) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    events = profiler_events(run)
     return Counter(e["name"] for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS)
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pipeline_ext.runtime.tags import message_tag
 from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate
@@ -213,3 +213,26 @@ class TraceReport:
         measured = SimResult(named, self.costs, timeline, max(s.end for s in timeline),
                              self.bubble_per_step[step], [], [])
         render_png(measured, path, xlabel="time (ms, measured)", width=12.0)
+
+
+def profiler_events(run: "Callable[[], object]") -> list[dict]:
+    """The Chrome-trace events torch's profiler records (CPU and, where present, CUDA) while ``run()`` runs.
+
+    For the GPU tools (tools/gpu_sync_count.py counts blocking CUDA runtime
+    calls, benchmarks/bench_overlap.py measures copy/kernel overlap): each reads
+    the events' ``cat``, ``name``, ``ts`` and ``dur``.
+    """
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pipeline_ext.schedules.auto import auto
 from pipeline_ext.schedules.builtin import available, build
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
-from pipeline_ext.schedules.lowering import check_deadlock, lower
+from pipeline_ext.schedules.lowering import check_deadlock, forward_only, lower
 from pipeline_ext.schedules.render import render_ascii, render_png, to_chrome_trace
 from pipeline_ext.schedules.simulate import Costs, SimResult, simulate
 from pipeline_ext.schedules.validate import validate
 
 __all__ = [
     "Action", "ActionKind", "Costs", "Schedule", "ScheduleError", "SimResult", "auto", "available", "build",
-    "check_deadlock", "lower", "render_ascii", "render_png", "simulate", "to_chrome_trace", "validate",
+    "check_deadlock", "forward_only", "lower", "render_ascii", "render_png", "simulate", "to_chrome_trace", "validate",
 ]

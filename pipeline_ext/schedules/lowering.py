@@ -126,6 +126,21 @@ def lower(schedule: Schedule) -> Schedule:
     return Schedule(lowered, placement, schedule.n_microbatches, schedule.name)
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The lowered forward-only version of ``schedule`` (for eval and ``pipe(x)``).
+
+    The forwards of a valid schedule, in the same order, are a valid
+    forward-only schedule; lowering gives them their activation sends and
+    receives (no gradients travel).
+    """
+    return lower(Schedule(
+        [[a for a in acts if a.kind == ActionKind.F] for acts in schedule.actions],
+        list(schedule.stage_to_rank),
+        schedule.n_microbatches,
+        name=f"{schedule.name}-forward",
+    ))
+
+
 def check_fifo(lowered: Schedule) -> None:
     """Raise unless, for every pair of ranks, receives are posted in the order sends are.
 
