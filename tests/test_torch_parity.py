@@ -29,6 +29,11 @@ def _parity(rank: int, world: int) -> list[str]:
                 want = loss_fn(run_stages(ref, x), y)
             if len(losses) != 4 or not torch.allclose(mean, want, rtol=1e-5, atol=1e-6):
                 bad.append(f"step {i}: {len(losses)} losses, mean {float(mean):.6f} vs {float(want):.6f}")
+        loss_fn(run_stages(ref, x), y).backward()
+    # the inputs every rank passed changed nothing: gradients of both steps equal the unsplit model's
+    for j, (p, q) in enumerate(zip(modules[rank].parameters(), ref[rank].parameters())):
+        if not torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6):
+            bad.append(f"rank {rank}: parameter {j} gradient differs from the unsplit model")
     return bad
 
 
