@@ -197,6 +197,9 @@ def test_loss_fn_none_on_every_rank_is_a_forward_only_step():
 
 
 def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks are through process-group start-up before rank 0 goes
     if rank == 0:
         if how == "exit":
             os._exit(3)
