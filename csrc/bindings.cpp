@@ -155,8 +155,8 @@ void bind_channels(py::module_& m) {
       .def_readonly_static("LAYOUT_WORDS", &ProcessGroupChannel::kLayoutWords)
       .def_readonly_static("LAYOUT_TAG_BIT", &ProcessGroupChannel::kLayoutTagBit)
       .def("send", &ProcessGroupChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
-           py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, release(),
-           "Pack and send; returns (Request, PackLayout).")
+           py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
+           release(), "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
       .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
       .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
 

@@ -28,13 +28,19 @@ _EXPORTS = {
     "ScheduleZBVZeroBubble": "pipeline_ext.distributed",
     "ScheduleDualPipeV": "pipeline_ext.distributed",
     "get_schedule_class": "pipeline_ext.distributed",
-    "StepAgreementError": "pipeline_ext.runtime.step_header",
-    "StepRejectedError": "pipeline_ext.runtime.step_header",
+    "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
+    "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
     "Pipe": "pipeline_ext.pipe",
     "balance_by_params": "pipeline_ext.partition",
     "balance_by_time": "pipeline_ext.partition",
+    "tie_parameters": "pipeline_ext.training.tied",
+    "TiedParameters": "pipeline_ext.training.tied",
+    "clip_grad_norm_": "pipeline_ext.training.clip",
+    "save_checkpoint": "pipeline_ext.training.checkpoint",
+    "load_checkpoint": "pipeline_ext.training.checkpoint",
+    "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint"}
+_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

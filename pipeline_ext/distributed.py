@@ -36,19 +36,20 @@ from pipeline_ext.microbatch import (
     split_target,
     to_device,
 )
-from pipeline_ext.runtime.channels import DistChannel, stable_hash
-from pipeline_ext.runtime.executor import Executor, StepInputs
-from pipeline_ext.runtime.stage import StagePosition, StageRunner
-from pipeline_ext.runtime.step_header import (
-    Agreement,
+from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
+from pipeline_ext.runtime.protocol.agreement import (
+    PendingExchange,
     StepAgreement,
     StepAgreementError,
     StepRecord,
     agree,
 )
+from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 
-_TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see step_header.PLANS)
+_TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
 
 __all__ = [
     "PipelineStage",
@@ -228,62 +229,76 @@ class PipelineSchedule:
         args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
         return args_chunks, kwargs_chunks, sizes
 
-    def _check_target(self, plan: int, target: Any) -> int:
-        """Rows of the target (last stage of a training step), -1 when there is none."""
+    def _check_target(self, plan: int, target: Any) -> list:
+        """The target split per microbatch (last stage of a training step); [] when there is none."""
         if not self.has_last_stage or plan == _FORWARD:
             if target is not None:
                 where = "the schedule has no loss_fn" if self.has_last_stage else (
                     f"rank {self.rank} does not hold the last stage; pass target= only there")
                 raise ValueError(f"target= was given but {where}")
-            return -1
+            return []
         if target is None:
             raise ValueError(
                 f"rank {self.rank} holds the last stage: a training step needs target= "
                 "(for a forward-only step use eval(), or loss_fn=None on every rank)"
             )
-        return sum(microbatch_sizes((target,), {}, self.n_microbatches))
+        return split_target(to_device(target, self._device), self.n_microbatches)
 
-    def _agree(self, plan: int, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, Agreement]:
-        """Check this rank's part of the step, then agree on the step with every rank, before any stage runs.
+    def _post_agreement(self, plan: int, executor: Executor, args: tuple, kwargs: dict,
+                        target: Any) -> tuple[StepInputs, PendingExchange]:
+        """Check this rank's part of the step and post its record to every rank, before any stage runs.
 
         Every call takes part in exactly one exchange (docs/ARCHITECTURE.md,
-        "Step agreement"), a rejected one too: so a rank that rejects its own
+        "Step protocol"), a rejected one too: so a rank that rejects its own
         inputs raises its own error, every other rank raises
-        ``StepRejectedError`` naming it, and all of them stay in step.
+        ``StepRejectedError`` naming it, and all of them stay in step. An
+        accepted step does not wait here: the executor waits for the records
+        right before the step's first message (``_start``).
         """
         record = StepRecord(rank=self.rank, step=self._step_no, plan=plan, schedule=self.schedule.name,
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
-                            layouts=self._channel.known_digest)
+                            layouts=executor.plans.digest)
         self._step_no += 1
-        args_chunks: list = []
-        kwargs_chunks: list = []
+        inputs = StepInputs()
         error: Optional[Exception] = None
         try:
-            args_chunks, kwargs_chunks, sizes = self._check_inputs(args, kwargs)
+            inputs.args, inputs.kwargs, sizes = self._check_inputs(args, kwargs)
             if self.has_first_stage:
                 record.rows = sum(sizes)
                 record.signature = self._agreement.signature(args, kwargs, sizes, self.chunk_spec)
-            record.target_rows = self._check_target(plan, target)
+                inputs.loss_weights = self._weights(sizes)
+            inputs.targets = self._check_target(plan, target)
+            record.target_rows = sum(microbatch_sizes((target,), {}, self.n_microbatches)) if inputs.targets else -1
         except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
             record.rejected = f"{type(exc).__name__}: {exc}"
-        try:
-            records = self._agreement.exchange(record)
-        except Exception as exc:
-            if error is not None:  # the peers could not be told; say both
-                raise exc from error
-            raise
-        try:
-            agreement = agree(records, self._first_rank, self._last_rank)
-        except StepAgreementError:
-            if error is not None:
+        pending = self._agreement.post(record)
+        if error is not None:
+            try:
+                records = pending.records()
+                agree(records, self._first_rank, self._last_rank)
+            except StepAgreementError:
                 if hasattr(error, "add_note"):
                     error.add_note(f"pipeline_ext: rank {self.rank} rejected step {record.step}; every rank was "
-                                   "told and raised, no stage ran")
+                                   "told and raised, nothing was sent")
                 raise error from None
-            raise
-        return args_chunks, kwargs_chunks, agreement
+            except Exception as exc:  # the peers could not be told; say both
+                raise exc from error
+        return inputs, pending
+
+    def _start(self, inputs: StepInputs, pending: PendingExchange) -> StepStart:
+        """The step's agreement, settled right before its first message (every rank takes the same decision)."""
+        agreement = agree(pending.records(), self._first_rank, self._last_rank)
+        if not inputs.loss_weights:
+            inputs.loss_weights = self._weights(agreement.sizes)
+        # Plans are per executor, so a forward-only step never shares one with a training step.
+        # When the ranks' plan caches differ (a step failed on some ranks after others had
+        # committed its layouts), every rank exchanges the layouts again.
+        return StepStart(agreement.step, agreement.signature, agreement.discovery)
+
+    def _weights(self, sizes: Sequence[int]) -> list[float]:
+        return microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
@@ -312,31 +327,19 @@ class PipelineSchedule:
         return self._eval_executor
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
-        args_chunks, kwargs_chunks, agreement = self._agree(plan, args, kwargs, target)
         executor = self._executor if plan == _TRAIN else self._forward_executor()
-        targets = []
-        if plan == _TRAIN and self.has_last_stage:
-            targets = split_target(to_device(target, self._device), self.n_microbatches)
-        sizes = agreement.sizes
-        weights = microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
+        inputs, pending = self._post_agreement(plan, executor, args, kwargs, target)
         for r in self._runners.values():
             r.reset()
-        # Layouts are cached per (batch signature, plan): a forward-only step
-        # exchanges only activations, so if eval() and step() shared a key, a
-        # step after an eval of the same shapes would find no gradient layouts.
-        # When the ranks' caches differ (a step failed on some ranks after
-        # others had committed its layouts), every rank exchanges them again.
-        self._channel.begin_step((agreement.signature, plan), force_discovery=agreement.discovery)
         tracing = self._tracer is not None and plan == _TRAIN
         if tracing:
             self._tracer.begin_step()
         try:
-            executor.run(StepInputs(args_chunks, kwargs_chunks, targets, weights), step=agreement.step)
+            executor.run(inputs, lambda: self._start(inputs, pending))
         except BaseException:
             for r in self._runners.values():
                 r.reset()
             raise
-        self._channel.end_step()
         if not self.has_last_stage:
             return None
         last = self._runners[self._last_stage]

@@ -37,11 +37,14 @@ class Loopback(dist.ProcessGroup):
         self.wire: dict[int, list] = {}
         #: the timeout of every Work.wait, in order (timedelta(0) is c10d's "no timeout")
         self.waits: list[datetime.timedelta] = []
+        #: every tensor given to send, as given (a test can see whether the channel copied it)
+        self.sent: list = []
 
     def getBackendName(self) -> str:
         return "loopback"
 
     def send(self, tensors, dst, tag):
+        self.sent.append(tensors[0])
         self.wire.setdefault(tag, []).append(tensors[0].clone())
         return _Work(self.waits)
 

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from loopback_pg import Loopback
 from pipeline_ext.runtime import streams
 from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
+from pipeline_ext.runtime.protocol.plan import PlanCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -82,14 +83,15 @@ def _mixed() -> list[torch.Tensor]:
     ]
 
 
-def _scenario_roundtrip(rank: int, ch: DistChannel) -> dict:
-    """Discovery step, known step, many tags, then a changed shape under a known signature."""
+def _scenario_roundtrip(rank: int, channel: DistChannel) -> dict:
+    """Discovery step, known step, many tags, then a changed shape under a known plan."""
     import torch.distributed as dist
 
     out: dict = {}
+    plans = PlanCache()
     for step in range(2):
-        discovery = ch.begin_step(7)
-        out[f"discovery{step}"] = discovery
+        ch = plans.step(channel, 7)
+        out[f"discovery{step}"] = not ch.known
         if rank == 0:
             handles = [ch.send(_mixed(), 1, 4)]
             handles += [ch.send([torch.full((t + 1,), float(t))], 1, 100 + t) for t in reversed(range(12))]
@@ -107,23 +109,20 @@ def _scenario_roundtrip(rank: int, ch: DistChannel) -> dict:
                 for t in reversed(range(12))
             )
             out[f"empty{step}"] = ch.recv(0, 5).wait(10.0, "recv empty")
-        ch.end_step()
-    sub = DistChannel(group=dist.new_group([0, 1]))  # any group, peers are its ranks
+        plans.commit(ch)
+    sub = PlanCache().step(DistChannel(group=dist.new_group([0, 1])), None)  # any group, peers are its ranks
     if rank == 0:
         sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
     else:
         out["new_group"] = torch.equal(sub.recv(0, 0).wait(10.0, "recv on new_group")[0], torch.ones(2, 2))
-    ch.begin_step(7)
+    ch = plans.step(channel, 7)
     if rank == 0:
         with pytest.raises(ChannelError) as err:
             ch.send([torch.zeros(3)] + _mixed()[1:], 1, 4)
         out["shape_error"] = str(err.value)
-    ch.end_step()
     if rank == 0:  # a layout that does not fit its fixed-size message is refused before sending
-        ch.begin_step(8)
         with pytest.raises(ValueError, match="needs 804 words, more than the 512 a layout message holds"):
-            ch.send([torch.zeros(1)] * 200, 1, 6)
-        ch.end_step()
+            plans.step(channel, 8).send([torch.zeros(1)] * 200, 1, 6)
     dist.barrier()
     return out
 
@@ -135,7 +134,7 @@ def _scenario_timeout(rank: int, ch: DistChannel) -> dict:
     if rank == 1:
         start = time.monotonic()
         try:
-            ch.recv(0, 3).wait(1.0, "rank 1 waiting on RECV_F of stage 1 microbatch 1 with peer rank 0")
+            PlanCache().step(ch, None).recv(0, 3).wait(1.0, "rank 1 waiting on RECV_F of stage 1 microbatch 1 with peer rank 0")
         except TimeoutError as exc:
             out["error"] = (type(exc).__name__, str(exc))
         out["elapsed"] = time.monotonic() - start
@@ -154,7 +153,7 @@ def _scenario_dead_peer(rank: int, ch: DistChannel) -> dict:
         os._exit(0)  # dies without a word, like a crashed worker
     start = time.monotonic()
     try:
-        ch.recv(0, 3).wait(30.0, "rank 1 waiting on the dead rank 0")
+        PlanCache().step(ch, None).recv(0, 3).wait(30.0, "rank 1 waiting on the dead rank 0")
     except ChannelError as exc:
         return {"error": (type(exc).__name__, str(exc)), "elapsed": time.monotonic() - start}
     return {"error": None}
@@ -289,33 +288,55 @@ def test_host_channel_waits_with_the_callers_timeout():
     """On a CPU (Gloo) channel our timeout is passed to every wait; only CUDA channels wait
     device-side (tests/test_cuda_paths.py), so a hung peer still times out here."""
     pg = Loopback()
-    channel = DistChannel(pg, "cpu", num_stages=2)
+    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
     for step in range(2):  # a discovery step, then a known one
-        channel.begin_step(3)
-        send = channel.send([torch.full((2, 3), float(step)), torch.arange(4)], 1, 0)
-        got = channel.recv(1, 0).wait(5.0, "recv")
+        messages = plans.step(channel, 3)
+        send = messages.send([torch.full((2, 3), float(step)), torch.arange(4)], 1, 0)
+        got = messages.recv(1, 0).wait(5.0, "recv")
         send.wait(5.0, "send")
-        channel.end_step()
+        plans.commit(messages)
         assert torch.equal(got[0], torch.full((2, 3), float(step))) and torch.equal(got[1], torch.arange(4))
     assert pg.waits and all(0 < t.total_seconds() <= 5.0 for t in pg.waits)
 
 
-def test_layout_cache_is_bounded_and_an_evicted_signature_is_rediscovered():
+def test_known_steps_reuse_one_pack_buffer_and_send_a_single_tensor_as_itself():
+    """No needless copies: several tensors are packed into the plan's reused buffer, one contiguous
+    tensor travels without a pack copy (the loopback group hands over exactly what was sent)."""
     pg = Loopback()
-    channel = DistChannel(pg, "cpu", num_stages=2, max_signatures=8)
+    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
+    buffers = []
+    for step in range(3):
+        messages = plans.step(channel, 3)
+        pair = [torch.full((2, 3), float(step)), torch.arange(4) + step]
+        single = torch.full((5,), float(step))
+        sends = [messages.send(pair, 1, 0), messages.send([single], 1, 2)]
+        got_pair, got_single = messages.recv(1, 0).wait(5.0, "pair"), messages.recv(1, 2).wait(5.0, "single")
+        for h in sends:
+            h.wait(5.0, "send")
+        plans.commit(messages)
+        assert torch.equal(got_pair[0], pair[0]) and torch.equal(got_pair[1], pair[1])
+        assert torch.equal(got_single[0], single)
+        assert pg.sent[-1].data_ptr() == single.data_ptr()  # the tensor itself went on the wire
+        buffers.append(plans.step(channel, 3).plan.send_buffers.get(("send", 1, 0)))
+    assert buffers[0] is None  # discovery packs afresh; known steps reuse one buffer
+    assert buffers[1] is not None and buffers[1] is buffers[2]
+
+
+def test_plan_cache_is_bounded_and_an_evicted_signature_is_rediscovered():
+    pg = Loopback()
+    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache(max_plans=8)
     digests = set()
     for shape in list(range(1, 41)) + [1, 2]:  # 40 batch shapes, then two evicted long ago
         x = torch.arange(shape * 3, dtype=torch.float32).reshape(shape, 3)
-        discovery = channel.begin_step(("sig", shape))
-        send = channel.send([x], 1, 0)
-        got = channel.recv(1, 0).wait(5.0, "recv")
+        messages = plans.step(channel, ("sig", shape))
+        send = messages.send([x], 1, 0)
+        got = messages.recv(1, 0).wait(5.0, "recv")
         send.wait(5.0, "send")
-        channel.end_step()
-        assert discovery and torch.equal(got[0], x)
-        digests.add(channel.known_digest)
-    assert channel.cached_layouts == 8 * 2  # 8 signatures x (one send + one receive layout)
-    assert not channel.begin_step(("sig", 2))  # still cached: a known step
-    channel.end_step()
+        plans.commit(messages)
+        assert not messages.known and torch.equal(got[0], x)
+        digests.add(plans.digest)
+    assert len(plans) == 8 and plans.cached_layouts == 8 * 2  # 8 signatures x (one send + one receive layout)
+    assert plans.step(channel, ("sig", 2)).known  # still cached: a known step
     assert len(digests) == 42  # every commit and eviction changed the digest
 
 

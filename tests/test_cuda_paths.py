@@ -23,6 +23,7 @@ from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from pipeline_ext.checkpoint import CHECKPOINT_MODES
 from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.protocol.plan import PlanCache, StepMessages
 
 pytestmark = [
     pytest.mark.cuda,
@@ -162,10 +163,10 @@ def test_pipe_step_never_synchronises_the_host(name, no_host_sync):
 
 
 # -- the multi-process channel on a CUDA device (the NCCL path) --------------------------------
-def _exchange(channel: DistChannel, step: int) -> list[torch.Tensor]:
+def _exchange(messages: StepMessages, step: int) -> list[torch.Tensor]:
     sent = [torch.full((4, 8), float(step), device="cuda"), torch.arange(5, device="cuda") + step]
-    send = channel.send(sent, 1, 0)
-    got = channel.recv(1, 0).wait(10.0, "recv")
+    send = messages.send(sent, 1, 0)
+    got = messages.recv(1, 0).wait(10.0, "recv")
     send.wait(10.0, "send")
     return sent, got
 
@@ -173,17 +174,19 @@ def _exchange(channel: DistChannel, step: int) -> list[torch.Tensor]:
 def test_dist_channel_on_cuda_never_synchronises_known_steps(no_host_sync):
     torch.cuda.set_sync_debug_mode("default")
     pg = Loopback()
-    channel = DistChannel(pg, "cuda:0", num_stages=2)
-    assert channel.begin_step(7)  # discovery: layouts are read on the host once
-    _exchange(channel, 0)
-    channel.end_step()
+    channel, plans = DistChannel(pg, "cuda:0", num_stages=2), PlanCache()
+    messages = plans.step(channel, 7)
+    assert not messages.known  # discovery: layouts are read on the host once
+    _exchange(messages, 0)
+    plans.commit(messages)
     pg.waits.clear()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     for step in range(1, 4):
-        assert not channel.begin_step(7)
-        sent, got = _exchange(channel, step)
-        channel.end_step()
+        messages = plans.step(channel, 7)
+        assert messages.known
+        sent, got = _exchange(messages, step)
+        plans.commit(messages)
     torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(sent, got):
         assert b.device.type == "cuda" and torch.equal(a, b)

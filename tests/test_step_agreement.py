@@ -1,4 +1,4 @@
-"""Every rank agrees on every step, or every rank says why (runtime/step_header.py).
+"""Every rank agrees on every step, or every rank says why (runtime/protocol/agreement.py).
 
 The loops here are the ones users write: catch the library's error, skip the
 batch, go on; validate between training steps; and the accidents of a
@@ -18,7 +18,7 @@ import torch
 
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints, rank_values, run_ranks
-from pipeline_ext.runtime.step_header import StepAgreementError, StepRecord, StepRejectedError, agree
+from pipeline_ext.runtime.protocol.agreement import StepAgreementError, StepRecord, StepRejectedError, agree
 
 TIMEOUT = 10.0
 RTOL, ATOL = 1e-5, 1e-6
@@ -51,7 +51,7 @@ def test_disagreements_are_named_in_words(other, match):
 
 
 def test_a_rejection_names_the_rank_and_its_reason_on_every_rank():
-    with pytest.raises(StepRejectedError, match=r"step 3 was rejected before any stage ran \(rank 1: ValueError: "
+    with pytest.raises(StepRejectedError, match=r"step 3 was rejected before any activation moved \(rank 1: ValueError: "
                                                 r"no target\)"):
         agree([_record(0), _record(1, rejected="ValueError: no target")], 0, 1)
     with pytest.raises(StepRejectedError, match="the target on rank 1 has 6 rows but the batch on rank 0 has 8"):

@@ -84,7 +84,11 @@ PackLayout PackLayout::decode(const std::vector<int64_t>& w) {
                               std::vector<int64_t>(w.begin() + pos, w.begin() + pos + ndim), offset});
     pos += ndim;
   }
-  TORCH_CHECK_VALUE(pos == w.size(), "PackLayout.decode: ", w.size() - pos, " trailing words");
+  // A layout message travels zero-padded to a fixed size; anything else after the entries is an error.
+  for (size_t i = pos; i < w.size(); ++i) {
+    TORCH_CHECK_VALUE(w[i] == 0, "PackLayout.decode: ", w.size() - pos, " trailing words after the ", n,
+                      " entries, and they are not zero padding");
+  }
   layout.validate();
   return layout;
 }
@@ -130,7 +134,7 @@ std::string PackLayout::repr() const {
   return os.str();
 }
 
-std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::optional<at::Tensor>& out) {
+PackLayout layout_of(at::TensorList tensors) {
   PackLayout layout;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -143,6 +147,11 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::option
     layout.entries.push_back({t.scalar_type(), t.sizes().vec(), offset});
     if (t.numel() > 0) layout.nbytes = offset + t.nbytes();
   }
+  return layout;
+}
+
+std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::optional<at::Tensor>& out) {
+  PackLayout layout = layout_of(tensors);
   const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
   at::Tensor buffer;
   if (out.has_value()) {

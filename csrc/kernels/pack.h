@@ -35,6 +35,7 @@ struct PackLayout {
   // [magic, version, n, nbytes, then per entry: dtype, offset, ndim, dims...]
   std::vector<int64_t> encode() const;
   // Inverse of encode(); rejects malformed input with an error naming the problem.
+  // Zero words after the entries are accepted: layout messages travel zero-padded.
   static PackLayout decode(const std::vector<int64_t>& words);
   at::Tensor to_tensor() const;                        // 1-D int64 CPU tensor of encode()
   static PackLayout from_tensor(const at::Tensor& t);  // any device, 1-D int64
@@ -43,6 +44,10 @@ struct PackLayout {
   std::string repr() const;
   bool operator==(const PackLayout& other) const;
 };
+
+// The layout pack() gives `tensors` (checks they share a device and are dense),
+// without copying anything: what a sender compares with an agreed layout.
+PackLayout layout_of(at::TensorList tensors);
 
 // Copies every tensor (any dtype/shape, contiguous or not; all on one device)
 // into a 1-D uint8 buffer on that device, in one copy pass. The buffer is `out`

@@ -2,6 +2,8 @@
 
 #include <functional>
 
+#include "kernels/copy.h"
+
 namespace pipeline_ext {
 namespace {
 
@@ -110,14 +112,23 @@ at::Tensor ProcessGroupChannel::on_device(at::Tensor t) const {
 std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const std::vector<at::Tensor>& tensors,
                                                                           int peer, int tag,
                                                                           const std::optional<PackLayout>& expected,
-                                                                          bool with_layout) {
+                                                                          bool with_layout,
+                                                                          const std::optional<at::Tensor>& out) {
   check_peer(peer, tag);
-  auto [packed, layout] = pack(tensors);
+  PackLayout layout = layout_of(tensors);
   if (expected && !(*expected == layout)) {
     throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
                        ": the tensors changed shape or dtype since the layout was exchanged (expected " +
                        expected->repr() + ", got " + layout.repr() +
                        "); start a new step signature so the layout is exchanged again");
+  }
+  // One contiguous tensor already is its packed form (offset 0, same bytes): send its storage as is.
+  at::Tensor packed;
+  if (tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device_ && is_plain(tensors[0])) {
+    packed = tensors[0].reshape({-1}).view(at::kByte);
+  } else {
+    const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
+    packed = pack(tensors, reuse ? out : std::nullopt).first;
   }
   std::vector<at::Tensor> buffers;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -164,22 +175,7 @@ std::shared_ptr<Request> ProcessGroupChannel::recv_layout(int peer, int tag) {
   // step synchronises here once per message; known steps never do.
   return std::make_shared<WorkRequest>(
       std::vector<c10::intrusive_ptr<c10d::Work>>{work},
-      [buffer]() { return std::vector<at::Tensor>{strip_layout_padding(buffer)}; }, device_.is_cuda());
-}
-
-at::Tensor strip_layout_padding(const at::Tensor& words) {
-  const at::Tensor w = words.to(at::kCPU).contiguous();
-  const int64_t* p = w.const_data_ptr<int64_t>();
-  const int64_t n = w.numel();
-  // Walk the encoding ([magic, version, count, nbytes, (dtype, offset, ndim, dims...)*])
-  // to its end; anything malformed is left whole for decode() to reject by name.
-  int64_t pos = 4;
-  if (n < pos || p[2] < 0) return w;
-  for (int64_t i = 0; i < p[2]; ++i) {
-    if (pos + 3 > n || p[pos + 2] < 0) return w;
-    pos += 3 + p[pos + 2];
-  }
-  return pos <= n ? w.narrow(0, 0, pos).clone() : w;
+      [buffer]() { return std::vector<at::Tensor>{buffer}; }, device_.is_cuda());
 }
 
 }  // namespace pipeline_ext

@@ -91,16 +91,20 @@ class ProcessGroupChannel {
   const at::Device& device() const { return device_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
-  // Packs and sends `tensors` to `peer`. If `expected` is given the packed
+  // Sends `tensors` to `peer` as one message. A single contiguous tensor on
+  // the channel's device goes as itself (no copy); several are packed, into
+  // `out` when given (a reused buffer, see pack()). If `expected` is given the
   // layout must equal it (checked before anything is sent). If `with_layout`,
   // the layout goes first under tag | kLayoutTagBit. Returns the request (it
-  // keeps the buffers alive) and the layout that was sent.
+  // keeps the buffers alive) and the layout that was sent. The channel keeps
+  // no state between calls: which layouts are known is the caller's business.
   std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                                       const std::optional<PackLayout>& expected, bool with_layout);
+                                                       const std::optional<PackLayout>& expected, bool with_layout,
+                                                       const std::optional<at::Tensor>& out = std::nullopt);
   // Posts a receive of a message packed as `layout`; wait() unpacks it.
   std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
   // Posts the receive of the layout sent with with_layout=true; wait() returns
-  // one 1-D int64 tensor for PackLayout::from_tensor.
+  // the zero-padded 1-D int64 message, for PackLayout::from_tensor.
   std::shared_ptr<Request> recv_layout(int peer, int tag);
 
  private:
@@ -110,8 +114,5 @@ class ProcessGroupChannel {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device device_;
 };
-
-// The words of an encoded layout without the zero padding it travels with.
-at::Tensor strip_layout_padding(const at::Tensor& words);
 
 }  // namespace pipeline_ext

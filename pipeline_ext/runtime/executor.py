@@ -18,6 +18,13 @@ What it does per action (stage s, microbatch m):
 - RECV_*: receives are posted ahead of time (a bounded window, in list order,
   which keeps FIFO order per peer) and waited on here, right before use.
 
+Nothing moves before the step is agreed: ``run`` may be given the step's start
+(step number, signature) as a callable, called right before the first send or
+receive, so a step agreement between processes runs while the leading compute
+does. Over a ``DistChannel`` the executor owns the communication plans
+(``runtime/protocol/plan.py``): one cache per executor, so a training and a
+forward-only executor never share one.
+
 Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
@@ -25,15 +32,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, Union
 
 import torch
 
+from pipeline_ext.runtime.protocol.identity import check_tag_space, message_tag
+from pipeline_ext.runtime.protocol.plan import DEFAULT_MAX_PLANS, PlanCache, StepMessages
 from pipeline_ext.runtime.stage import StageRunner
-from pipeline_ext.runtime.tags import check_tag_space, message_tag
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 
-__all__ = ["Channel", "Handle", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError"]
+__all__ = ["Channel", "Handle", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
+
+_MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 
 
 class PipelineTimeoutError(TimeoutError):
@@ -70,6 +80,15 @@ class StepInputs:
     loss_weights: Sequence[float] = ()  # per microbatch, for the last stage
 
 
+@dataclass(frozen=True)
+class StepStart:
+    """What every rank agreed on about a step, needed before its first message."""
+
+    step: int = 0  # part of every message's tag (protocol/identity.py)
+    signature: Optional[Hashable] = None  # the communication plan's key; None: every message carries its layout
+    rediscover: bool = False  # exchange every layout again, whatever this rank's plan cache holds
+
+
 @dataclass
 class _StepState:
     inputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
@@ -84,7 +103,8 @@ class Executor:
 
     ``recv_window`` bounds how many receives are posted ahead (memory for their
     buffers vs. overlap). ``on_action(action, start, end)`` is called after each
-    action when set (tracing).
+    action when set (tracing). ``max_plans`` bounds the communication plans kept
+    (over a channel that needs layouts).
     """
 
     def __init__(
@@ -96,6 +116,7 @@ class Executor:
         timeout: float = 300.0,
         recv_window: int = 4,
         on_action: Optional[Callable[[Action, float, float], None]] = None,
+        max_plans: int = DEFAULT_MAX_PLANS,
     ) -> None:
         if not schedule.lowered and schedule.num_ranks > 1:
             raise ValueError("Executor needs a lowered schedule (see pipeline_ext.schedules.lower)")
@@ -128,7 +149,10 @@ class Executor:
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
         self.failed_action: Optional[Action] = None
         check_tag_space(self.num_stages, schedule.n_microbatches)
-        self._step = 0  # the step being run: part of every message's tag (runtime/tags.py)
+        self._step = 0  # the step being run: part of every message's tag (protocol/identity.py)
+        #: communication plans, when the channel needs layouts (DistChannel); None in process
+        self.plans: Optional[PlanCache] = PlanCache(max_plans) if getattr(channel, "needs_layouts", False) else None
+        self._messages: Any = None  # this step's channel: StepMessages over a DistChannel, else the channel
 
     # -- helpers -------------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:
@@ -149,34 +173,57 @@ class Executor:
         return 0 <= stage < self.num_stages and self._rank_of[stage] == self.rank
 
     # -- step ----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, step: int = 0) -> None:
-        """Execute this rank's actions for step number ``step``; raise on the first failure.
+    def run(self, inputs: StepInputs, start: Union[StepStart, Callable[[], StepStart]] = StepStart()) -> None:
+        """Execute this rank's actions for one step; raise on the first failure.
 
-        Every rank must run a step under the same number (the step agreement
-        sees to that): it is part of every message's tag.
+        ``start`` (or what calling it returns, right before the step's first
+        message) is the same on every rank: the step number is part of every
+        message's tag, the signature picks the communication plan.
         """
-        self._step = step
         st = _StepState()
         pending = deque(self._recv_actions)
-        self._post(st, pending)
+        self._messages = None
         clock = time.perf_counter
         self.failed_action = None
-        for action in self.actions:
-            start = clock()
-            try:
-                self._dispatch[action.kind](action, st, inputs)
-            except BaseException as exc:
-                self._fail(action, exc)
-                raise
-            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                self._post(st, pending)
-            self._reap(st, block=False)
-            if self.on_action is not None:
-                self.on_action(action, start, clock())
-        self._reap(st, block=True)
+        try:
+            for action in self.actions:
+                if self._messages is None and action.kind in _MESSAGES:
+                    self._open(start)
+                    self._post(st, pending)
+                begin = clock()
+                try:
+                    self._dispatch[action.kind](action, st, inputs)
+                except BaseException as exc:
+                    self._fail(action, exc)
+                    raise
+                if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    self._post(st, pending)
+                self._reap(st, block=False)
+                if self.on_action is not None:
+                    self.on_action(action, begin, clock())
+            if self._messages is None:  # a rank without messages still takes part in the agreement
+                self._open(start)
+            self._reap(st, block=True)
+        except BaseException:
+            if isinstance(self._messages, StepMessages):
+                self.plans.abandon(self._messages)
+            self._messages = None
+            raise
+        if isinstance(self._messages, StepMessages):
+            self.plans.commit(self._messages)
+        self._messages = None
         leftovers = [k for d in (st.inputs, st.grads, st.to_send) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
+
+    def _open(self, start: Union[StepStart, Callable[[], StepStart]]) -> None:
+        """Settle the step's start (its agreement, when a callable) and open its messages."""
+        agreed = start() if callable(start) else start
+        self._step = agreed.step
+        if self.plans is None:
+            self._messages = self.channel
+        else:
+            self._messages = self.plans.step(self.channel, agreed.signature, agreed.rediscover)
 
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""
@@ -188,7 +235,7 @@ class Executor:
     def _post(self, st: _StepState, pending: deque) -> None:
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
-            st.posted[a] = self._start(a, lambda: self.channel.recv(self._peer(a), self._tag(a)))
+            st.posted[a] = self._start(a, lambda: self._messages.recv(self._peer(a), self._tag(a)))
 
     def _start(self, a: Action, post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
@@ -242,7 +289,7 @@ class Executor:
 
     def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         tensors = self._take(st.to_send, a, a)
-        st.sends.append((a, self._start(a, lambda: self.channel.send(tensors, self._peer(a), self._tag(a)))))
+        st.sends.append((a, self._start(a, lambda: self._messages.send(tensors, self._peer(a), self._tag(a)))))
 
     def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         handle = st.posted.pop(a, None)

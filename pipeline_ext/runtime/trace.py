@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pipeline_ext.runtime.tags import message_tag
+from pipeline_ext.runtime.protocol.identity import message_tag
 from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate
 from pipeline_ext.schedules.simulate import Span
 

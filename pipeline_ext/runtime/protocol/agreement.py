@@ -50,11 +50,13 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pipeline_ext.ops import even_sizes
-from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, stable_hash
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout
+from pipeline_ext.runtime.protocol.identity import stable_hash
 
-__all__ = ["AGREEMENT_TAG", "StepRecord", "StepAgreement", "StepAgreementError", "StepRejectedError", "agree"]
+__all__ = ["AGREEMENT_TAG", "Agreement", "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError",
+           "StepRejectedError", "agree"]
 
-# Outside the executor's message tags (< 2^30) and their layout bit (2^30).
+# Outside the executor's message tags (< 2^30) and their layout bit (2^30): see identity.py.
 AGREEMENT_TAG = 2**31 - 1
 
 _MAGIC = 0x7065_5F73_7465_70  # "pe_step"
@@ -63,15 +65,17 @@ _NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
 _CACHE_LIMIT = 64
 _CLOSED = (" (if an earlier step timed out, the backend closed this connection for good: "
            "create a new process group and schedule on every rank)")
+_NOTHING_MOVED = ("no message was sent and no gradient accumulated on any rank (a forward already run "
+                  "on this rank was discarded)")
 PLANS = {1: "a training step", 2: "a forward-only step (eval(), or step() without a loss_fn)"}
 
 
 class StepAgreementError(RuntimeError):
-    """The ranks disagree about the step (schedule, microbatches, plan, loss, step number); no stage ran."""
+    """The ranks disagree about the step (schedule, microbatches, plan, loss, step number); nothing was sent."""
 
 
 class StepRejectedError(StepAgreementError):
-    """Another rank rejected its inputs for this step; no stage ran on any rank."""
+    """Another rank rejected its inputs for this step; nothing was sent, no gradient accumulated."""
 
 
 @dataclass
@@ -90,7 +94,7 @@ class StepRecord:
     signature: int = 0
     rows: int = 0
     target_rows: int = -1
-    layouts: int = 0  # DistChannel.known_digest: which layouts this rank has cached
+    layouts: int = 0  # PlanCache.digest of the plan this step runs: which layouts this rank has cached
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
@@ -130,7 +134,7 @@ def _words_text(words: Sequence[int]) -> str:
 class Agreement:
     """What every rank starts the step with."""
 
-    step: int  # the step number, part of every message's tag (runtime/tags.py)
+    step: int  # the step number, part of every message's tag (identity.py)
     signature: int
     sizes: list[int]
     discovery: bool  # exchange every message's layout again, whatever the caches say
@@ -165,17 +169,17 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
     step = records[0].step
     problem = _disagreement(records)
     if problem is not None:
-        raise StepAgreementError(f"step {step}: {problem}; no stage ran")
+        raise StepAgreementError(f"step {step}: {problem}; {_NOTHING_MOVED}")
     rejected = [r for r in records if r.rejected]
     if rejected:
         said = "; ".join(f"rank {r.rank}: {r.rejected}" for r in rejected)
-        raise StepRejectedError(f"step {step} was rejected before any stage ran ({said})")
+        raise StepRejectedError(f"step {step} was rejected before any activation moved ({said}); {_NOTHING_MOVED}")
     by_rank = {r.rank: r for r in records}
     first, last = by_rank[first_rank], by_rank[last_rank]
     if last.target_rows >= 0 and last.target_rows != first.rows:
         raise StepRejectedError(
-            f"step {step} was rejected before any stage ran: the target on rank {last_rank} has "
-            f"{last.target_rows} rows but the batch on rank {first_rank} has {first.rows}"
+            f"step {step} was rejected before any activation moved: the target on rank {last_rank} has "
+            f"{last.target_rows} rows but the batch on rank {first_rank} has {first.rows}; {_NOTHING_MOVED}"
         )
     n = records[0].n_microbatches
     # Caches differ when a step failed on some ranks after others had committed
@@ -214,8 +218,17 @@ class StepAgreement:
 
     def exchange(self, mine: StepRecord) -> list[StepRecord]:
         """Send ``mine`` to every other rank and receive theirs; ``mine`` comes first in the result."""
+        return self.post(mine).records()
+
+    def post(self, mine: StepRecord) -> "PendingExchange":
+        """Start the exchange of ``mine`` now; its ``records()`` waits for the peers' records.
+
+        Posting early and waiting late takes the exchange off the critical
+        path: the executor waits only before the step's first message, so the
+        records travel while this rank runs the step's leading compute.
+        """
         if self.num_ranks == 1:
-            return [mine]
+            return PendingExchange(self, mine, [], {}, [])
         peers = [r for r in range(self.num_ranks) if r != self.rank]
         out = torch.tensor(mine.encode(), dtype=torch.int64, device=self.device)
         bufs = {r: torch.zeros(_WORDS, dtype=torch.int64, device=self.device) for r in peers}
@@ -224,10 +237,7 @@ class StepAgreement:
         ops = [dist.P2POp(dist.irecv, bufs[r], self._global(r), self.group, AGREEMENT_TAG) for r in peers]
         ops += [dist.P2POp(dist.isend, out, self._global(r), self.group, AGREEMENT_TAG) for r in peers]
         works = self._start(lambda: dist.batch_isend_irecv(ops), ", ".join(map(str, peers)), mine.step)
-        doing = ["receiving"] * len(peers) + ["sending"] * len(peers)
-        for work, peer, what in zip(works, peers + peers, doing):
-            self._wait(work, peer, mine.step, what)
-        return [mine] + [StepRecord.decode(bufs[r].tolist(), r) for r in peers]
+        return PendingExchange(self, mine, peers, bufs, works + [out])
 
     def _what(self, peer: Any, step: int, doing: str) -> str:
         return f"rank {self.rank} {doing} the step record of step {step} with rank {peer}"
@@ -252,6 +262,28 @@ class StepAgreement:
             raise ChannelError(f"{what}: rank {peer} failed or is gone: {text}{_CLOSED}") from exc
         if done is False:
             raise ChannelTimeout(f"{what}: timed out after {self.timeout:g} s")
+
+
+class PendingExchange:
+    """An exchange of step records in flight (see ``StepAgreement.post``)."""
+
+    def __init__(self, owner: StepAgreement, mine: StepRecord, peers: list[int], bufs: dict[int, torch.Tensor],
+                 works: list) -> None:
+        self._owner, self.mine, self._peers, self._bufs = owner, mine, peers, bufs
+        self._works = works[:-1] if works else []
+        self._keep = works[-1:]  # the sent record's buffer lives until the send completed
+        self._records: Optional[list[StepRecord]] = None
+
+    def records(self) -> list[StepRecord]:
+        """Every rank's record, ``mine`` first; waits (bounded by the timeout) on the first call."""
+        if self._records is None:
+            peers = self._peers
+            doing = ["receiving"] * len(peers) + ["sending"] * len(peers)
+            for work, peer, what in zip(self._works, peers + peers, doing):
+                self._owner._wait(work, peer, self.mine.step, what)
+            self._records = [self.mine] + [StepRecord.decode(self._bufs[r].tolist(), r) for r in peers]
+            self._works, self._keep = [], []
+        return self._records
 
 
 def _leaf_key(x: Any) -> Any:

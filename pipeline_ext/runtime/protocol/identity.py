@@ -10,11 +10,12 @@ agreement's tag.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["STEP_SHIFT", "STEPS", "message_tag", "message_of", "describe_tag", "check_tag_space"]
+__all__ = ["STEP_SHIFT", "STEPS", "message_tag", "message_of", "describe_tag", "check_tag_space", "stable_hash"]
 
 STEP_SHIFT = 20
 STEPS = 1 << 10  # step numbers wrap around after this many steps
@@ -59,3 +60,12 @@ def describe_tag(tag: int, num_stages: Optional[int]) -> str:
     what = (f"activation of stage {sender} for stage {sender + 1}" if direction == 0
             else f"gradient of stage {sender} for stage {sender - 1}")
     return f"{what}, microbatch {mb} (tag {tag}, step {step} mod {STEPS})"
+
+
+def stable_hash(text: str) -> int:
+    """62 bits of blake2b over ``text``: the same in every process (unlike ``hash``), fits an int64 word.
+
+    What ranks compare to know they mean the same thing: step signatures,
+    schedules, plan caches.
+    """
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
