@@ -155,6 +155,18 @@ def _disagree(rank: int, world: int) -> list[str]:
             said.append(f"{case}: no error")
         except StepAgreementError as exc:
             said.append(f"{case}: {exc}")
+    # Stage count: rank 0 cuts the model into 4 stages (two per rank), rank 1 into 2.
+    import pipeline_ext as pe
+
+    four = build("mlp", 2 * world)
+    stages = [pe.PipelineStage(four[s], s, 2 * world, "cpu") for s in (rank, rank + world)]
+    sched = (pe.ScheduleInterleaved1F1B(stages, 4, loss_fn=loss_fn, timeout=TIMEOUT) if rank == 0
+             else _schedule(rank, world, modules))
+    try:
+        _call(sched, rank, x, y)
+        said.append("stages: no error")
+    except StepAgreementError as exc:
+        said.append(f"stages: {exc}")
     sched = _schedule(rank, world, modules)
     try:
         _call(sched, rank, x, y, "eval" if rank == 0 else "step")
@@ -173,8 +185,10 @@ def test_disagreements_raise_named_errors_on_every_rank():
         assert "rank 0 runs 1f1b with 4 microbatches over 2 stages, rank 1 runs 1f1b with 2" in said[0], said
         assert "rank 1 runs gpipe" in said[1], said
         assert "rank 0 has no loss_fn, rank 1 has a loss_fn" in said[2], said
+        assert "rank 0 runs interleaved_1f1b with 4 microbatches over 4 stages, rank 1 runs 1f1b with 4 " \
+               "microbatches over 2 stages" in said[3], said
         assert "rank 0 runs a forward-only step (eval(), or step() without a loss_fn), rank 1 runs a training step" \
-            in said[3], said
+            in said[4], said
 
 
 def _forward_only_without_loss(rank: int, world: int) -> list[str]:
@@ -227,6 +241,60 @@ def test_a_peer_that_never_comes_is_named_within_the_timeout(how):
     assert "rank 1" in message and "step 0 with rank 0" in message, message
     if how == "stall":
         assert "ChannelTimeout" in message and "timed out after 3 s" in message, message
+
+
+class _StopInForward(torch.nn.Module):
+    """A stage that freezes its own process (SIGSTOP) in its first forward, as a debugger or an
+    overloaded host would: its step record may be out, its layouts and data never are."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return self.inner(x)
+
+
+def _stopped_peer(rank: int, world: int) -> tuple[float, str]:
+    """Rank 0 stops itself in the forward of the first (discovery) step; rank 1 must name it in time."""
+    import signal
+
+    import torch.distributed as dist
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    modules = build("mlp", world)
+    if rank == 0:
+        modules[0] = _StopInForward(modules[0])
+    sched = _schedule(rank, world, modules, timeout=3.0)
+    x, y = make_batch("mlp", 8)
+    t0 = time.monotonic()
+    try:
+        _call(sched, rank, x, y)
+        said = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        said = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == 1:
+            os.kill(pids[0], signal.SIGTERM)  # the frozen peer never wakes up by itself: end it
+            os.kill(pids[0], signal.SIGCONT)
+    return time.monotonic() - t0, said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_stopped_peer_during_the_discovery_step_is_named_within_the_timeout():
+    results = run_ranks(_stopped_peer, 2, timeout=60, expect_errors=True)
+    status, value = results[1]
+    assert status == "ok", value
+    elapsed, message = value
+    assert elapsed < 3.0 + 5, (elapsed, message)
+    assert "ChannelTimeout" in message and "rank 1 waiting on RECV_F of stage 1 microbatch 0 with peer rank 0 " \
+        "in step 0" in message, message
+    assert results[0][0] == "died", results[0]
 
 
 class _FailBackward(torch.nn.Module):
