@@ -21,17 +21,18 @@ shapes differ from the previous step's works (metadata is exchanged again).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import (
     merge_chunks,
     microbatch_sizes,
-    microbatch_weights,
     split_args_kwargs,
     split_target,
     to_device,
@@ -48,6 +49,7 @@ from pipeline_ext.runtime.protocol.agreement import (
 from pipeline_ext.runtime.protocol.identity import stable_hash
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
+from pipeline_ext.training.loss import loss_weights
 
 _TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
 
@@ -176,6 +178,22 @@ class PipelineSchedule:
         )))
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
+        self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._step_post_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    # -- step hooks (pipeline_ext.training: tied parameters) -------------------------------------
+    def register_step_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` in every training step whose inputs this rank accepted, before its stages run."""
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` after every training step's last backward (before ``step()`` returns)."""
+        handle = RemovableHandle(self._step_post_hooks)
+        self._step_post_hooks[handle.id] = hook
+        return handle
 
     # -- tracing -------------------------------------------------------------------------------
     def enable_tracing(self, on: bool = True) -> None:
@@ -267,8 +285,9 @@ class PipelineSchedule:
             if self.has_first_stage:
                 record.rows = sum(sizes)
                 record.signature = self._agreement.signature(args, kwargs, sizes, self.chunk_spec)
-                inputs.loss_weights = self._weights(sizes)
             inputs.targets = self._check_target(plan, target)
+            if self.has_first_stage:  # after the targets: this rank may hold the last stage too
+                inputs.loss_weights = self._weights(sizes, inputs.targets)
             record.target_rows = sum(microbatch_sizes((target,), {}, self.n_microbatches)) if inputs.targets else -1
         except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
@@ -291,14 +310,15 @@ class PipelineSchedule:
         """The step's agreement, settled right before its first message (every rank takes the same decision)."""
         agreement = agree(pending.records(), self._first_rank, self._last_rank)
         if not inputs.loss_weights:
-            inputs.loss_weights = self._weights(agreement.sizes)
+            inputs.loss_weights = self._weights(agreement.sizes, inputs.targets)
         # Plans are per executor, so a forward-only step never shares one with a training step.
         # When the ranks' plan caches differ (a step failed on some ranks after others had
         # committed its layouts), every rank exchanges the layouts again.
         return StepStart(agreement.step, agreement.signature, agreement.discovery)
 
-    def _weights(self, sizes: Sequence[int]) -> list[float]:
-        return microbatch_weights(sizes) if self.scale_grads else [1.0] * len(sizes)
+    def _weights(self, sizes: Sequence[int], targets: Sequence[Any]) -> list[float]:
+        """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""
+        return loss_weights(self.loss_fn, sizes, targets, self.scale_grads)
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
@@ -331,6 +351,9 @@ class PipelineSchedule:
         inputs, pending = self._post_agreement(plan, executor, args, kwargs, target)
         for r in self._runners.values():
             r.reset()
+        if plan == _TRAIN:
+            for hook in list(self._step_pre_hooks.values()):
+                hook()
         tracing = self._tracer is not None and plan == _TRAIN
         if tracing:
             self._tracer.begin_step()
@@ -340,6 +363,9 @@ class PipelineSchedule:
             for r in self._runners.values():
                 r.reset()
             raise
+        if plan == _TRAIN:
+            for hook in list(self._step_post_hooks.values()):
+                hook()
         if not self.has_last_stage:
             return None
         last = self._runners[self._last_stage]

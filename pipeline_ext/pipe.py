@@ -30,7 +30,6 @@ from pipeline_ext.checkpoint import RngScope, checkpoint_predicate, uses_randomn
 from pipeline_ext.microbatch import (
     merge_chunks,
     microbatch_sizes,
-    microbatch_weights,
     split_args_kwargs,
     split_target,
     to_device,
@@ -40,6 +39,7 @@ from pipeline_ext.runtime.channels import LocalHub
 from pipeline_ext.runtime.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.training.loss import loss_weights
 
 __all__ = ["Pipe", "MULTI_STAGE_SCHEDULES"]
 
@@ -250,7 +250,7 @@ class Pipe(nn.Module):
         if target_sizes != sizes:
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
         targets = split_target(target, self.chunks)
-        weights = microbatch_weights(sizes)
+        weights = loss_weights(loss_fn, sizes, targets)  # row shares, or the loss_fn's own (token counts)
         n = len(self.partitions)
         runners = {
             s: StageRunner(part, s, n, loss_fn, call=self._call_for(s), checkpoint=self._ckpt)

@@ -1,0 +1,45 @@
+"""What training a real model on a pipeline needs beyond the schedule itself.
+
+A schedule computes each stage's gradients. A training loop also needs:
+- ``tied``: parameters shared by stages on different ranks (tied input/output
+  embeddings), summed once per step and kept equal;
+- ``clip``: gradient clipping by the norm of the *whole* model's gradients;
+- ``checkpoint``: DCP checkpoints named as the unsplit model, so they load into
+  it, or into a pipeline cut differently, and resume bitwise;
+- ``loss``: what the per-microbatch losses mean, and an exact token mean;
+- ``stages``: the one description of "this rank's stages" the tools share.
+
+Names load lazily (as in ``pipeline_ext``): the schedules import
+``training.loss`` without paying for torch.distributed.checkpoint.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TiedParameters": "tied",
+    "tie_parameters": "tied",
+    "clip_grad_norm_": "clip",
+    "total_grad_norm": "clip",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "unsplit_name": "checkpoint",
+    "FQNMap": "checkpoint",
+    "TokenMeanLoss": "loss",
+    "loss_weights": "loss",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipeline_ext.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pipeline_ext.training.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,263 @@
+"""pipeline_ext.training against the unsplit model: tied weights, clipping, token-mean loss, DCP checkpoints.
+
+Every multi-process check compares with the unsplit model run on the whole
+(global) batch: same clip totals, same clipped gradients, same parameters
+after optimizer steps. The model is a tiny language model whose input
+embedding is tied to its output head, cut so that the two copies live on
+different ranks (1F1B, interleaved), on one rank (ZBV), with data parallelism
+(2 x 2), and on a subset of a 4-rank pipeline.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import pipeline_ext as pe
+from mp_utils import no_complaints, rank_values
+from pipeline_ext import schedules as S
+from pipeline_ext.training import loss_weights, unsplit_name
+
+V, D, T = 11, 8, 5  # vocabulary, width, tokens per row
+
+
+class ToyStage(nn.Module):
+    """Embedding on the first stage, a residual tanh layer on every stage, the output head on the last."""
+
+    def __init__(self, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D) if first else None
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        h = torch.tanh(self.lin(h)) + h
+        return self.head(h) if self.head is not None else h
+
+
+def toy(num_stages: int, tied: bool, seed: int = 0) -> list[nn.Module]:
+    """Stages of the toy model; ``tied``: the head *is* the embedding (the unsplit reference)."""
+    torch.manual_seed(seed)
+    stages = [ToyStage(i == 0, i == num_stages - 1) for i in range(num_stages)]
+    if tied:
+        stages[-1].head.weight = stages[0].embed.weight
+    return stages
+
+
+def batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token labels with about a third of the labels masked (ignore_index)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (rows, T), generator=g)
+    y = torch.randint(0, V, (rows, T), generator=g)
+    y[torch.rand(rows, T, generator=g) < 0.35] = -100
+    return x, y
+
+
+def ref_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-100)
+
+
+def run(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for s in stages:
+        x = s(x)
+    return x
+
+
+def distinct(modules) -> list[nn.Parameter]:
+    return list(nn.ModuleList(modules).parameters())  # shared parameters once
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- tied embeddings + clipping + token mean, against the unsplit model ------------------------------
+ROWS, MBS, CLIP = 10, 4, 0.3
+
+
+def _layout(world: int, dp: int):
+    """(pp group, dp group, pp rank, dp rank) from a DeviceMesh ("dp", "pp")."""
+    if dp == 1:
+        return None, None, dist.get_rank(), 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"].get_group(), mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+
+
+def _train_tied(name: str, world: int, dp: int, groups) -> list[str]:
+    pp_group, dp_group, pp_rank, dp_rank = groups
+    pp = world // dp
+    v = 1 if name == "1f1b" else 2
+    n = pp * v
+    mine = [s for s, r in enumerate(S.build(name, pp, MBS, stages_per_rank=v).stage_to_rank) if r == pp_rank]
+    modules, ref = toy(n, tied=False), toy(n, tied=True)
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu", group=pp_group) for s in mine]
+    loss = pe.TokenMeanLoss(dp_group=dp_group)
+    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], MBS, loss_fn=loss)
+    ties = pe.tie_parameters(sched, {"embed": {0: "embed.weight", n - 1: "head.weight"}})
+    local = distinct([modules[s] for s in mine])
+    opt = torch.optim.SGD(local, lr=0.5)
+    ref_opt = torch.optim.SGD(distinct(ref), lr=0.5)
+    bad: list[str] = []
+    where = f"{name} dp={dp} rank {dist.get_rank()}"
+    per = ROWS // dp
+    for step in range(3):
+        for seed in ([10 * step, 10 * step + 1] if step == 2 else [10 * step]):  # step 2 accumulates two batches
+            x, y = batch(ROWS, seed)
+            xl, yl = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+            sched.step(xl if 0 in mine else None, target=yl if n - 1 in mine else None)
+            ref_loss(run(ref, x), y).backward()
+        if dp_group is not None:  # DP by hand: average over the replicas
+            for p in local:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= dp
+        total = pe.clip_grad_norm_(sched, CLIP)
+        ref_total = torch.nn.utils.clip_grad_norm_(distinct(ref), CLIP)
+        if not close(total, ref_total):
+            bad.append(f"{where} step {step}: clip total {float(total):.6f} vs unsplit {float(ref_total):.6f}")
+        for s in mine:
+            for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
+                if not close(p.grad, q.grad):
+                    bad.append(f"{where} step {step}: clipped grad of stage {s} {pn} differs "
+                               f"(max {float((p.grad - q.grad).abs().max()):.2e})")
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for s in mine:
+        for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
+            if not close(p, q):
+                bad.append(f"{where}: stage {s} {pn} after 3 SGD steps differs from the unsplit model")
+    if ties.max_difference() != 0.0:
+        bad.append(f"{where}: the tied copies differ after training")
+    return bad
+
+
+def _tied_two_ranks(rank: int, world: int) -> list[str]:
+    bad = []
+    for name in ("1f1b", "interleaved_1f1b", "zbv"):  # copies on two ranks, two ranks (4 stages), one rank (V)
+        bad += _train_tied(name, world, 1, _layout(world, 1))
+    return bad
+
+
+def _tied_four_ranks(rank: int, world: int) -> list[str]:
+    groups = _layout(world, 2)
+    bad = _train_tied("1f1b", world, 2, groups) + _train_tied("interleaved_1f1b", world, 2, groups)
+    return bad + _train_tied("1f1b", world, 1, _layout(world, 1))  # 4-stage pipeline: the tie is ranks {0, 3}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tied_embeddings_clip_and_token_mean_match_unsplit_two_ranks():
+    no_complaints(_tied_two_ranks, 2, timeout=100)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_tied_embeddings_with_data_parallel_match_unsplit_2x2():
+    no_complaints(_tied_four_ranks, 4, timeout=130)
+
+
+# -- DCP checkpoints -----------------------------------------------------------------------------
+def _ckpt_batches(step: int):
+    return batch(6, 100 + step)
+
+
+def _pipeline(rank: int, seed: int):
+    modules = toy(2, tied=False, seed=seed)
+    sched = pe.Schedule1F1B(pe.PipelineStage(modules[rank], rank, 2, "cpu"), 2, loss_fn=pe.TokenMeanLoss())
+    opt = torch.optim.AdamW(modules[rank].parameters(), lr=0.05)
+    return modules[rank], sched, opt
+
+
+def _train_steps(rank: int, sched, opt, steps) -> None:
+    for step in steps:
+        x, y = _ckpt_batches(step)
+        sched.step(x if rank == 0 else None, target=y if rank == 1 else None)
+        opt.step()
+        opt.zero_grad()
+
+
+def _round_trip(rank: int, world: int, path: str) -> dict:
+    fqn_maps = {rank: f"{rank}."}  # the unsplit model is nn.Sequential(stage0, stage1)
+    module, sched, opt = _pipeline(rank, seed=0)
+    _train_steps(rank, sched, opt, range(2))
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps, extra={"step": 2})
+    _train_steps(rank, sched, opt, range(2, 4))
+    straight = module.state_dict()
+    fresh, sched2, opt2 = _pipeline(rank, seed=1)  # other weights, no optimizer state yet
+    extra = {"step": -1}
+    pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps, extra=extra)
+    loaded_ok = all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    _train_steps(rank, sched2, opt2, range(2, 4))
+    bitwise = all(torch.equal(fresh.state_dict()[k], v) for k, v in straight.items())
+    return {"loaded": loaded_ok, "resumed_bitwise": bitwise, "extra": extra["step"],
+            "saved": {f"{rank}.{k}": v.numpy() for k, v in saved.items()}}  # numpy: no shared memory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dcp_round_trip_fresh_pipeline_unsplit_model_and_bitwise_resume():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        res = rank_values(_round_trip, 2, path, timeout=100)
+        for r, v in res.items():
+            assert v["loaded"] and v["resumed_bitwise"] and v["extra"] == 2, (r, {k: v[k] for k in v if k != "saved"})
+        saved = {k: torch.from_numpy(v) for r in (0, 1) for k, v in res[r]["saved"].items()}
+        # the unsplit model (and its optimizer) loads the pipeline's checkpoint, in a process without torch.distributed
+        unsplit = nn.Sequential(*toy(2, tied=False, seed=5))
+        opt = torch.optim.AdamW(unsplit.parameters(), lr=0.05)
+        pe.load_checkpoint(path, unsplit, opt)
+        assert unsplit.state_dict().keys() == saved.keys()
+        for k, v in unsplit.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        assert all(float(s["step"]) == 2 for s in opt.state.values()) and len(opt.state) == len(saved)
+        # one torch.save file with the unsplit model's names (DCP's own converter)
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path, os.path.join(tmp, "full.pt"))
+        full = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+        nn.Sequential(*toy(2, tied=False, seed=6)).load_state_dict(full["model"])  # strict: every name matches
+        assert all(torch.equal(full["model"][k], v) for k, v in saved.items())
+
+
+# -- in-process pieces ---------------------------------------------------------------------------
+def test_unsplit_names():
+    assert unsplit_name("lin.weight", None) == "lin.weight"
+    assert unsplit_name("lin.weight", "model") == "model.lin.weight"
+    assert unsplit_name("lin.weight", "1.") == "1.lin.weight"
+    m = {"layers.0": "model.layers.4", "head": "lm_head", "": "model"}
+    assert unsplit_name("layers.0.mlp.weight", m) == "model.layers.4.mlp.weight"
+    assert unsplit_name("head.weight", m) == "lm_head.weight"
+    assert unsplit_name("norm.weight", m) == "model.norm.weight"  # "" renames the root
+    assert unsplit_name("x", lambda f: "y." + f) == "y.x"
+
+
+def test_token_mean_weights_and_default_row_shares():
+    loss = pe.TokenMeanLoss()
+    t = [torch.tensor([[1, -100, -100]]), torch.tensor([[1, 2, 3]])]
+    assert loss_weights(loss, [1, 1], t) == [0.25, 0.75]
+    assert loss_weights(loss, [1, 1], []) == [0.5, 0.5]  # ranks without the targets: row shares (unused)
+    assert loss_weights(F.cross_entropy, [3, 1], t) == [0.75, 0.25]
+    assert loss_weights(loss, [3, 1], t, scale_grads=False) == [1.0, 1.0]
+    assert loss_weights(loss, [1, 1], [torch.full((1, 2), -100)] * 2) == [0.0, 0.0]  # no valid token: nothing
+
+
+def test_pipe_token_mean_equals_unsplit():
+    """Single process: Pipe.step with TokenMeanLoss gives the unsplit token mean and its gradients."""
+    x, y = batch(7, 3)
+    ref = nn.Sequential(*toy(2, tied=True))
+    want = ref_loss(ref(x), y)
+    want.backward()
+    model = nn.Sequential(*toy(2, tied=True))
+    pipe = pe.Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=3)
+    got = pipe.step(x, target=y, loss_fn=pe.TokenMeanLoss())
+    assert close(got, want)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert close(p.grad, q.grad)
