@@ -86,7 +86,9 @@ setup(
     python_requires=">=3.9",
     # The compiled core is tied to this exact torch release.
     install_requires=[f"torch=={TORCH_VERSION}"],
-    extras_require={"png": ["matplotlib"], "demo": ["tqdm", "matplotlib"], "test": ["pytest", "hypothesis"]},
+    extras_require={"png": ["matplotlib"], "demo": ["tqdm", "matplotlib"], "test": ["pytest", "hypothesis"],
+                    # examples/llama_pipeline.py (v5 masking API); transformers does not depend on torch, so no other torch is pulled
+                    "llama": ["transformers>=5"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     zip_safe=False,

@@ -1,0 +1,266 @@
+"""Train a Hugging Face ``transformers`` Llama on a pipeline x data-parallel mesh.
+
+What a real (non-``nn.Sequential``) model needs to become pipeline stages, in
+one file:
+
+- **cutting** (``LlamaStage``): the first stage owns the token embedding, the
+  last one the final norm and the LM head, every stage a slice of the decoder
+  layers. A stage keeps the *unsplit model's names* (``model.layers.5...``),
+  so checkpoints and ties are written against the names users know;
+- **what travels**: a stage returns ``(hidden_states, position_ids,
+  attention_mask)`` and the next one takes them positionally. Integer tensors
+  travel without gradients. Each stage rebuilds the causal mask and the rotary
+  embeddings from them (cheaper than sending a 4-D mask);
+- **kwargs**: the first stage gets ``attention_mask=`` as a keyword of
+  ``step()``; it is split into microbatches with the input ids;
+- **the loss**: ``pe.TokenMeanLoss`` over pre-shifted labels (``-100`` on
+  padding) gives exactly the unsplit model's token mean, over the global batch
+  of every data-parallel replica;
+- **tied embeddings** (``tie_word_embeddings``): ``pe.tie_parameters`` keeps the
+  first stage's embedding and the last stage's head one weight;
+- **clipping**: ``pe.clip_grad_norm_`` over the whole pipeline;
+- **PP x DP** from a ``DeviceMesh`` ("dp", "pp"): the DP gradient average is a
+  plain all-reduce over ``mesh["dp"]`` after each step (stages may instead be
+  wrapped in DDP / ``fully_shard``, see the README).
+
+Run it (random weights, no downloads; ``pip install "pipeline_ext[llama]"``)::
+
+    torchrun --nproc-per-node 4 examples/llama_pipeline.py --pp 2        # 2 stages x 2 replicas
+    python examples/llama_pipeline.py --spawn 4 --pp 2 --check           # no torchrun; compare with unsplit
+
+``--check`` also runs the unsplit model on the global batch and prints how far
+the pipeline's first-step loss, gradient norm and gradients are from it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipeline_ext as pe
+from pipeline_ext import schedules as S
+
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import create_causal_mask
+except ImportError as exc:  # pragma: no cover - exercised by hand
+    raise SystemExit("this example needs transformers: pip install 'pipeline_ext[llama]'") from exc
+
+SIZES = {  # (hidden, layers, heads, kv heads, vocab)
+    "tiny": (32, 4, 4, 2, 128),
+    "small": (256, 8, 8, 4, 2048),
+}
+
+
+def llama_config(size: str, seq: int) -> LlamaConfig:
+    hidden, layers, heads, kv, vocab = SIZES[size]
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(64, seq),
+                       tie_word_embeddings=True, attention_dropout=0.0)
+
+
+class LlamaStage(nn.Module):
+    """Decoder layers ``[lo, hi)`` of a ``LlamaForCausalLM``, plus the embedding (first) or norm and head (last).
+
+    The submodules are the unsplit model's own (no copies) under the unsplit
+    model's names, so ``state_dict()`` keys are the unsplit model's keys.
+    """
+
+    def __init__(self, full: LlamaForCausalLM, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = full.config
+        self.first, self.last = first, last
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = full.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in range(lo, hi)})
+        self.model.rotary_emb = full.model.rotary_emb  # no parameters: every stage needs it
+        if last:
+            self.model.norm = full.model.norm
+            self.lm_head = full.lm_head
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
+        if self.first:  # x: token ids; position ids are made here and travel with the activations
+            position_ids = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)
+            x = self.model.embed_tokens(x)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        rotary = self.model.rotary_emb(x, position_ids=position_ids)
+        for layer in self.model.layers.values():
+            x = layer(x, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
+        if self.last:
+            return self.lm_head(self.model.norm(x))
+        return x, position_ids, attention_mask
+
+
+def make_batch(rows: int, seq: int, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counting sequences (learnable) with right padding: ids, attention mask, labels shifted left (-100 masked)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    ids = (start + torch.arange(seq)) % vocab
+    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
+    mask = (torch.arange(seq) < lengths[:, None]).long()
+    ids = ids * mask  # pad id 0
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return ids, mask, labels
+
+
+def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, as even as possible."""
+    cuts = [round(i * layers / stages) for i in range(stages + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the run; returns what it measured (losses on the last stage, checks with ``check``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = cfg["pp"]
+    if world % pp:
+        raise ValueError(f"world size {world} is not a multiple of --pp {pp}")
+    dp = world // pp
+    device = torch.device(cfg.get("device", "cpu"))
+    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    dp_group = mesh["dp"].get_group() if dp > 1 else None
+
+    config = llama_config(cfg["size"], cfg["seq"])
+    torch.manual_seed(0)  # the same random weights on every rank
+    full = LlamaForCausalLM(config).to(device)
+    reference = copy.deepcopy(full) if cfg.get("check") else None
+
+    name = cfg["schedule"]
+    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
+    n = pp * v
+    mine = [s for s, r in enumerate(S.build(name, pp, cfg["microbatches"], stages_per_rank=v).stage_to_rank)
+            if r == pp_rank]
+    ranges = split_layers(config.num_hidden_layers, n)
+    modules = {s: LlamaStage(full, *ranges[s], first=s == 0, last=s == n - 1) for s in mine}
+    del full  # the stages hold what this rank needs
+    stages = [pe.PipelineStage(modules[s], s, n, device, group=mesh["pp"].get_group()) for s in mine]
+    loss_fn = pe.TokenMeanLoss(dp_group=dp_group)
+    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn)
+    pe.tie_parameters(sched, {"embed": {0: "model.embed_tokens.weight", n - 1: "lm_head.weight"}})
+    params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
+
+    rows = cfg["batch"] // dp
+    out: dict[str, Any] = {"losses": [], "tokens_per_s": []}
+    for step in range(cfg["steps"]):
+        ids, mask, labels = make_batch(cfg["batch"], cfg["seq"], config.vocab_size, step)
+        mine_rows = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this replica's share of the global batch
+        losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        args, kwargs = ((ids[mine_rows].to(device),), {"attention_mask": mask[mine_rows].to(device)}) \
+            if sched.has_first_stage else ((), {})
+        sched.step(*args, target=labels[mine_rows].to(device) if sched.has_last_stage else None, losses=losses,
+                   **kwargs)
+        if dp_group is not None:  # data parallel by hand: average the replicas' gradients
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= dp
+        if reference is not None and step == 0:
+            out.update(_compare_first_step(reference, modules, sched, loss_fn, losses, ids, mask, labels, dp_group,
+                                           cfg["clip"], device))
+        norm = pe.clip_grad_norm_(sched, cfg["clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        out["tokens_per_s"].append(cfg["batch"] * cfg["seq"] / elapsed)
+        if sched.has_last_stage:
+            loss = loss_fn.combine(losses).detach()
+            if dp_group is not None:
+                dist.all_reduce(loss, group=dp_group)
+                loss /= dp
+            out["losses"].append(float(loss))
+            if dp_rank == 0 and cfg.get("verbose", True):
+                print(f"step {step:3d}  loss {float(loss):.4f}  grad norm {float(norm):.3f}  "
+                      f"{out['tokens_per_s'][-1]:,.0f} tokens/s", flush=True)
+    return out
+
+
+def _compare_first_step(reference: LlamaForCausalLM, modules: dict[int, LlamaStage], sched: Any, loss_fn: Any,
+                        losses: list, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                        dp_group: Optional[dist.ProcessGroup], clip: float, device: torch.device) -> dict[str, float]:
+    """The unsplit model on the global batch vs this rank's stages after one step (grads before clipping)."""
+    position_ids = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+    logits = reference(ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device)).logits
+    ref_loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.to(device).flatten(), ignore_index=-100)
+    ref_loss.backward()
+    ref_loss = ref_loss.detach()
+    grad_err = 0.0
+    for module in modules.values():
+        for fqn, p in module.named_parameters():  # the stage's names are the unsplit model's
+            q = reference.get_parameter(fqn)
+            grad_err = max(grad_err, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)))
+    total = pe.training.total_grad_norm(sched)
+    ref_total = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    res = {"grad_rel_err": grad_err, "norm_err": abs(float(total) - float(ref_total)) / float(ref_total)}
+    if sched.has_last_stage:
+        loss = loss_fn.combine(losses).detach()
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dist.get_world_size(dp_group)
+        res["loss_err"] = abs(float(loss) - float(ref_loss))
+    return res
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (the rest of the world is data parallel)")
+    ap.add_argument("--schedule", default="1f1b", help="1f1b, interleaved_1f1b, zb_h1, zbv, ...")
+    ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    ap.add_argument("--batch", type=int, default=16, help="global batch (rows), split over the DP replicas")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--check", action="store_true", help="compare the first step with the unsplit model")
+    ap.add_argument("--spawn", type=int, default=0, help="start this many local ranks (Gloo) instead of torchrun")
+    args = ap.parse_args(argv)
+    cfg = {k: getattr(args, k) for k in ("pp", "schedule", "size", "batch", "seq", "microbatches", "steps", "lr",
+                                         "clip", "check")}
+    if args.spawn:
+        from pipeline_ext.launch import spawn
+
+        results = spawn(train, args.spawn, cfg, timeout=3600, threads=1)
+        _report({r: v for r, (_, v) in results.items()})
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        cfg["device"] = f"cuda:{local}"
+    try:
+        res = train(dist.get_rank(), dist.get_world_size(), cfg)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, res)
+        if dist.get_rank() == 0:
+            _report(dict(enumerate(gathered)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(results: dict[int, dict[str, Any]]) -> None:
+    tps = [sum(v["tokens_per_s"][1:]) / max(1, len(v["tokens_per_s"]) - 1) for v in results.values()]
+    print(f"mean over steps after the first: {min(tps):,.0f} tokens/s (global batch, slowest rank)")
+    if any("grad_rel_err" in v for v in results.values()):
+        print("vs the unsplit model, first step: max relative grad error "
+              f"{max(v['grad_rel_err'] for v in results.values()):.2e}, grad norm error "
+              f"{max(v['norm_err'] for v in results.values()):.2e}, loss error "
+              f"{max(v.get('loss_err', 0.0) for v in results.values()):.2e}")
+
+
+if __name__ == "__main__":
+    main()
