@@ -82,22 +82,39 @@ ROWS, MBS, CLIP = 10, 4, 0.3
 
 
 def _layout(world: int, dp: int):
-    """(pp group, dp group, pp rank, dp rank) from a DeviceMesh ("dp", "pp")."""
+    """(pp group, dp group, pp rank, dp rank, dp mesh) from a DeviceMesh ("dp", "pp")."""
     if dp == 1:
-        return None, None, dist.get_rank(), 0
+        return None, None, dist.get_rank(), 0, None
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "pp"))
-    return mesh["pp"].get_group(), mesh["dp"].get_group(), mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    return (mesh["pp"].get_group(), mesh["dp"].get_group(), mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(),
+            mesh["dp"])
 
 
-def _train_tied(name: str, world: int, dp: int, groups) -> list[str]:
-    pp_group, dp_group, pp_rank, dp_rank = groups
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP2 shard (a DTensor), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train_tied(name: str, world: int, dp: int, groups, fsdp: bool = False) -> list[str]:
+    """Train 3 steps (the last accumulating two batches) and compare with the unsplit model at every step.
+
+    DP is a manual all-reduce over the DP group, or FSDP2 (``fsdp``): each stage
+    ``fully_shard``-ed over the DP mesh, so gradients and parameters are DTensor
+    shards (the tie then sums shards; the clip completes their norms).
+    """
+    pp_group, dp_group, pp_rank, dp_rank, dp_mesh = groups
     pp = world // dp
     v = 1 if name == "1f1b" else 2
     n = pp * v
     mine = [s for s, r in enumerate(S.build(name, pp, MBS, stages_per_rank=v).stage_to_rank) if r == pp_rank]
     modules, ref = toy(n, tied=False), toy(n, tied=True)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for s in mine:
+            fully_shard(modules[s], mesh=dp_mesh)
     stages = [pe.PipelineStage(modules[s], s, n, "cpu", group=pp_group) for s in mine]
     loss = pe.TokenMeanLoss(dp_group=dp_group)
     sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], MBS, loss_fn=loss)
@@ -106,7 +123,7 @@ def _train_tied(name: str, world: int, dp: int, groups) -> list[str]:
     opt = torch.optim.SGD(local, lr=0.5)
     ref_opt = torch.optim.SGD(distinct(ref), lr=0.5)
     bad: list[str] = []
-    where = f"{name} dp={dp} rank {dist.get_rank()}"
+    where = f"{name} dp={dp}{' fsdp' if fsdp else ''} rank {dist.get_rank()}"
     per = ROWS // dp
     for step in range(3):
         for seed in ([10 * step, 10 * step + 1] if step == 2 else [10 * step]):  # step 2 accumulates two batches
@@ -114,7 +131,7 @@ def _train_tied(name: str, world: int, dp: int, groups) -> list[str]:
             xl, yl = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
             sched.step(xl if 0 in mine else None, target=yl if n - 1 in mine else None)
             ref_loss(run(ref, x), y).backward()
-        if dp_group is not None:  # DP by hand: average over the replicas
+        if dp_group is not None and not fsdp:  # DP by hand: average over the replicas
             for p in local:
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad /= dp
@@ -124,14 +141,16 @@ def _train_tied(name: str, world: int, dp: int, groups) -> list[str]:
             bad.append(f"{where} step {step}: clip total {float(total):.6f} vs unsplit {float(ref_total):.6f}")
         for s in mine:
             for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                if not close(p.grad, q.grad):
+                if fsdp and not hasattr(p.grad, "full_tensor"):
+                    bad.append(f"{where}: stage {s} {pn} has a plain gradient under fully_shard")
+                if not close(full(p.grad), q.grad):
                     bad.append(f"{where} step {step}: clipped grad of stage {s} {pn} differs "
-                               f"(max {float((p.grad - q.grad).abs().max()):.2e})")
+                               f"(max {float((full(p.grad) - q.grad).abs().max()):.2e})")
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     for s in mine:
         for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-            if not close(p, q):
+            if not close(full(p.detach()), q.detach()):
                 bad.append(f"{where}: stage {s} {pn} after 3 SGD steps differs from the unsplit model")
     if ties.max_difference() != 0.0:
         bad.append(f"{where}: the tied copies differ after training")
@@ -148,6 +167,7 @@ def _tied_two_ranks(rank: int, world: int) -> list[str]:
 def _tied_four_ranks(rank: int, world: int) -> list[str]:
     groups = _layout(world, 2)
     bad = _train_tied("1f1b", world, 2, groups) + _train_tied("interleaved_1f1b", world, 2, groups)
+    bad += _train_tied("1f1b", world, 2, groups, fsdp=True)
     return bad + _train_tied("1f1b", world, 1, _layout(world, 1))  # 4-stage pipeline: the tie is ranks {0, 3}
 
 
