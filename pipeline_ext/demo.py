@@ -23,9 +23,6 @@ from pipeline_ext.demo_model import GPTConfig, gpt_stages, lm_loss, synthetic_ba
 
 __all__ = ["main", "train"]
 
-_V_DEFAULT = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
-
-
 def train(rank: int, world: int, opts: dict[str, Any]) -> Optional[dict[str, Any]]:
     """One worker rank: build its stages, train, trace the last steps; the last stage's rank reports."""
     import pipeline_ext as pe
@@ -33,7 +30,7 @@ def train(rank: int, world: int, opts: dict[str, Any]) -> Optional[dict[str, Any
 
     cfg = GPTConfig(layers=opts["layers"])
     name, m, steps = opts["schedule"], opts["microbatches"], opts["steps"]
-    v = _V_DEFAULT.get(name, 1)
+    v = S.default_stages_per_rank(name)
     placement = S.build(name, world, m, stages_per_rank=v).stage_to_rank
     modules = gpt_stages(cfg, len(placement))
     mine = [s for s, r in enumerate(placement) if r == rank]
@@ -136,7 +133,7 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.png and not _can_plot():
         args.png = ""
-    v = _V_DEFAULT.get(args.schedule, 1)
+    v = S.default_stages_per_rank(args.schedule)
     try:
         S.build(args.schedule, args.stages, args.microbatches, stages_per_rank=v)
     except S.ScheduleError as exc:
@@ -147,10 +144,11 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from pipeline_ext import schedules as S
     from pipeline_ext.launch import spawn
 
     args = _args(argv)
-    v = _V_DEFAULT.get(args.schedule, 1)
+    v = S.default_stages_per_rank(args.schedule)
     cfg = GPTConfig(layers=args.layers)
     print(f"pipeline_ext demo: GPT ({args.layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab}, seq {cfg.seq_len}) "
           f"on {args.stages} worker processes ({args.stages * v} stages), schedule {args.schedule}, "

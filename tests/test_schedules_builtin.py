@@ -6,12 +6,13 @@ import pytest
 from pipeline_ext.schedules import Costs, ScheduleError, available, build, lower, simulate, validate
 from pipeline_ext.schedules.lowering import loop_placement, v_placement
 
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"}
-SPLIT = {"zb_h1", "zb_h2", "zbv", "dualpipev"}
+MULTI_STAGE = {"interleaved_1f1b", "interleaved_zb", "looped_bfs", "zbv", "dualpipev"}
+SPLIT = {"zb_h1", "zb_h2", "interleaved_zb", "zbv", "dualpipev"}
 
 
 def test_registry():
-    assert available() == ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
+    assert available() == ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zb_h1", "zb_h2", "zbv",
+                           "dualpipev"]
     with pytest.raises(ScheduleError, match="unknown schedule 'nope'; available: gpipe"):
         build("nope", 2, 2)
 
@@ -51,7 +52,7 @@ def test_placements():
     ("1f1b", 4, 2, None, r"1f1b needs n_microbatches >= num_ranks \(got n_microbatches=2, num_ranks=4\)"),
     ("zb_h1", 4, 3, None, r"zb_h1 needs n_microbatches >= num_ranks \(got n_microbatches=3, num_ranks=4\)"),
     ("interleaved_1f1b", 4, 6, None, r"multiple of num_ranks \(got n_microbatches=6, num_ranks=4\)"),
-    ("interleaved_1f1b", 4, 8, 1, r"stages_per_rank >= 2 \(got stages_per_rank=1\)"),
+    ("interleaved_1f1b", 4, 8, 0, r"stages_per_rank >= 1 \(got stages_per_rank=0\)"),
     ("gpipe", 4, 8, 2, r"gpipe needs stages_per_rank == 1 \(got stages_per_rank=2\)"),
     ("zbv", 4, 8, 3, r"zbv needs stages_per_rank == 2 \(got stages_per_rank=3\)"),
     ("dualpipev", 4, 7, None, r"n_microbatches >= 2 \* num_ranks \(got n_microbatches=7, num_ranks=4\)"),
@@ -76,6 +77,8 @@ def test_closed_form_bubbles_unit_costs(p, m):
     if m % p == 0:
         for v in (2, 3):
             assert rate("interleaved_1f1b", stages_per_rank=v) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+            # the W passes fill part of interleaved 1F1B's bubble, never more of it
+            assert rate("interleaved_zb", stages_per_rank=v) <= rate("interleaved_1f1b", stages_per_rank=v) + 1e-12
     if m >= 2 * p:
         assert rate("zbv") == pytest.approx(0.0, abs=1e-12)
     if m >= 2 * p - 1:

@@ -83,7 +83,8 @@ def test_cli_compare():
     out = cli("compare", "--ranks", "4", "--microbatches", "8")
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[4:]}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zb_h1", "zb_h2", "zbv",
+                         "dualpipev"}
     assert rows["1f1b"][3] == "0.2727" and rows["zb_h1"][3] == "0.1111" and rows["zbv"][3] == "0.0000"
 
 

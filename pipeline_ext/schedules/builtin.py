@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import loop_placement, v_placement
-from pipeline_ext.schedules.orders import RankBuilder, depth_first, pipeline_order, split_backward
+from pipeline_ext.schedules.orders import RankBuilder, depth_first, pipeline_order, split_backward, split_backward_of
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -45,6 +45,13 @@ def available() -> list[str]:
     return list(_REGISTRY)
 
 
+def default_stages_per_rank(name: str) -> int:
+    """The v a built-in schedule uses unless told otherwise (2 for interleaved, looped and V-shaped ones)."""
+    if name not in _REGISTRY:
+        raise ScheduleError(f"unknown schedule {name!r}; available: {', '.join(available())}")
+    return _REGISTRY[name][1]
+
+
 def build(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: Optional[int] = None) -> Schedule:
     """Generate the named schedule (unlowered: compute actions only).
 
@@ -58,8 +65,8 @@ def build(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: Optio
     v = default_v if stages_per_rank is None else stages_per_rank
     _require(num_ranks >= 1, name, "num_ranks >= 1", num_ranks=num_ranks)
     _require(n_microbatches >= 1, name, "n_microbatches >= 1", n_microbatches=n_microbatches)
-    if multi_stage:
-        _require(v >= 2, name, "stages_per_rank >= 2", stages_per_rank=v)
+    if multi_stage:  # v = 1 runs as torch does: the same order with one stage per rank
+        _require(v >= 1, name, "stages_per_rank >= 1", stages_per_rank=v)
     else:
         _require(v == default_v, name, f"stages_per_rank == {default_v}", stages_per_rank=v)
     return fn(num_ranks, n_microbatches, v)
@@ -126,6 +133,27 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         return pipeline_order(fwd, bwd, warmup=min((p - 1 - r) * 2 + (v - 1) * p, m * v))
 
     return _make("interleaved_1f1b", m, placement, rank)
+
+
+@register("interleaved_zb", stages_per_rank=2, multi_stage=True)
+def interleaved_zb(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved zero bubble (ZB1P with several stages per rank; torch's ScheduleInterleavedZeroBubble).
+
+    Interleaved 1F1B's order (:func:`interleaved_1f1b`), with every backward
+    split into I and W and rank r's W passes delayed by r backwards, as ZB-H1
+    does for one stage per rank: the I passes (the critical path) run earlier
+    and the owed W passes fill the drain. Same warm-up, placement and
+    constraints as interleaved 1F1B; r more stage-activations held on rank r.
+    """
+    _require(m >= p and m % p == 0, "interleaved_zb", "n_microbatches to be a multiple of num_ranks",
+             n_microbatches=m, num_ranks=p)
+
+    def rank(r: int) -> list[Action]:
+        fwd = [Action(s, F, j) for s, j in depth_first(r, p, v, m, reverse=False)]
+        bwd = split_backward_of(list(depth_first(r, p, v, m, reverse=True)), lag=r)
+        return pipeline_order(fwd, bwd, warmup=min((p - 1 - r) * 2 + (v - 1) * p, m * v))
+
+    return _make("interleaved_zb", m, loop_placement(p, v), rank)
 
 
 @register("looped_bfs", stages_per_rank=2, multi_stage=True)

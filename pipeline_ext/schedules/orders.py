@@ -51,8 +51,14 @@ def split_backward(stage: int, m: int, lag: int) -> list[list[Action]]:
     W still owed, so the tail of the rank is W passes that fill what would be
     idle time.
     """
-    groups = [[Action(stage, I, j)] + ([Action(stage, W, j - lag)] if j >= lag else []) for j in range(m)]
-    groups[-1].extend(Action(stage, W, j) for j in range(max(m - lag, 0), m))
+    return split_backward_of([(stage, j) for j in range(m)], lag)
+
+
+def split_backward_of(order: Sequence[tuple[int, int]], lag: int) -> list[list[Action]]:
+    """:func:`split_backward` over any (stage, microbatch) order: the k-th I carries the W of the (k - lag)-th."""
+    owed = [Action(s, W, j) for s, j in order]
+    groups = [[Action(s, I, j)] + ([owed[k - lag]] if k >= lag else []) for k, (s, j) in enumerate(order)]
+    groups[-1].extend(owed[max(len(order) - lag, 0):])
     return groups
 
 
