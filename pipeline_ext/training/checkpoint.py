@@ -30,7 +30,7 @@ longest matching path is renamed, other names are kept), or a callable
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -122,14 +122,19 @@ def _optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
     return list(optimizers)
 
 
-def _state(obj: Any, optimizers: Any, fqn_maps: Optional[Mapping[int, FQNMap]]):
-    """(container of this rank's stages, its optimizers, names) for DCP's state-dict helpers."""
+def _state(obj: Any, optimizers: Any, fqn_maps: Optional[Mapping[int, FQNMap]], extra: Optional[dict[str, Any]]):
+    """(container of this rank's stages, its optimizers, names, the DCP state dict under the unsplit names)."""
     stages = local_stages(obj)
     modules = {s: unwrap(m) for s, m in stages.modules.items()}
-    if isinstance(obj, nn.Module) and fqn_maps is None:
-        fqn_maps = {0: None}
     container = nn.ModuleDict({str(s): m for s, m in modules.items()})
-    return container, _optimizers(optimizers), _Names(modules, dict(fqn_maps or {})), stages
+    optims, names = _optimizers(optimizers), _Names(modules, dict(fqn_maps or {}))
+    msd, osd = get_state_dict(container, optims, options=_OPTIONS)
+    state: dict[str, Any] = {"model": names.model(msd, True)}
+    if optims:
+        state["optim"] = names.optim(osd, True)
+    if extra is not None:
+        state["extra"] = extra
+    return container, optims, names, state
 
 
 def _dcp_kwargs(process_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
@@ -147,13 +152,7 @@ def save_checkpoint(path: Union[str, os.PathLike], obj: Any, optimizers: Any = N
     ``PipelineSchedule``, this rank's stage(s), or the unsplit ``nn.Module``.
     ``optimizers``: one optimizer or several, over this rank's stages.
     """
-    container, optims, names, _ = _state(obj, optimizers, fqn_maps)
-    msd, osd = get_state_dict(container, optims, options=_OPTIONS)
-    state: dict[str, Any] = {"model": names.model(msd, True)}
-    if optims:
-        state["optim"] = names.optim(osd, True)
-    if extra is not None:
-        state["extra"] = extra
+    _, _, _, state = _state(obj, optimizers, fqn_maps, extra)
     dcp.save(state, checkpoint_id=path, **_dcp_kwargs(process_group))
 
 
@@ -168,13 +167,7 @@ def load_checkpoint(path: Union[str, os.PathLike], obj: Any, optimizers: Any = N
     like ``save_checkpoint``; an unsplit ``nn.Module`` in a process without
     ``torch.distributed`` loads on its own.
     """
-    container, optims, names, _ = _state(obj, optimizers, fqn_maps)
-    msd, osd = get_state_dict(container, optims, options=_OPTIONS)
-    state: dict[str, Any] = {"model": names.model(msd, True)}
-    if optims:
-        state["optim"] = names.optim(osd, True)
-    if extra is not None:
-        state["extra"] = extra
+    container, optims, names, state = _state(obj, optimizers, fqn_maps, extra)
     dcp.load(state, checkpoint_id=path, **_dcp_kwargs(process_group))
     set_state_dict(container, optims, model_state_dict=names.model(state["model"], False),
                    optim_state_dict=names.optim(state["optim"], False) if optims else {}, options=_OPTIONS)
