@@ -30,6 +30,10 @@ _EXPORTS = {
     "get_schedule_class": "pipeline_ext.distributed",
     "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
     "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
+    "UnsupportedWrapperError": "pipeline_ext.runtime.data_parallel",
+    "pipeline_mesh": "pipeline_ext.mesh",
+    "pipeline_layout": "pipeline_ext.mesh",
+    "PipelineLayout": "pipeline_ext.mesh",
     "Pipe": "pipeline_ext.pipe",
     "balance_by_params": "pipeline_ext.partition",
     "balance_by_time": "pipeline_ext.partition",
@@ -40,7 +44,7 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training"}
+_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

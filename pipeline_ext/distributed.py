@@ -38,6 +38,7 @@ from pipeline_ext.microbatch import (
     to_device,
 )
 from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
 from pipeline_ext.runtime.protocol.agreement import (
     PendingExchange,
@@ -74,7 +75,13 @@ class PipelineStage(StagePosition):
 
     ``input_args`` / ``output_args`` are accepted for compatibility with torch;
     shapes are discovered on the first step (and again when they change), so
-    they are not needed. ``group`` defaults to the world group.
+    they are not needed. ``group`` (a process group, or a 1-D ``DeviceMesh``
+    such as ``mesh["pp"]``) defaults to the world group.
+
+    A ``submodule`` wrapped in ``DistributedDataParallel`` or ``fully_shard``
+    (FSDP2) over the data-parallel group has its gradients reduced exactly once
+    per step (runtime/data_parallel.py); a wrapper that cannot be made exact
+    raises ``UnsupportedWrapperError`` here.
     """
 
     def __init__(
@@ -100,12 +107,25 @@ class PipelineStage(StagePosition):
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        group = _as_group(group)
+        self.grad_sync = gradient_sync_for(submodule, group)
         self.group = group
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
+
+
+def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
+    """A process group from ``group=``: a ProcessGroup, None (world) or a 1-D DeviceMesh (``mesh["pp"]``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group= takes a 1-D DeviceMesh (e.g. mesh['pp']), got one with {group.ndim} dims")
+        return group.get_group()
+    return group
 
 
 class PipelineSchedule:
@@ -160,7 +180,8 @@ class PipelineSchedule:
         self.stages = {s.stage_index: s for s in stages}
         if len(self.stages) != len(stages):
             raise ValueError("the same stage_index was given twice")
-        self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn) for i, s in self.stages.items()}
+        self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn, grad_sync=s.grad_sync,
+                                        n_microbatches=n_microbatches) for i, s in self.stages.items()}
         device = first.device
         self._channel = DistChannel(self.group, device, num_stages=num_stages)
         self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)

@@ -14,7 +14,11 @@ Conventions, shared with the executor:
   receiver agree on the message without extra metadata;
 - the last stage multiplies each microbatch's loss by a weight (its share of
   the batch's rows) before backward, so gradients add up to those of the mean
-  loss over the whole batch even when microbatches are uneven.
+  loss over the whole batch even when microbatches are uneven;
+- a data-parallel wrapped stage (DDP, FSDP2) gets a ``grad_sync``
+  (runtime/data_parallel.py): begun at the step's first forward, asked before
+  every B/I/W, finished after the step's last B or W (one per microbatch), so
+  gradients are reduced exactly once per step.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline_ext.runtime.data_parallel import GradientSync
 from pipeline_ext.runtime.split_backward import DeferredWeightGrad, backward_input, backward_weight
 
 __all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
@@ -88,6 +93,10 @@ class StageRunner(StagePosition):
     ``Pipe`` wraps it to seed RNG per (stage, microbatch). ``checkpoint(mb)``
     says whether microbatch ``mb`` recomputes its forward in backward instead
     of keeping activations.
+
+    ``grad_sync`` (with ``n_microbatches``, the microbatches of one training
+    step) syncs a data-parallel wrapped stage once per step; see
+    ``runtime/data_parallel.py``.
     """
 
     def __init__(
@@ -98,9 +107,13 @@ class StageRunner(StagePosition):
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         call: Optional[Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]] = None,
         checkpoint: Optional[Callable[[int], bool]] = None,
+        grad_sync: Optional[GradientSync] = None,
+        n_microbatches: Optional[int] = None,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
+        if grad_sync is not None and (n_microbatches is None or n_microbatches < 1):
+            raise ValueError(f"a grad_sync needs n_microbatches >= 1 (the microbatches of one step), got {n_microbatches}")
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -112,6 +125,9 @@ class StageRunner(StagePosition):
         self.peak_live_microbatches = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
+        self.grad_sync = grad_sync
+        self._n_microbatches = n_microbatches
+        self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
 
     @property
     def live_microbatches(self) -> int:
@@ -127,6 +143,9 @@ class StageRunner(StagePosition):
         self.peak_live_microbatches = 0
         self.losses.clear()
         self.outputs.clear()
+        if self._sync_left is not None and self.grad_sync is not None:
+            self._sync_left = None
+            self.grad_sync.abort()
 
     # -- F ---------------------------------------------------------------------------------
     def forward(
@@ -146,6 +165,9 @@ class StageRunner(StagePosition):
         """
         if mb in self._states:
             raise StageError(f"stage {self.stage_index}: F of microbatch {mb} ran twice without its backward")
+        if self.grad_sync is not None and self._sync_left is None and torch.is_grad_enabled():
+            self.grad_sync.begin()  # the step's first forward of this stage
+            self._sync_left = self._n_microbatches
         state = _State()
         if not self.is_first:
             args = tuple(self._as_input(a) for a in args)
@@ -229,6 +251,7 @@ class StageRunner(StagePosition):
 
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
         """B: full backward of ``mb``; accumulates weight grads, returns the input grads."""
+        self._before_backward()
         state = self._take(mb, "B")
         outputs, grads = self._grad_pairs(state, grad_outputs)
         for inp in state.grad_inputs:
@@ -237,12 +260,14 @@ class StageRunner(StagePosition):
             torch.autograd.backward(outputs, grads)
         message = self._grad_message(state, [inp.grad for inp in state.grad_inputs])
         del self._states[mb]
+        self._weight_grads_done()
         return message
 
     def backward_input(
         self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None
     ) -> list[torch.Tensor]:
         """I: input grads only; the weight-grad half is kept for ``backward_weight``."""
+        self._before_backward()
         state = self._take(mb, "I")
         if state.deferred is not None:
             raise StageError(f"stage {self.stage_index}: I of microbatch {mb} ran twice")
@@ -254,11 +279,27 @@ class StageRunner(StagePosition):
 
     def backward_weight(self, mb: int) -> None:
         """W: the weight-grad half of ``mb``'s backward, after its I."""
+        self._before_backward()
         state = self._take(mb, "W")
         if state.deferred is None:
             raise StageError(f"stage {self.stage_index}: W of microbatch {mb} ran before its I")
         backward_weight(state.deferred)
         del self._states[mb]
+        self._weight_grads_done()
+
+    # -- data-parallel gradient sync --------------------------------------------------------
+    def _before_backward(self) -> None:
+        if self._sync_left is not None and self.grad_sync is not None:
+            self.grad_sync.before_backward()
+
+    def _weight_grads_done(self) -> None:
+        """One microbatch's weight grads are in; after the step's last, reduce once."""
+        if self._sync_left is None or self.grad_sync is None:
+            return
+        self._sync_left -= 1
+        if self._sync_left == 0:
+            self._sync_left = None
+            self.grad_sync.finish()
 
 
 def _plain_call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,295 @@
+"""Gradient sync of data-parallel wrapped stages (DDP, FSDP2) under a pipeline schedule.
+
+Why this exists: DDP and FSDP2 reduce gradients from autograd hooks, once per
+``backward()``. A pipeline step runs one backward per microbatch, interleaved
+with other microbatches' forwards, and the zero-bubble schedules split each
+backward into an input half (I, ``autograd.grad``: no ``.grad`` is written, no
+DDP hook fires) and a weight half (W, several engine calls, outside any hook
+DDP prepared). Left alone, DDP reduces partial gradients per microbatch and
+mixes them (silently wrong) and FSDP2 frees unsharded parameters between I and
+W. The fix is the gradient-accumulation recipe each wrapper documents, applied
+per stage: accumulate locally through the whole step, then reduce exactly once,
+after the last backward action (B or W) that touches the stage's parameters.
+
+- DDP: every forward runs with ``require_backward_grad_sync`` off (what
+  ``no_sync()`` does), so no hook does anything and gradients accumulate in
+  ``.grad``. After the last B/W, DDP's own reducer is armed
+  (``reducer.prepare_for_backward``) and a zero gradient is backpropagated into
+  every parameter: each parameter's hook fires once, and the reducer buckets,
+  averages over DDP's process group (or runs the registered comm hook) and
+  writes back ``.grad``, as after any synced backward. Adding zero is exact.
+- FSDP2: for the step ``set_requires_gradient_sync(False)``,
+  ``set_reshard_after_backward(False)`` and ``set_is_last_backward(False)``;
+  parameters are unsharded before every backward action (a W may follow a
+  forward that resharded them); after the last B/W the user's settings come
+  back and each parameter group's ``post_backward`` runs once, followed by the
+  root's final callback, so the reduce-scatter happens once (what
+  ``torch.distributed.pipelining`` does in ``perform_reduce_grad``).
+
+A wrapper this module cannot make exact is refused when the stage is built
+(:func:`gradient_sync_for`), with an error naming it. A step run while the user
+has turned syncing off (inside ``ddp.no_sync()``, or after
+``set_requires_gradient_sync(False)``) accumulates only, as it would without a
+pipeline.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["GradientSync", "DDPSync", "FSDPSync", "UnsupportedWrapperError", "gradient_sync_for"]
+
+
+class UnsupportedWrapperError(TypeError):
+    """A stage is wrapped in something whose gradient sync a pipeline step cannot make exact."""
+
+
+class GradientSync:
+    """What a runner calls around one training step of a wrapped stage (no-op base)."""
+
+    name = "none"
+    modules: list[nn.Module] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.modules)} wrapped module(s))"
+
+    def begin(self) -> None:
+        """Before the step's first forward: turn per-backward syncing off."""
+
+    def before_backward(self) -> None:
+        """Before a B, I or W: make the parameters usable by backward."""
+
+    def finish(self) -> None:
+        """After the step's last B/W of the stage: reduce once, give back the user's settings."""
+
+    def abort(self) -> None:
+        """The step failed: give back the user's settings without reducing."""
+
+
+class DDPSync(GradientSync):
+    """Accumulate under ``require_backward_grad_sync=False``; reduce once with DDP's reducer."""
+
+    name = "DistributedDataParallel"
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)
+        self._user_sync: list[bool] = []
+
+    def begin(self) -> None:
+        self._user_sync = [m.require_backward_grad_sync for m in self.modules]
+        for m in self.modules:
+            m.require_backward_grad_sync = False
+
+    def finish(self) -> None:
+        try:
+            for m, sync in zip(self.modules, self._user_sync):
+                if sync:
+                    _ddp_reduce(m)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for m, sync in zip(self.modules, self._user_sync):
+            m.require_backward_grad_sync = sync
+        self._user_sync = []
+
+
+def _ddp_reduce(ddp: nn.Module) -> None:
+    """Fire each DDP-managed parameter's reducer hook once, with a zero gradient added.
+
+    The reducer reads ``.grad`` when a hook fires, so it sees the whole step's
+    accumulated gradient; with ``find_unused_parameters`` a parameter that got
+    no gradient on this rank is left out, so the reducer's used-map handles it
+    as DDP would (globally unused: ``.grad`` stays None).
+    """
+    params = [
+        p for n, p in ddp.module.named_parameters()
+        if p.requires_grad and n not in ddp.parameters_to_ignore
+        and (p.grad is not None or not ddp.find_unused_parameters)
+    ]
+    roots = [p.view_as(p) for p in params]
+    ddp.reducer.prepare_for_backward(roots)
+    # the reducer's final callback (bucket waits, copy back into .grad) runs at the end of this call
+    torch.autograd.backward(roots, [p.new_zeros(()).expand_as(p) for p in params])
+    ddp.require_forward_param_sync = True  # next forward broadcasts buffers, as after any synced backward
+
+
+class FSDPSync(GradientSync):
+    """FSDP2: accumulate unsharded gradients through the step, reduce-scatter once at the end."""
+
+    name = "fully_shard"
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)  # every FSDP2 module in the stage, outermost first
+        self.tops = [m for m in self.modules if not any(m is not o and _contains(o, m) for o in self.modules)]
+        self._saved: Optional[list[tuple[object, bool, bool, bool]]] = None
+        self._saved_last: list[tuple[object, bool]] = []
+
+    def _groups(self) -> Iterator[object]:
+        for m in self.modules:
+            yield from m._get_fsdp_state()._fsdp_param_groups
+
+    def begin(self) -> None:
+        self._saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in self._groups()]
+        self._saved_last = [(ctx, ctx.is_last_backward) for ctx in self._contexts()]
+        for top in self.tops:
+            top.set_requires_gradient_sync(False)
+            top.set_reshard_after_backward(False)
+            top.set_is_last_backward(False)
+
+    def before_backward(self) -> None:
+        for m in self.modules:
+            m.unshard()  # no-op when unsharded; after a resharding forward, gathers the same values again
+
+    def finish(self) -> None:
+        if self._saved is None:
+            return
+        self._restore()
+        for top in self.tops:
+            state = top._get_fsdp_state()
+            for st in state._state_ctx.all_states:
+                for group in st._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+
+    def abort(self) -> None:
+        if self._saved is None:
+            return
+        self._restore()
+        for top in self.tops:
+            state = top._get_fsdp_state()
+            if getattr(state, "_is_root", False) and hasattr(top, "reset_iter_state"):
+                with contextlib.suppress(Exception):
+                    top.reset_iter_state()
+
+    def _contexts(self) -> list[object]:
+        seen: dict[int, object] = {}
+        for top in self.tops:
+            ctx = top._get_fsdp_state()._state_ctx
+            seen.setdefault(id(ctx), ctx)
+        return list(seen.values())
+
+    def _restore(self) -> None:
+        for g, reduce, all_reduce, reshard in self._saved or []:
+            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+        for ctx, last in self._saved_last:
+            ctx.is_last_backward = last
+        # lazy init on the first forward may have put the states under a new shared context
+        if self._saved_last:
+            for ctx in self._contexts():
+                ctx.is_last_backward = self._saved_last[0][1]
+        self._saved, self._saved_last = None, []
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+# -- what is accepted, and why the rest is refused ---------------------------------------------
+def _ddp_problem(ddp: nn.Module) -> Optional[str]:
+    """Why this DDP configuration cannot be made exact under a pipeline (None if it can)."""
+    if getattr(ddp, "static_graph", False):
+        return ("static_graph=True: DDP's first-iteration delayed all-reduce runs at the first microbatch's "
+                "backward, before the other microbatches' gradients exist; construct DDP without static_graph")
+    if getattr(ddp, "_use_python_reducer", False):
+        return "the Python reducer (compiled autograd) is used; its hooks reduce on every backward"
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        return "delay_all_reduce_named_params is set; those parameters are reduced from a per-backward hook"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "DDP's mixed_precision is set; use torch.autocast inside the stage instead"
+    if any(hasattr(p, "_in_backward_optimizers") for p in ddp.module.parameters()):
+        return "an optimizer runs in backward (apply_optim_in_backward); it would step once per microbatch"
+    for name, m in ddp.module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            return f"{name or 'the module'} produces sparse gradients"
+    return None
+
+
+def _group_ranks(group: Optional[dist.ProcessGroup]) -> set[int]:
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _check_disjoint(what: str, dp_ranks: set[int], pp_ranks: set[int]) -> None:
+    shared = sorted(dp_ranks & pp_ranks - {dist.get_rank()})
+    if shared:
+        raise UnsupportedWrapperError(
+            f"the stage's {what} reduces gradients over ranks {sorted(dp_ranks)}, which include ranks {shared} "
+            f"of the pipeline group {sorted(pp_ranks)} (other stages, not replicas of this one): give it the "
+            "data-parallel group, e.g. mesh['dp'] of pipeline_ext.pipeline_mesh(pp, dp)"
+        )
+
+
+def gradient_sync_for(module: nn.Module, pp_group: Optional[dist.ProcessGroup] = None) -> Optional[GradientSync]:
+    """The gradient sync a stage module needs: None (plain), DDP or FSDP2; raise for anything else.
+
+    Raises :class:`UnsupportedWrapperError` naming the wrapper for torch's
+    ``FullyShardedDataParallel`` (FSDP1), ``DataParallel``, the DDP-based
+    ``replicate``, DDP options that reduce from per-backward hooks, DDP and
+    FSDP2 mixed in one stage, a data-parallel group that overlaps the
+    pipeline group, and parameters with post-accumulate-grad hooks outside
+    FSDP2 (they would fire once per microbatch).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddps, fsdps = [], []
+    pp_ranks = _group_ranks(pp_group) if dist.is_initialized() else set()
+    for name, m in module.named_modules():
+        where = f"submodule {name!r}" if name else "the stage module"
+        if isinstance(m, FullyShardedDataParallel):
+            raise UnsupportedWrapperError(
+                f"{where} is wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1), whose per-backward "
+                "hooks cannot be deferred to the end of a pipeline step; use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) or DistributedDataParallel"
+            )
+        if isinstance(m, nn.DataParallel):
+            raise UnsupportedWrapperError(
+                f"{where} is wrapped in torch.nn.DataParallel (one process, several devices); a pipeline stage runs "
+                "on one device: use DistributedDataParallel or fully_shard over a data-parallel process group"
+            )
+        if _is_ddp_replicate(m):
+            raise UnsupportedWrapperError(
+                f"{where} uses torch.distributed._composable.replicate (DDP-based), which syncs on every backward; "
+                "wrap the stage in DistributedDataParallel or fully_shard instead"
+            )
+        if isinstance(m, DistributedDataParallel):
+            problem = _ddp_problem(m)
+            if problem is not None:
+                raise UnsupportedWrapperError(f"{where} is DistributedDataParallel with {problem}")
+            if pp_ranks:
+                _check_disjoint("DistributedDataParallel", _group_ranks(m.process_group), pp_ranks)
+            ddps.append(m)
+        elif isinstance(m, FSDPModule):
+            if pp_ranks:
+                for g in m._get_fsdp_state()._fsdp_param_groups:
+                    _check_disjoint("fully_shard (FSDP2)", set(g.mesh_info.mesh.mesh.flatten().tolist()), pp_ranks)
+            fsdps.append(m)
+    if ddps and fsdps:
+        raise UnsupportedWrapperError("the stage mixes DistributedDataParallel and fully_shard (FSDP2); use one")
+    sharded = {id(p) for m in fsdps for p in m.parameters()}
+    for name, p in module.named_parameters():
+        if id(p) not in sharded and getattr(p, "_post_accumulate_grad_hooks", None):
+            raise UnsupportedWrapperError(
+                f"parameter {name!r} has a post-accumulate-grad hook; under a pipeline step it would fire once per "
+                "microbatch on a partial gradient, never once per step. Sync gradients with "
+                "DistributedDataParallel or fully_shard, or after step() returns"
+            )
+    if ddps:
+        return DDPSync(ddps)
+    if fsdps:
+        return FSDPSync(fsdps)
+    return None
+
+
+def _is_ddp_replicate(m: nn.Module) -> bool:
+    """Whether ``replicate(m)`` (the DDP-based composable API, not FSDP2's replicate) was applied."""
+    try:
+        from torch.distributed._composable.replicate import _ReplicateState
+        from torch.distributed._composable_state import _get_module_state
+    except ImportError:  # pragma: no cover - a torch without them
+        return False
+    return isinstance(_get_module_state(m), _ReplicateState)
