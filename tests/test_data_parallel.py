@@ -201,3 +201,55 @@ def test_unsupported_wrappers_are_refused_with_their_name():
     for case, words in expect.items():
         assert words in said[case], (case, said[case])
     assert "DDPSync" in said["plain_ddp"], said["plain_ddp"]
+
+
+# -- the runner's side of the protocol (one process, no communication) ---------------------------
+class _Recorder:
+    """A GradientSync that records what the runner asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def begin(self) -> None:
+        self.calls.append("begin")
+
+    def before_backward(self) -> None:
+        self.calls.append("before")
+
+    def finish(self) -> None:
+        self.calls.append("finish")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_runner_begins_at_first_forward_and_finishes_after_last_weight_grad(split):
+    from torch import nn
+
+    from pipeline_ext.runtime.stage import StageRunner
+
+    sync = _Recorder()
+    runner = StageRunner(nn.Linear(4, 4), 1, 2, loss_fn, grad_sync=sync, n_microbatches=2)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        runner.forward(0, (x,))  # forward-only (eval) steps never begin a sync
+    runner.reset()
+    assert sync.calls == []
+    for mb in range(2):
+        runner.forward(mb, (x,), target=y)
+    assert sync.calls == ["begin"]
+    for mb in range(2):
+        if split:
+            runner.backward_input(mb)
+            runner.backward_weight(mb)
+        else:
+            runner.backward(mb)
+    backwards = ["before", "before"] if split else ["before"]
+    assert sync.calls == ["begin", *backwards, *backwards, "finish"]  # finish exactly once, after the last
+    sync.calls.clear()
+    runner.forward(0, (x,), target=y)  # a step that fails after its first forward
+    runner.reset()
+    assert sync.calls == ["begin", "abort"]
+    with pytest.raises(ValueError, match="n_microbatches"):
+        StageRunner(nn.Linear(4, 4), 0, 2, grad_sync=sync)
