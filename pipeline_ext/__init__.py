@@ -18,16 +18,23 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PipelineStage": "pipeline_ext.distributed",
     "PipelineSchedule": "pipeline_ext.distributed",
-    "ScheduleGPipe": "pipeline_ext.distributed",
-    "Schedule1F1B": "pipeline_ext.distributed",
-    "ScheduleInterleaved1F1B": "pipeline_ext.distributed",
-    "ScheduleLoopedBFS": "pipeline_ext.distributed",
-    "ScheduleZBH1": "pipeline_ext.distributed",
-    "ScheduleZBH2": "pipeline_ext.distributed",
-    "ScheduleZBV": "pipeline_ext.distributed",
-    "ScheduleZBVZeroBubble": "pipeline_ext.distributed",
-    "ScheduleDualPipeV": "pipeline_ext.distributed",
-    "get_schedule_class": "pipeline_ext.distributed",
+    "PipelineScheduleSingle": "pipeline_ext.schedule_classes",
+    "PipelineScheduleMulti": "pipeline_ext.schedule_classes",
+    "ScheduleGPipe": "pipeline_ext.schedule_classes",
+    "Schedule1F1B": "pipeline_ext.schedule_classes",
+    "ScheduleInterleaved1F1B": "pipeline_ext.schedule_classes",
+    "ScheduleInterleavedZeroBubble": "pipeline_ext.schedule_classes",
+    "ScheduleLoopedBFS": "pipeline_ext.schedule_classes",
+    "ScheduleZBH1": "pipeline_ext.schedule_classes",
+    "ScheduleZBH2": "pipeline_ext.schedule_classes",
+    "ScheduleZBV": "pipeline_ext.schedule_classes",
+    "ScheduleZBVZeroBubble": "pipeline_ext.schedule_classes",
+    "ScheduleDualPipeV": "pipeline_ext.schedule_classes",
+    "_ScheduleForwardOnly": "pipeline_ext.schedule_classes",
+    "get_schedule_class": "pipeline_ext.schedule_classes",
+    "TensorChunkSpec": "pipeline_ext.microbatch",
+    "split_args_kwargs_into_chunks": "pipeline_ext.microbatch",
+    "merge_chunks": "pipeline_ext.microbatch",
     "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
     "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
     "UnsupportedWrapperError": "pipeline_ext.runtime.data_parallel",
@@ -44,7 +51,7 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
+_SUBMODULES = {"schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -48,26 +48,14 @@ from pipeline_ext.runtime.protocol.agreement import (
     agree,
 )
 from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 from pipeline_ext.training.loss import loss_weights
 
 _TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
 
-__all__ = [
-    "PipelineStage",
-    "PipelineSchedule",
-    "ScheduleGPipe",
-    "Schedule1F1B",
-    "ScheduleInterleaved1F1B",
-    "ScheduleLoopedBFS",
-    "ScheduleZBH1",
-    "ScheduleZBH2",
-    "ScheduleZBV",
-    "ScheduleZBVZeroBubble",
-    "ScheduleDualPipeV",
-    "get_schedule_class",
-]
+__all__ = ["PipelineStage", "PipelineSchedule"]  # torch's Schedule* names: pipeline_ext/schedule_classes.py
 
 
 class PipelineStage(StagePosition):
@@ -101,9 +89,11 @@ class PipelineStage(StagePosition):
             raise TypeError(f"submodule must be an nn.Module, got {type(submodule).__name__}")
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index}")
-        if dw_builder is not None:
-            raise NotImplementedError("dw_builder is not needed: weight grads are split automatically (I/W)")
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"dw_builder must be a callable returning the W runner, got {type(dw_builder).__name__}")
         self.submod = submodule
+        self.dw_builder = dw_builder
+        self.input_args, self.output_args = input_args, output_args
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -112,9 +102,85 @@ class PipelineStage(StagePosition):
         self.group = group
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        if dw_builder is not None and self.grad_sync is not None:
+            raise ValueError("dw_builder with a data-parallel wrapped submodule is not supported: the gradient "
+                             "reduction could not tell when the last weight-gradient runner has run")
+        #: the last step's per-microbatch outputs on the last stage (torch's name)
+        self.output_chunks: list[Any] = []
+        self._runner: Optional[StageRunner] = None
+        self._has_backward = False
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
+
+    def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
+        """This stage's runner for a schedule (the schedule's executor drives it)."""
+        kwargs = dict(call=_checked_call(self), grad_sync=self.grad_sync, n_microbatches=n_microbatches)
+        if self.dw_builder is not None:
+            runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
+                                                  dw_builder=self.dw_builder, **kwargs)
+        else:
+            runner = StageRunner(self.submod, self.stage_index, self.num_stages, loss_fn, **kwargs)
+        self._runner, self._has_backward = runner, loss_fn is not None
+        return runner
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether the schedule driving this stage runs backwards (it has a loss_fn), as in torch."""
+        return self._has_backward
+
+    @has_backward.setter
+    def has_backward(self, value: bool) -> None:
+        self._has_backward = bool(value)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide this stage's parameter gradients by ``grad_scale_factor`` (torch's stage method)."""
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
+
+    def clear_runtime_states(self) -> None:
+        """Drop what the last step left on this stage (activations, losses, outputs), as torch's method does."""
+        if self._runner is not None:
+            self._runner.reset()
+        self.output_chunks.clear()
+
+
+def _checked_call(stage: PipelineStage) -> Optional[Callable[..., Any]]:
+    """Check each microbatch against torch's ``input_args``/``output_args`` when given (shapes, dtypes)."""
+    if stage.input_args is None and stage.output_args is None:
+        return None
+
+    def call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if stage.input_args is not None:
+            _match_meta(stage, "inputs", mb, tuple(args), stage.input_args)
+        out = module(*args, **kwargs)
+        if stage.output_args is not None:
+            _match_meta(stage, "outputs", mb, out, stage.output_args)
+        return out
+
+    return call
+
+
+def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected: Any) -> None:
+    from torch.utils import _pytree as pytree
+
+    expected = expected if isinstance(expected, tuple) or what == "outputs" else (expected,)
+    got, want = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    problem = None
+    if len(got) != len(want):
+        problem = f"{len(got)} values where {what[:-1]}_args has {len(want)}"
+    else:
+        for i, (g, w) in enumerate(zip(got, want)):
+            if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != w.shape
+                                                or g.dtype != w.dtype):
+                desc = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+                problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
+                break
+    if problem:
+        raise ValueError(f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args describe "
+                         "one microbatch; leave them out to let shapes be discovered)")
 
 
 def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
@@ -160,17 +226,6 @@ class PipelineSchedule:
                     f"num_stages={num_stages} is not a multiple of the {self.num_ranks} ranks in the group"
                 )
             schedule = S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v)
-        if schedule.num_ranks != self.num_ranks or schedule.num_stages != num_stages:
-            raise ValueError(
-                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.num_stages} stages, "
-                f"but the group has {self.num_ranks} ranks and the stages say num_stages={num_stages}"
-            )
-        if schedule.n_microbatches != n_microbatches:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, n_microbatches={n_microbatches}"
-            )
-        self.schedule = S.lower(schedule)
-        S.validate(self.schedule)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)
@@ -180,28 +235,47 @@ class PipelineSchedule:
         self.stages = {s.stage_index: s for s in stages}
         if len(self.stages) != len(stages):
             raise ValueError("the same stage_index was given twice")
-        self._runners = {i: StageRunner(s.submod, i, num_stages, loss_fn, grad_sync=s.grad_sync,
-                                        n_microbatches=n_microbatches) for i, s in self.stages.items()}
+        self._runners = {i: s._make_runner(loss_fn, n_microbatches) for i, s in self.stages.items()}
         device = first.device
         self._channel = DistChannel(self.group, device, num_stages=num_stages)
-        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=timeout)
-        self._eval_executor: Optional[Executor] = None
-        self._first_rank = self.schedule.stage_to_rank[0]
         self._last_stage = num_stages - 1
-        self._last_rank = self.schedule.stage_to_rank[-1]
         self.num_stages = num_stages
         self._device = device
         self._agreement = StepAgreement(self.group, self.rank, self.num_ranks, device, timeout)
         self._step_no = 0
-        self._schedule_key = stable_hash(repr((
-            self.schedule.name, tuple(self.schedule.stage_to_rank), n_microbatches,
-            [[str(a) for a in acts] for acts in self.schedule.actions],
-        )))
+        self._set_schedule(schedule)
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_post_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    def _set_schedule(self, schedule: S.Schedule) -> None:
+        """Lower, validate and run ``schedule`` from the next step on (a new one forgets every plan)."""
+        if schedule.num_ranks != self.num_ranks or schedule.num_stages != self.num_stages:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.num_stages} stages, "
+                f"but the group has {self.num_ranks} ranks and the stages say num_stages={self.num_stages}"
+            )
+        if schedule.n_microbatches != self.n_microbatches:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, "
+                             f"n_microbatches={self.n_microbatches}")
+        mine = {s for s, r in enumerate(schedule.stage_to_rank) if r == self.rank}
+        if mine != set(self.stages):
+            raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
+                             f"but this rank was given stages {sorted(self.stages)}")
+        self.schedule = S.lower(schedule)
+        S.validate(self.schedule)
+        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout)
+        self._eval_executor: Optional[Executor] = None
+        self._first_rank = self.schedule.stage_to_rank[0]
+        self._last_rank = self.schedule.stage_to_rank[-1]
+        self._schedule_key = stable_hash(repr((
+            self.schedule.name, tuple(self.schedule.stage_to_rank), self.n_microbatches,
+            [[str(a) for a in acts] for acts in self.schedule.actions],
+        )))
+        if getattr(self, "_tracer", None) is not None:
+            self.enable_tracing(True)
 
     # -- step hooks (pipeline_ext.training: tied parameters) -------------------------------------
     def register_step_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
@@ -269,18 +343,22 @@ class PipelineSchedule:
         return args_chunks, kwargs_chunks, sizes
 
     def _check_target(self, plan: int, target: Any) -> list:
-        """The target split per microbatch (last stage of a training step); [] when there is none."""
-        if not self.has_last_stage or plan == _FORWARD:
-            if target is not None:
-                where = "the schedule has no loss_fn" if self.has_last_stage else (
-                    f"rank {self.rank} does not hold the last stage; pass target= only there")
-                raise ValueError(f"target= was given but {where}")
+        """The target split per microbatch on the last stage's rank; [] when no loss is computed.
+
+        As in torch: a target given on a rank without the last stage is not
+        used; ``eval(target=)`` computes the losses without a backward.
+        """
+        if not self.has_last_stage:
             return []
         if target is None:
-            raise ValueError(
-                f"rank {self.rank} holds the last stage: a training step needs target= "
-                "(for a forward-only step use eval(), or loss_fn=None on every rank)"
-            )
+            if plan == _TRAIN:
+                raise ValueError(
+                    f"rank {self.rank} holds the last stage: a training step needs target= "
+                    "(for a forward-only step use eval(), or loss_fn=None on every rank)"
+                )
+            return []
+        if self.loss_fn is None:
+            raise ValueError("target= was given but the schedule has no loss_fn to compute a loss with")
         return split_target(to_device(target, self._device), self.n_microbatches)
 
     def _post_agreement(self, plan: int, executor: Executor, args: tuple, kwargs: dict,
@@ -341,25 +419,34 @@ class PipelineSchedule:
         """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""
         return loss_weights(self.loss_fn, sizes, targets, self.scale_grads)
 
-    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
 
         Gradients accumulate into ``.grad``. On the last stage, ``losses`` is
         filled with this step's per-microbatch losses (cleared first, as in
-        torch) and the merged output is returned. Inputs given on a rank that
-        does not hold stage 0 are not used (as in torch).
-        With ``loss_fn=None`` (on every rank) the step is forward only, as in
-        torch: no backward, ``.grad`` untouched.
+        torch) and the merged output is returned (None with
+        ``return_outputs=False``). ``loss_kwargs`` go to every
+        ``loss_fn(output, target, **loss_kwargs)`` call. Inputs given on a rank
+        that does not hold stage 0, and a target on a rank without the last
+        stage, are not used (as in torch). With ``loss_fn=None`` (on every
+        rank) the step is forward only, as in torch: no backward, ``.grad``
+        untouched.
         """
         if self.loss_fn is None:
             with torch.no_grad():
-                return self._run(_FORWARD, args, kwargs, target, None)
-        return self._run(_TRAIN, args, kwargs, target, losses)
+                return self._run(_FORWARD, args, kwargs, target, None, return_outputs, loss_kwargs)
+        return self._run(_TRAIN, args, kwargs, target, losses, return_outputs, loss_kwargs)
 
-    def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage."""
+    def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+        """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage.
+
+        With ``target=`` (and a ``loss_fn``) the losses are computed and put
+        in ``losses`` as ``step()`` does, without any backward (as in torch).
+        """
         with torch.no_grad():
-            return self._run(_FORWARD, args, kwargs, None, None)
+            return self._run(_FORWARD, args, kwargs, target, losses, return_outputs, loss_kwargs)
 
     def _forward_executor(self) -> Executor:
         if self._eval_executor is None:
@@ -367,11 +454,15 @@ class PipelineSchedule:
                                            timeout=self.timeout)
         return self._eval_executor
 
-    def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list]) -> Any:
+    def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         executor = self._executor if plan == _TRAIN else self._forward_executor()
         inputs, pending = self._post_agreement(plan, executor, args, kwargs, target)
         for r in self._runners.values():
             r.reset()
+            r.loss_fn = self._loss_with(loss_kwargs)
         if plan == _TRAIN:
             for hook in list(self._step_pre_hooks.values()):
                 hook()
@@ -393,44 +484,33 @@ class PipelineSchedule:
         if losses is not None and last.losses:
             losses.clear()  # as in torch: the list holds this step's per-microbatch losses
             losses.extend(last.losses[m] for m in range(self.n_microbatches))
-        out = merge_chunks([last.outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec)
+        chunks = [last.outputs[m] for m in range(self.n_microbatches)]
         last.outputs.clear()
-        return out
+        self.stages[self._last_stage].output_chunks = chunks
+        return merge_chunks(chunks, self.output_merge_spec) if return_outputs else None
 
+    def _loss_with(self, loss_kwargs: Optional[dict]) -> Optional[Callable[..., torch.Tensor]]:
+        """The loss the runners call this step: ``loss_fn(output, target, **loss_kwargs)``."""
+        if not loss_kwargs or self.loss_fn is None:
+            return self.loss_fn
+        fn = self.loss_fn
+        return lambda output, target: fn(output, target, **loss_kwargs)
 
-def _named(cls_name: str, name: str, doc: str) -> type:
-    """A drop-in class for one built-in schedule: (stage or stages, n_microbatches, loss_fn, ...)."""
+    # -- torch's schedule surface: the order as data, CSV ------------------------------------------
+    @property
+    def pipeline_order(self) -> dict[int, list[S.Action]]:
+        """Every rank's compute actions in order (torch's ``pipeline_order``; ``str(action)`` is torch's spelling)."""
+        return {r: [a for a in acts if a.is_compute] for r, acts in enumerate(self.schedule.actions)}
 
-    def __init__(self, stages, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, timeout: float = 300.0, trace: bool = False) -> None:
-        PipelineSchedule.__init__(self, stages, name, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                                  output_merge_spec, scale_grads, timeout, trace)
+    def _dump_csv(self, filename: str) -> None:
+        """Write ``pipeline_order`` as torch's CSV: one row per rank, one action per cell."""
+        S.dump_csv(self.schedule, filename)
 
-    return type(cls_name, (PipelineSchedule,), {"__init__": __init__, "__doc__": doc, "schedule_name": name})
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Run the schedule in torch's CSV file from now on (every rank must load the same file).
 
-
-ScheduleGPipe = _named("ScheduleGPipe", "gpipe", "GPipe: all forwards, then all backwards.")
-Schedule1F1B = _named("Schedule1F1B", "1f1b", "1F1B: one forward, one backward in steady state; at most p microbatches live.")
-ScheduleInterleaved1F1B = _named("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved1F1B: several looped stages per rank (Megatron order).")
-ScheduleLoopedBFS = _named("ScheduleLoopedBFS", "looped_bfs", "LoopedBFS: several looped stages per rank, breadth first.")
-ScheduleZBH1 = _named("ScheduleZBH1", "zb_h1", "ZBH1: zero-bubble H1, backward split into I and W, 1F1B memory.")
-ScheduleZBH2 = _named("ScheduleZBH2", "zb_h2", "ZBH2: zero-bubble H2, more warm-up forwards to fill the bubble.")
-ScheduleZBV = _named("ScheduleZBV", "zbv", "ZBV: zero-bubble V, two stages per rank in a V.")
-ScheduleZBVZeroBubble = ScheduleZBV  # torch's name for the same schedule
-ScheduleDualPipeV = _named("ScheduleDualPipeV", "dualpipev", "DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank.")
-
-_CLASSES = {
-    c.schedule_name: c
-    for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleZBH1, ScheduleZBH2,
-              ScheduleZBV, ScheduleDualPipeV)
-}
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "loopedbfs": "looped_bfs",
-            "zbh1": "zb_h1", "zbh2": "zb_h2", "zbv": "zbv", "zbvzerobubble": "zbv", "dualpipev": "dualpipev"}
-
-
-def get_schedule_class(name: str) -> type:
-    """The schedule class for a name, spelled like torch's ("1F1B", "Interleaved1F1B") or ours ("zb_h1")."""
-    key = name.lower().replace("_", "").replace("-", "").removeprefix("schedule")
-    if key not in _ALIASES:
-        raise ValueError(f"unknown schedule {name!r}; known: {sorted(_CLASSES)}")
-    return _CLASSES[_ALIASES[key]]
+        ``format``: "compute_only" (F, B, I, W; the sends and receives are
+        added here) or "compute_comms" (every action given).
+        """
+        loaded = S.load_csv(filename, format=format, n_microbatches=self.n_microbatches)
+        self._set_schedule(loaded)

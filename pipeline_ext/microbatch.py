@@ -11,12 +11,18 @@ microbatches gives 3, 3, 2, 2), and ``microbatch_weights`` tells the loss code
 each microbatch's share of the rows so that gradients still equal those of the
 whole batch. Asking for more microbatches than rows is an error.
 
+Specs may be ours or torch's (``torch.distributed.pipelining.microbatch``'s
+``TensorChunkSpec``, ``_Replicate``, and for merging ``_CustomReducer``), and
+torch's helper ``split_args_kwargs_into_chunks`` has its signature here, so
+torch code keeps working with one import changed.
+
 The byte moving is done by the C++ kernels in ``pipeline_ext.ops``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,7 +33,9 @@ __all__ = [
     "TensorChunkSpec",
     "Replicate",
     "REPLICATE",
+    "Reduce",
     "split_args_kwargs",
+    "split_args_kwargs_into_chunks",
     "merge_chunks",
     "microbatch_sizes",
     "microbatch_weights",
@@ -42,6 +50,20 @@ class TensorChunkSpec:
 
     dim: int = 0
 
+    @property
+    def split_dim(self) -> int:  # torch's name
+        return self.dim
+
+    @staticmethod
+    def from_tuple(chunk_dims: tuple[int, ...]) -> tuple["TensorChunkSpec", ...]:
+        """One spec per positional argument, as torch's ``TensorChunkSpec.from_tuple``."""
+        return tuple(TensorChunkSpec(d) for d in chunk_dims)
+
+    @staticmethod
+    def from_dict(chunk_dims: dict[str, int]) -> dict[str, "TensorChunkSpec"]:
+        """One spec per keyword argument, as torch's ``TensorChunkSpec.from_dict``."""
+        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -50,27 +72,51 @@ class Replicate:
 
 REPLICATE = Replicate()
 
-_Spec = Any  # TensorChunkSpec | Replicate | int | None, or a pytree of those
+
+@dataclass(frozen=True)
+class Reduce:
+    """Merge microbatch outputs with ``reduce_fn`` from ``init_value`` (torch's ``_CustomReducer``)."""
+
+    init_value: Any
+    reduce_fn: Callable[[Any, Any], Any]
 
 
-def _leaf_spec(spec: Any) -> TensorChunkSpec | Replicate:
+_Spec = Any  # TensorChunkSpec | Replicate | Reduce | int | None (or torch's classes), or a pytree of those
+_LEAF_HELP = "TensorChunkSpec, Replicate, an int dim or None (or torch's TensorChunkSpec, _Replicate, _CustomReducer)"
+
+
+def _torch_leaf(spec: Any) -> Any:
+    """torch.distributed.pipelining's spec objects as ours (duck-typed: nothing of torch's is imported)."""
+    if spec is None or isinstance(spec, (bool, int, TensorChunkSpec, Replicate, Reduce)):
+        return spec
+    if isinstance(spec, type) and spec.__name__ == "_Replicate" or type(spec).__name__ == "_Replicate":
+        return REPLICATE
+    if isinstance(getattr(spec, "split_dim", None), int):
+        return TensorChunkSpec(spec.split_dim)
+    if hasattr(spec, "init_value") and callable(getattr(spec, "reduce_fn", None)):
+        return Reduce(spec.init_value, spec.reduce_fn)
+    return spec
+
+
+def _leaf_spec(spec: Any) -> TensorChunkSpec | Replicate | Reduce:
     """Normalise one spec leaf: an int means a dim, None means the default (dim 0)."""
+    spec = _torch_leaf(spec)
     if spec is None:
         return TensorChunkSpec(0)
     if isinstance(spec, bool):
-        raise TypeError(f"chunk spec leaf must be TensorChunkSpec, Replicate, an int dim or None, got {spec!r}")
+        raise TypeError(f"chunk spec leaf must be {_LEAF_HELP}, got {spec!r}")
     if isinstance(spec, int):
         return TensorChunkSpec(spec)
-    if isinstance(spec, (TensorChunkSpec, Replicate)):
+    if isinstance(spec, (TensorChunkSpec, Replicate, Reduce)):
         return spec
-    raise TypeError(f"chunk spec leaf must be TensorChunkSpec, Replicate, an int dim or None, got {spec!r}")
+    raise TypeError(f"chunk spec leaf must be {_LEAF_HELP}, got {spec!r}")
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, (int, TensorChunkSpec, Replicate))
+    return x is None or isinstance(x, (int, TensorChunkSpec, Replicate, Reduce)) or _torch_leaf(x) is not x
 
 
-def _flat_specs(values: Any, spec: _Spec, what: str) -> list[TensorChunkSpec | Replicate]:
+def _flat_specs(values: Any, spec: _Spec, what: str) -> list[TensorChunkSpec | Replicate | Reduce]:
     """One spec per leaf of ``values``; a single spec leaf applies to the whole subtree."""
     n_leaves = len(pytree.tree_leaves(values))
     if _is_spec_leaf(spec):
@@ -93,7 +139,9 @@ def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: str) -> int:
     return t.shape[dim]
 
 
-def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate, n: int, where: str) -> list[Any]:
+def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: str) -> list[Any]:
+    if isinstance(spec, Reduce):
+        raise TypeError(f"{where}: a reducer is a merge spec (output_merge_spec), not a way to split inputs")
     if not isinstance(x, torch.Tensor) or isinstance(spec, Replicate):
         return [x] * n
     rows = _rows(x, spec, where)
@@ -134,6 +182,17 @@ def split_args_kwargs(
     return per_part[0], per_part[1]
 
 
+def split_args_kwargs_into_chunks(
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    chunks: int,
+    args_chunk_spec: _Spec = None,
+    kwargs_chunk_spec: _Spec = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """torch's signature for :func:`split_args_kwargs` (uneven batches allowed here)."""
+    return split_args_kwargs(args, kwargs, chunks, (args_chunk_spec, kwargs_chunk_spec))
+
+
 def microbatch_sizes(
     args: Sequence[Any],
     kwargs: dict[str, Any] | None,
@@ -171,7 +230,9 @@ def microbatch_weights(sizes: Sequence[int]) -> list[float]:
     return [s / total for s in sizes]
 
 
-def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate) -> Any:
+def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate | Reduce) -> Any:
+    if isinstance(spec, Reduce):
+        return functools.reduce(spec.reduce_fn, values, spec.init_value)
     first = values[0]
     if isinstance(first, torch.Tensor):
         if isinstance(spec, Replicate):

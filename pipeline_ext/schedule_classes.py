@@ -1,0 +1,214 @@
+"""torch.distributed.pipelining's schedule classes, by name, over the one ``PipelineSchedule``.
+
+A torch script changes one import and keeps its class names, its keyword
+arguments and ``get_schedule_class`` lookups: ``PipelineScheduleSingle`` (one
+stage per rank) and ``PipelineScheduleMulti`` (several) take torch's
+parameters, and every ``Schedule*`` class only names which built-in schedule
+(data, ``pipeline_ext.schedules``) it runs. The engine behind all of them is
+``pipeline_ext.distributed.PipelineSchedule``; nothing here runs anything.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
+
+import torch
+
+from pipeline_ext.distributed import PipelineSchedule, PipelineStage
+
+__all__ = [
+    "PipelineScheduleSingle",
+    "PipelineScheduleMulti",
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBH1",
+    "ScheduleZBH2",
+    "ScheduleZBV",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+    "get_schedule_class",
+]
+
+LossFn = Optional[Callable[..., torch.Tensor]]
+
+
+class PipelineScheduleSingle(PipelineSchedule):
+    """A built-in schedule with one stage per rank (torch's base class of GPipe and 1F1B).
+
+    ``scale_grads=True`` (torch's default) weights each microbatch's loss by its
+    share of the batch, so a mean-reduced ``loss_fn`` gives the gradients of the
+    whole batch's mean; ``False`` sums the microbatch losses, as torch does.
+    """
+
+    #: the built-in schedule this class runs (``pipeline_ext.schedules.available()``)
+    schedule_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: LossFn = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        *,
+        timeout: float = 300.0,
+        trace: bool = False,
+    ) -> None:
+        stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+        if len(stages) != 1:
+            raise ValueError(f"{type(self).__name__} runs one stage per rank, got {len(stages)} stages; "
+                             "use a multi-stage schedule such as ScheduleInterleaved1F1B")
+        if not self.schedule_name:
+            raise TypeError(f"{type(self).__name__} is a base class; use one of its schedules (e.g. Schedule1F1B)")
+        super().__init__(stages, self.schedule_name, n_microbatches, loss_fn=loss_fn,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace)
+        self._stage = stages[0]
+
+
+class PipelineScheduleMulti(PipelineSchedule):
+    """A built-in schedule with one or several stages per rank (torch's base class of the looped and V ones).
+
+    ``use_full_backward`` is accepted and ignored, as torch now does (the
+    backward is split into I and W where the schedule asks for it).
+    ``backward_requires_autograd``: a training step under ``torch.no_grad()``
+    is refused (torch's check), since it would compute no gradient.
+    """
+
+    schedule_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        n_microbatches: int,
+        loss_fn: LossFn = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        use_full_backward: Optional[bool] = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        *,
+        timeout: float = 300.0,
+        trace: bool = False,
+    ) -> None:
+        if not self.schedule_name:
+            raise TypeError(f"{type(self).__name__} is a base class; use one of its schedules "
+                            "(e.g. ScheduleInterleaved1F1B), or PipelineSchedule for a hand-written one")
+        super().__init__(stages, self.schedule_name, n_microbatches, loss_fn=loss_fn,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace)
+        self._stages = list(self.stages.values())
+        self._backward_requires_autograd = backward_requires_autograd
+
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+        if self.loss_fn is not None and self._backward_requires_autograd and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "step() needs autograd (a training step under torch.no_grad() computes no gradient); use eval() "
+                "for a forward-only step, or backward_requires_autograd=False"
+            )
+        return super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                            loss_kwargs=loss_kwargs, **kwargs)
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """GPipe: all forwards, then all backwards."""
+
+    schedule_name = "gpipe"
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """1F1B: one forward, one backward in steady state; at most p microbatches live."""
+
+    schedule_name = "1f1b"
+
+
+class _ScheduleForwardOnly(PipelineScheduleSingle):
+    """Forward only: ``step()`` runs every microbatch forward, no loss and no backward (torch's name)."""
+
+    schedule_name = "gpipe"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn = None, *args: Any,
+                 **kwargs: Any) -> None:
+        if loss_fn is not None:
+            raise ValueError("_ScheduleForwardOnly computes no loss: pass loss_fn=None")
+        super().__init__(stage, n_microbatches, None, *args, **kwargs)
+
+
+class ScheduleZBH1(PipelineScheduleSingle):
+    """ZB-H1: zero-bubble H1, backward split into I and W, 1F1B's memory."""
+
+    schedule_name = "zb_h1"
+
+
+class ScheduleZBH2(PipelineScheduleSingle):
+    """ZB-H2: zero-bubble H2, more warm-up forwards to fill the bubble."""
+
+    schedule_name = "zb_h2"
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Interleaved 1F1B: several looped stages per rank (Megatron order); one per rank also runs."""
+
+    schedule_name = "interleaved_1f1b"
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved zero bubble (ZB1P): interleaved 1F1B's order, backward split, W filling the bubble."""
+
+    schedule_name = "interleaved_zb"
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Looped BFS: several looped stages per rank, breadth first; one per rank also runs."""
+
+    schedule_name = "looped_bfs"
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """ZB-V: zero-bubble V, two stages per rank in a V."""
+
+    schedule_name = "zbv"
+
+
+ScheduleZBV = ScheduleZBVZeroBubble  # our earlier name for the same class
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank."""
+
+    schedule_name = "dualpipev"
+
+
+# torch's names (case-insensitive, as in torch), plus ours and torchtitan's spellings.
+_BY_NAME: dict[str, type] = {
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "gpipe": ScheduleGPipe,
+    "loopedbfs": ScheduleLoopedBFS,
+    "interleavedzerobubble": ScheduleInterleavedZeroBubble,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
+    "pipelineschedulesingle": PipelineScheduleSingle,
+    "pipelineschedulemulti": PipelineScheduleMulti,
+    "zbvzerobubble": ScheduleZBVZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+    "zbh1": ScheduleZBH1,
+    "zbh2": ScheduleZBH2,
+}
+
+
+def get_schedule_class(name: str) -> type:
+    """The schedule class for a name, case-insensitive: torch's ("1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+    "PipelineScheduleSingle") or ours ("zb_h1", "interleaved_zb")."""
+    key = name.lower().replace("_", "").replace("-", "")
+    if key.startswith("schedule") and key != "schedule":
+        key = key[len("schedule"):]
+    if key not in _BY_NAME:
+        raise ValueError(f"unknown schedule {name!r}; known: {sorted({c.__name__ for c in _BY_NAME.values()})}")
+    return _BY_NAME[key]

@@ -1,0 +1,74 @@
+"""Schedules in torch.distributed.pipelining's CSV format (its ``_dump_csv`` / ``_load_csv``).
+
+One row per rank, one action per cell, spelled as torch spells them (``0F1``,
+``1I0``, ``2W3``, ``0SEND_F1``: the same spelling as our text format). An
+empty cell is torch's idle slot. torch's FSDP bookkeeping actions (UNSHARD,
+RESHARD, REDUCE_GRAD) are dropped on reading: our runtime reshards and
+reduces data-parallel gradients itself (runtime/data_parallel.py). An
+overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order.
+"""
+from __future__ import annotations
+
+import csv
+import re
+from typing import Optional
+
+from pipeline_ext.schedules.ir import Action, Schedule, ScheduleError
+
+__all__ = ["dump_csv", "load_csv", "FORMATS"]
+
+FORMATS = ("compute_only", "compute_comms")
+_FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+
+
+def dump_csv(schedule: Schedule, path: str) -> None:
+    """Write every rank's compute actions as torch's ``compute_only`` CSV."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for acts in schedule.actions:
+            writer.writerow([str(a) for a in acts if a.is_compute])
+
+
+def _cell(text: str, rank: int, col: int) -> list[Action]:
+    text = text.strip()
+    if not text or text == "None" or _FSDP_ONLY.fullmatch(text):
+        return []
+    if text.startswith("("):
+        inner, _, kind = text[1:].partition(")")
+        if kind != "OVERLAP_F_B":
+            raise ScheduleError(f"rank {rank}, column {col}: unknown grouped action {text!r}")
+        return [a for part in inner.split(";") for a in _cell(part, rank, col)]
+    try:
+        return [Action.parse(text)]
+    except ScheduleError as exc:
+        raise ScheduleError(f"rank {rank}, column {col}: {exc}") from None
+
+
+def load_csv(path: str, format: str = "compute_only", n_microbatches: Optional[int] = None,
+             name: str = "csv") -> Schedule:
+    """Read torch's CSV into a ``Schedule`` (stage placement inferred from where each stage appears).
+
+    ``compute_only`` rows must hold compute actions only (the sends and
+    receives are added by lowering); ``compute_comms`` rows hold every action,
+    and are used as given.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    with open(path, newline="") as f:
+        rows = [row for row in csv.reader(f)]
+    actions = [[a for col, text in enumerate(row) for a in _cell(text, rank, col)] for rank, row in enumerate(rows)]
+    while actions and not actions[-1]:
+        actions.pop()
+    if not actions:
+        raise ScheduleError(f"{path}: no actions")
+    if format == "compute_only":
+        comm = [(r, str(a)) for r, acts in enumerate(actions) for a in acts if not a.is_compute]
+        if comm:
+            raise ScheduleError(f"{path}: format 'compute_only' but rank {comm[0][0]} has {comm[0][1]}; "
+                                "use format='compute_comms'")
+    text = "\n".join(" ".join(str(a) for a in acts) for acts in actions)
+    schedule = Schedule.from_text(text)
+    found = schedule.n_microbatches
+    if n_microbatches is not None and found != n_microbatches:
+        raise ScheduleError(f"{path} has {found} microbatches, the schedule is for n_microbatches={n_microbatches}")
+    return Schedule(schedule.actions, schedule.stage_to_rank, schedule.n_microbatches, name)
