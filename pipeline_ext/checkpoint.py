@@ -1,33 +1,53 @@
-"""Activation recomputation modes and the RNG scope that makes recomputation exact.
+"""Activation recomputation modes, the RNG replay that makes recomputation exact, and its phase flags.
 
 ``checkpoint="always" | "except_last" | "never"`` (torchgpipe's names): a
 checkpointed microbatch keeps only its stage inputs between forward and
 backward and runs its forward again right before the backward. "except_last"
-skips the last microbatch, whose backward follows its forward at once.
+skips the last microbatch, whose backward follows its forward at once. As in
+torchgpipe, nothing recomputes in eval mode.
 
-Recomputation must redraw the same random numbers (dropout masks), and in a
-single process several worker threads share torch's CPU generator, so the
-order in which they draw depends on timing. ``RngScope`` gives each (stage,
-microbatch) forward its own seed, derived from one seed drawn per step from the
-caller's generator: masks no longer depend on thread timing, recomputation
-reproduces them, and all three checkpoint modes give the same gradients.
+Recomputation must redraw the same random numbers (``nn.Dropout``, but also
+``F.dropout`` or ``torch.rand`` inside any forward: we cannot tell from the
+module types), and in a single process several worker threads share torch's
+CPU generator (and the stages of one GPU share its generator), so the order in
+which they draw depends on timing. ``CallRng`` therefore runs every forward
+with the generators it may draw from (the CPU one, and its GPU's) held
+exclusively and seeded from (call, stage, microbatch), saving and restoring
+their states with torch's own ``get_state``/``set_state`` as
+``torch.utils.checkpoint`` does. One seed is drawn per ``step()`` or ``pipe(x)``
+call from the caller's generator and kept by that call (``CallRng.draw``),
+so two ``pipe(x)`` calls before one ``backward()`` each recompute with their own
+seeds. Masks no longer depend on thread timing, and all three checkpoint modes
+give the same gradients.
+
+``is_checkpointing()`` / ``is_recomputing()`` tell a layer which pass it is in
+(torchgpipe's functions): the first, activation-free forward of a checkpointed
+microbatch, or its recomputation before the backward.
 """
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["CHECKPOINT_MODES", "checkpoint_predicate", "RngScope", "uses_randomness"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "checkpoint_predicate",
+    "CallRng",
+    "uses_randomness",
+    "is_checkpointing",
+    "is_recomputing",
+    "checkpoint_phase",
+]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 # A device's generator is shared by every stage on that device (torch's CPU
 # generator by the whole process; a GPU's by every worker thread placed on it):
-# a seeded forward holds it exclusively.
+# a seeded forward holds it exclusively. Locks are taken CPU first, then the GPU.
 _RNG_LOCKS: dict[torch.device, threading.RLock] = {}
 _RNG_LOCKS_GUARD = threading.Lock()
 
@@ -40,7 +60,7 @@ def _rng_lock(device: torch.device) -> threading.RLock:
 def checkpoint_predicate(mode: str, n_microbatches: int) -> Optional[Callable[[int], bool]]:
     """``pred(mb)`` is True when microbatch ``mb`` recomputes; None when nothing does."""
     if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {mode!r})")
     if mode == "never":
         return None
     if mode == "always":
@@ -49,7 +69,7 @@ def checkpoint_predicate(mode: str, n_microbatches: int) -> Optional[Callable[[i
 
 
 def uses_randomness(module: nn.Module) -> bool:
-    """Whether the module has dropout-like layers (the common source of forward randomness)."""
+    """Whether the module has dropout-like layers (known randomness, worth seeding even without recomputation)."""
     for m in module.modules():
         if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)):
             if m.p > 0:
@@ -59,44 +79,79 @@ def uses_randomness(module: nn.Module) -> bool:
     return False
 
 
-class RngScope:
-    """Seeds the generator of a stage's device per (step, stage, microbatch) around its forward.
+# -- which pass a forward is in ----------------------------------------------------------------
+_phase = threading.local()
 
-    Disabled, it costs nothing and forwards draw from the shared generators as
-    usual. Enabled, a forward holds its device generator's lock while it runs,
-    which serialises the forwards of stages that share a device (all CPU stages
-    share torch's global generator; two stages on one GPU share its generator):
-    the price of reproducible randomness. Stages on different GPUs do not
-    contend. On CUDA, seeding and restoring the generator is host-side state
-    (seed and offset), so it never synchronises the device.
+
+def is_checkpointing() -> bool:
+    """True inside the first forward of a checkpointed microbatch (it keeps no activations)."""
+    return getattr(_phase, "value", None) == "checkpointing"
+
+
+def is_recomputing() -> bool:
+    """True inside the recomputation of a checkpointed microbatch, right before its backward."""
+    return getattr(_phase, "value", None) == "recomputing"
+
+
+@contextmanager
+def checkpoint_phase(value: Optional[str]) -> Iterator[None]:
+    """Set what ``is_checkpointing``/``is_recomputing`` say on this thread (None: neither)."""
+    saved = getattr(_phase, "value", None)
+    _phase.value = value
+    try:
+        yield
+    finally:
+        _phase.value = saved
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+def _generators(device: torch.device) -> list[tuple[torch.device, torch.Generator]]:
+    """The generators a forward on ``device`` may draw from: the CPU's always, its GPU's too."""
+    out = [(torch.device("cpu"), torch.default_generator)]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out.append((torch.device("cuda", index), torch.cuda.default_generators[index]))
+    return out
+
+
+class CallRng:
+    """The seeds of one ``step()`` or ``pipe(x)`` call; kept by that call's forwards and recomputations.
+
+    Seeded, a forward holds the CPU generator's lock (and its GPU's) while it
+    runs, which serialises the forwards of all stages in the process: the price
+    of exact recomputation. Forwards mostly launch kernels on GPUs, so there the
+    cost is small; on CUDA, seeding and restoring a generator is host-side state
+    and never synchronises the device. Not seeded (``base`` None), forwards draw
+    from the shared generators as usual.
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._base = 0
+    def __init__(self, base: Optional[int]) -> None:
+        self.base = base
 
-    def new_step(self) -> None:
-        """Draw this step's base seed from the caller's generator (so torch.manual_seed controls it)."""
-        if self.enabled:
-            self._base = int(torch.randint(0, 2**62, (1,)).item())
+    @classmethod
+    def draw(cls, seeded: bool) -> "CallRng":
+        """This call's base seed, from the caller's generator (so torch.manual_seed controls it)."""
+        return cls(int(torch.randint(0, 2**62, (1,)).item()) if seeded else None)
 
-    def seed(self, stage: int, mb: int) -> int:
-        return (self._base * 1_000_003 + stage * 10_007 + mb) % (2**63 - 1)
+    def seed(self, stage: int, mb: int, offset: int = 0) -> int:
+        assert self.base is not None
+        return (self.base * 1_000_003 + stage * 10_007 + mb * 101 + offset) % (2**63 - 1)
 
     @contextmanager
     def __call__(self, stage: int, mb: int, device: torch.device) -> Iterator[None]:
-        if not self.enabled:
+        """Run a forward of (stage, mb) with its generators held, seeded, and restored afterwards."""
+        if self.base is None:
             yield
             return
-        if device.type == "cuda":
-            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-            gen = torch.cuda.default_generators[device.index]
-        else:
-            device, gen = torch.device("cpu"), torch.default_generator
-        with _rng_lock(device):
-            saved = gen.get_state()
-            gen.manual_seed(self.seed(stage, mb))
+        gens = _generators(device)
+        with ExitStack() as stack:
+            for dev, _ in gens:
+                stack.enter_context(_rng_lock(dev))
+            saved = [g.get_state() for _, g in gens]
+            for i, (_, g) in enumerate(gens):
+                g.manual_seed(self.seed(stage, mb, i))
             try:
                 yield
             finally:
-                gen.set_state(saved)
+                for (_, g), state in zip(gens, saved):
+                    g.set_state(state)

@@ -12,21 +12,33 @@ places them on devices, and runs the same lowered schedules through the same
 - ``out = pipe(x)``: fill-drain forward whose output is autograd-connected, so
   any loss and ``loss.backward()`` flow back through every stage.
 
-Within a stage, a layer that returns a tuple has the next layer called with
-the tuple's items as arguments, the same convention as between stages.
+torchgpipe's conventions hold by default: each layer gets the previous layer's
+output as ONE argument (a tuple stays a tuple, within and between stages), the
+pipe is Sequential-like (``len``, iteration, indexing) and its state-dict keys
+are torchgpipe's (``partitions.1.2.weight``: a layer keeps its index in the
+user's Sequential). ``unpack_tuples=True`` spreads a tuple into positional
+arguments instead, the convention of the multi-process API.
+
+A call is all-or-nothing: any failure (a stage error, Ctrl-C, the step's
+``timeout``) cancels every worker at its next action and the step's partial
+gradients are discarded (``runtime/step_threads.py``).
 """
 from __future__ import annotations
 
-import concurrent.futures as futures
+import threading
+import time
+from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeline_ext import schedules as S
-from pipeline_ext.checkpoint import RngScope, checkpoint_predicate, uses_randomness
+from pipeline_ext.batchnorm import DeferredStats
+from pipeline_ext.checkpoint import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
 from pipeline_ext.microbatch import (
     merge_chunks,
     microbatch_sizes,
@@ -39,9 +51,10 @@ from pipeline_ext.runtime.channels import LocalHub
 from pipeline_ext.runtime.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.step_threads import Activity, CancelToken, GuardedRunner, StepOutcome, run_step_threads
 from pipeline_ext.training.loss import loss_weights
 
-__all__ = ["Pipe", "MULTI_STAGE_SCHEDULES"]
+__all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
 
 Device = Union[str, int, torch.device]
 
@@ -49,14 +62,43 @@ Device = Union[str, int, torch.device]
 MULTI_STAGE_SCHEDULES = frozenset({"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"})
 
 
+class PipeBusyError(RuntimeError):
+    """The Pipe is already running a call (on another thread), or a cancelled call's worker is still running."""
+
+
 class Partition(nn.Sequential):
-    """A stage: consecutive layers; a tuple returned by one layer is unpacked into the next."""
+    """A stage: consecutive layers, under their names in the user's Sequential.
+
+    The first layer gets the stage's inputs; every later one gets the previous
+    layer's output as one argument (torchgpipe), or, with ``unpack_tuples``, a
+    tuple spread into positional arguments.
+    """
+
+    def __init__(self, layers: "OrderedDict[str, nn.Module]", unpack_tuples: bool = False) -> None:
+        super().__init__(layers)
+        self.unpack_tuples = unpack_tuples
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        out: Any = args
-        for i, layer in enumerate(self):
-            out = layer(*out, **(kwargs if i == 0 else {})) if isinstance(out, tuple) else layer(out)
+        layers = iter(self._modules.values())
+        first = next(layers, None)
+        if first is None:
+            return args[0] if len(args) == 1 else args
+        out = first(*args, **kwargs)
+        for layer in layers:
+            out = layer(*out) if self.unpack_tuples and isinstance(out, tuple) else layer(out)
         return out
+
+
+class _Alias(torch.autograd.Function):
+    """Identity that is not a view: an in-place first layer may modify a stage's input (a leaf)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 @dataclass
@@ -80,14 +122,62 @@ class _Context:
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
 
 
+class _Call:
+    """What one ``step()`` or ``pipe(x)`` call shares between its stages.
+
+    Its own RNG seeds (recomputation after the call returned uses them), which
+    microbatches recompute, which (stage, microbatch) forwards already ran (so
+    the second one is the recomputation), and how each stage's output was
+    shaped (a tensor, a tuple or a list), so that the next stage gets it back
+    as one argument although the channels move flat tuples of tensors.
+    """
+
+    def __init__(self, rng: CallRng, ckpt: Optional[Callable[[int], bool]]) -> None:
+        self.rng = rng
+        self.ckpt = ckpt
+        self.ran: set[tuple[int, int]] = set()
+        self.shapes: dict[tuple[int, int], Optional[type]] = {}
+        self.lock = threading.Lock()
+
+    def phase(self, stage: int, mb: int) -> Optional[str]:
+        if self.ckpt is None or not self.ckpt(mb):
+            return None
+        with self.lock:
+            first = (stage, mb) not in self.ran
+            self.ran.add((stage, mb))
+        return "checkpointing" if first else "recomputing"
+
+
 def _devices(devices: Optional[Sequence[Device]]) -> list[torch.device]:
     if devices is None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", i) for i in range(n)] or [torch.device("cpu")]
+        return [torch.device("cuda", d) for d in range(n)] or [torch.device("cpu")]
     out = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
     if not out:
         raise ValueError("devices must name at least one device")
     return out
+
+
+def _chunks(chunks: Any) -> int:
+    """torchgpipe accepts any integral number (``chunks=42.0``)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, float)) or int(chunks) != chunks or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    return int(chunks)
+
+
+def _check_shared_layers(layers: list[tuple[str, nn.Module]], balance: list[int], devices: list[torch.device]) -> None:
+    """A module or parameter used by stages on different devices cannot work; same device is fine."""
+    owner: dict[int, tuple[int, str]] = {}
+    stage_of = [s for s, b in enumerate(balance) for _ in range(b)]
+    for (name, layer), s in zip(layers, stage_of):
+        for obj, what in [(layer, f"layer {name!r}")] + [(p, f"a parameter of layer {name!r}") for p in layer.parameters()]:
+            first = owner.setdefault(id(obj), (s, name))
+            if devices[first[0]] != devices[s]:
+                raise ValueError(
+                    f"{what} is also used by layer {first[1]!r}, which is on stage {first[0]} ({devices[first[0]]}), "
+                    f"but this stage {s} is on {devices[s]}: a module or parameter shared by stages on different "
+                    "devices cannot live on both; put those stages on one device (or untie the weights)"
+                )
 
 
 class Pipe(nn.Module):
@@ -96,19 +186,31 @@ class Pipe(nn.Module):
     Args:
         module: the model, an ``nn.Sequential`` (its layers are moved to their
             stages' devices and shared, not copied: an optimizer over
-            ``module.parameters()`` or ``pipe.parameters()`` trains the same weights).
+            ``module.parameters()`` or ``pipe.parameters()`` trains the same
+            weights). A layer may appear several times (``Sequential(b, b)``)
+            when its uses are on one device.
         balance: layers per stage; ``None`` balances by parameter count. The
-            number of stages is ``len(balance)``; several stages per device are
-            allowed (interleaved and V schedules place 2 per device by default).
+            number of stages is ``len(balance)``. With a one-stage-per-device
+            schedule, extra devices are ignored (torchgpipe) and fewer devices
+            than stages is an ``IndexError``; multi-stage schedules (interleaved,
+            V) take ``len(balance)`` a multiple of the devices.
         devices: one per rank; ``None`` means every visible GPU, else the CPU.
-        chunks: microbatches per step.
+        chunks: microbatches per step (a smaller batch gets one row per microbatch).
         schedule: a built-in name (``pipeline_ext.schedules.available()``) or a
             ``Schedule`` (then ``chunks`` must equal its ``n_microbatches``).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
-        deterministic: seed randomness per (stage, microbatch) so dropout does
-            not depend on thread timing (required for exact recomputation);
-            ``None`` turns it on when the model has dropout.
-        timeout: seconds any worker may wait for another before failing.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (training mode only).
+        deterministic: seed randomness per (call, stage, microbatch) so random
+            numbers do not depend on thread timing. ``None``: on whenever a
+            microbatch recomputes (required for exact recomputation, whatever
+            draws the numbers) or the model has dropout. ``False`` is refused
+            with checkpointing.
+        timeout: seconds a whole ``step()`` or ``pipe(x)`` may take; then it is
+            cancelled and raises ``PipelineTimeoutError``.
+        deferred_batch_norm: update BatchNorm running statistics once per
+            call from the whole batch, not once per microbatch.
+        unpack_tuples: spread a tuple returned by a layer into the next layer's
+            positional arguments (the multi-process API's convention) instead
+            of passing it as one argument (torchgpipe's).
     """
 
     def __init__(
@@ -121,43 +223,103 @@ class Pipe(nn.Module):
         checkpoint: str = "except_last",
         deterministic: Optional[bool] = None,
         timeout: float = 300.0,
+        deferred_batch_norm: bool = False,
+        unpack_tuples: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        self.devices = _devices(devices)
-        self.chunks = chunks
+        self.chunks = _chunks(chunks)
+        checkpoint = str(checkpoint)
+        checkpoint_predicate(checkpoint, self.chunks)  # validates the mode
+        if deterministic is False and checkpoint != "never":
+            raise ValueError(
+                "deterministic=False with checkpointing: recomputation must redraw the forward's random numbers, "
+                "which needs seeded generators; use checkpoint='never' to turn seeding off"
+            )
+        self.checkpoint = checkpoint
         self.timeout = timeout
-        self._ckpt_mode = checkpoint
-        self._ckpt = checkpoint_predicate(checkpoint, chunks)
-        p = len(self.devices)
-        schedule_obj = self._schedule(schedule, p, chunks, balance)
+        self.unpack_tuples = unpack_tuples
+        self._deterministic = deterministic
+        layers = list(module._modules.items())  # every entry, a repeated module too (children() lists it once)
+        devices_ = _devices(devices)
+        if not layers:
+            if balance is not None and list(balance) not in ([], [0]):
+                raise ValueError(f"balance {list(balance)} for an empty Sequential must be []")
+            self._init_empty()
+            return
+        balance, devices_ = self._fit(module, layers, balance, devices_, schedule)
+        self.devices = devices_
+        schedule_obj = self._schedule(schedule, len(devices_), self.chunks, balance)
         n = schedule_obj.num_stages
-        layers = list(module.children())
-        balance = list(balance) if balance is not None else balance_by_params(module, n)
         if len(balance) != n or any(b < 1 for b in balance) or sum(balance) != len(layers):
             raise ValueError(
                 f"balance {balance} must have {n} positive entries (stages of schedule {schedule_obj.name!r}) "
                 f"summing to the module's {len(layers)} layers"
             )
         self.balance = balance
+        self.stage_devices = [devices_[r] for r in schedule_obj.stage_to_rank]
+        _check_shared_layers(layers, balance, self.stage_devices)
         bounds = [sum(balance[:i]) for i in range(n + 1)]
-        self.partitions = nn.ModuleList(Partition(*layers[bounds[i] : bounds[i + 1]]) for i in range(n))
-        self.stage_devices = [self.devices[r] for r in schedule_obj.stage_to_rank]
+        self.partitions = nn.ModuleList(
+            Partition(OrderedDict(layers[bounds[i] : bounds[i + 1]]), unpack_tuples) for i in range(n)
+        )
         for part, dev in zip(self.partitions, self.stage_devices):
             nn.Module.to(part, dev)
+        self._schedule_name = schedule if isinstance(schedule, str) else None
+        self._v = n // len(devices_)
         self.schedule = S.lower(schedule_obj)
         S.validate(self.schedule)
-        self._forward_schedule = S.forward_only(self.schedule)
-        self._rng = RngScope(uses_randomness(module) if deterministic is None else deterministic)
-        self._pool: Optional[futures.ThreadPoolExecutor] = None
+        self._schedules: dict[int, tuple[S.Schedule, S.Schedule]] = {
+            self.chunks: (self.schedule, S.forward_only(self.schedule))
+        }
+        self._has_dropout = uses_randomness(module)
+        self._bn = DeferredStats(list(self.partitions)) if deferred_batch_norm else None
+        self._busy = threading.Lock()
+        self._abandoned: list[tuple[threading.Thread, Activity]] = []
+        self._abandoned_backward = False
         #: per stage, the most microbatches whose activations were held at once in the last step()
         self.peak_live_microbatches: list[int] = []
 
+    def _init_empty(self) -> None:
+        """An empty Sequential is the identity (torchgpipe allows it)."""
+        self.balance, self.devices, self.stage_devices = [], [], []
+        self.partitions = nn.ModuleList()
+        self._bn = None
+        self._busy = threading.Lock()
+        self._abandoned = []
+        self._abandoned_backward = False
+        self.peak_live_microbatches = []
+
     @staticmethod
-    def _schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Optional[Sequence[int]]) -> S.Schedule:
+    def _fit(
+        module: nn.Sequential,
+        layers: list,
+        balance: Optional[Sequence[int]],
+        devices: list[torch.device],
+        schedule: Union[str, S.Schedule],
+    ) -> tuple[list[int], list[torch.device]]:
+        """Balance and the devices it uses: torchgpipe's rules for one-stage-per-device schedules."""
+        one_per_device = isinstance(schedule, str) and schedule not in MULTI_STAGE_SCHEDULES
+        if balance is None:
+            n = len(devices) * (1 if one_per_device or not isinstance(schedule, str) else 2)
+            if isinstance(schedule, S.Schedule):
+                n = schedule.num_stages
+            if n > len(layers) and one_per_device:
+                devices, n = devices[: len(layers)], len(layers)
+            return balance_by_params(module, n), devices
+        balance = [int(b) for b in balance]
+        if one_per_device:
+            if len(balance) > len(devices):
+                raise IndexError(
+                    f"balance has {len(balance)} stages but only {len(devices)} devices were given "
+                    f"(schedule {schedule!r} places one stage per device)"
+                )
+            devices = devices[: len(balance)]  # extra devices are ignored, as in torchgpipe
+        return balance, devices
+
+    @staticmethod
+    def _schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Sequence[int]) -> S.Schedule:
         if isinstance(schedule, S.Schedule):
             if schedule.num_ranks != p or schedule.n_microbatches != chunks:
                 raise ValueError(
@@ -165,115 +327,268 @@ class Pipe(nn.Module):
                     f"microbatches, but the pipe has {p} devices and chunks={chunks}"
                 )
             return schedule
-        if balance is not None:
-            if len(balance) % p:
-                raise ValueError(f"balance has {len(balance)} stages, not a multiple of the {p} devices")
-            v = len(balance) // p
-        else:
-            v = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
-        return S.build(schedule, p, chunks, stages_per_rank=v)
+        if len(balance) % p:
+            raise ValueError(f"balance has {len(balance)} stages, not a multiple of the {p} devices")
+        return S.build(schedule, p, chunks, stages_per_rank=len(balance) // p)
+
+    def _schedules_for(self, m: int) -> tuple[S.Schedule, S.Schedule]:
+        """Training and forward-only schedules for ``m`` microbatches (a batch smaller than ``chunks``)."""
+        if m not in self._schedules:
+            if self._schedule_name is None:
+                raise ValueError(
+                    f"the batch has {m} rows, fewer than chunks={self.chunks}, and a hand-written schedule is for "
+                    f"exactly {self.chunks} microbatches"
+                )
+            try:
+                lowered = S.lower(S.build(self._schedule_name, len(self.devices), m, stages_per_rank=self._v))
+            except S.ScheduleError as exc:
+                raise ValueError(f"the batch has {m} rows, fewer than chunks={self.chunks}: {exc}") from exc
+            S.validate(lowered)
+            self._schedules[m] = (lowered, S.forward_only(lowered))
+        return self._schedules[m]
+
+    # -- Sequential-like (torchgpipe) -----------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for part in self.partitions:
+            yield from part._modules.values()
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self)
+        if not isinstance(index, int):
+            raise TypeError(f"Pipe indices must be integers, got {type(index).__name__}")
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"layer index {index} is out of range for a Pipe of {len(layers)} layers")
+        return layers[index]
 
     # -- device placement belongs to the pipe ---------------------------------------------------
+    _MOVE = (
+        "Pipe places each stage on its own device; moving the whole pipe to one device would undo that. "
+        "Choose devices with Pipe(..., devices=[...]); .to(dtype) is allowed."
+    )
+
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
-            raise ValueError(
-                "Pipe places each stage on its own device; moving the whole pipe to one device would undo "
-                "that. Choose devices with Pipe(..., devices=[...]); .to(dtype) is allowed."
-            )
+            raise TypeError(self._MOVE)
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> "Pipe":  # type: ignore[override]
-        raise ValueError("Pipe places each stage on its own device; choose devices with Pipe(..., devices=[...])")
+        raise TypeError(self._MOVE)
 
     def cpu(self) -> "Pipe":  # type: ignore[override]
-        raise ValueError("Pipe places each stage on its own device; choose devices with Pipe(..., devices=[...])")
+        raise TypeError(self._MOVE)
 
     # -- running --------------------------------------------------------------------------------
-    def _call_for(self, stage: int) -> Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]:
+    def _new_call(self, m: int) -> _Call:
+        """A call over ``m`` microbatches: recomputation in training mode only (torchgpipe), seeds when needed."""
+        recomputes = self.training and torch.is_grad_enabled() and self.checkpoint != "never"
+        det = self._deterministic
+        seeded = det is True or (det is None and (recomputes or self._has_dropout))
+        return _Call(CallRng.draw(seeded), checkpoint_predicate(self.checkpoint, m) if recomputes else None)
+
+    def _call_for(self, stage: int, call: _Call, alias_inputs: bool) -> Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]:
+        """How stage ``stage`` runs its module on a microbatch within ``call``."""
         device = self.stage_devices[stage]
+        unpack = self.unpack_tuples
 
-        def call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-            with self._rng(stage, mb, device):
-                return module(*args, **kwargs)
+        def run(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+            if alias_inputs:
+                args = [_Alias.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+            if stage > 0 and not unpack:
+                shape = call.shapes[(stage - 1, mb)]
+                args = [shape(args)] if shape is not None else list(args)
+            phase = call.phase(stage, mb)
+            versions = [a._version for a in args if isinstance(a, torch.Tensor)] if phase == "checkpointing" else None
+            with checkpoint_phase(phase), call.rng(stage, mb, device):
+                out = module(*args, **kwargs)
+            if versions is not None and versions != [a._version for a in args if isinstance(a, torch.Tensor)]:
+                raise RuntimeError(
+                    f"stage {stage} modified its input in place (microbatch {mb}) while being checkpointed: its "
+                    "recomputation would start from the modified input and give wrong gradients. Make the first "
+                    "operation out of place, or use checkpoint='never'"
+                )
+            call.shapes[(stage, mb)] = type(out) if isinstance(out, (tuple, list)) else None
+            return out
 
-        return call
+        return run
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
-        sizes = microbatch_sizes(args, kwargs, self.chunks)
+        rows = microbatch_sizes(args, kwargs, 1)[0]
+        m = min(self.chunks, max(rows, 1))  # torchgpipe: a batch smaller than chunks is allowed
+        sizes = microbatch_sizes(args, kwargs, m)
         args, kwargs = to_device((args, kwargs), self.stage_devices[0])
-        args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.chunks)
+        args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, m)
         return args_chunks, kwargs_chunks, sizes
 
+    def _enter(self) -> None:
+        """One call at a time; never while a cancelled call's worker still runs."""
+        alive = [(t, a) for t, a in self._abandoned if t.is_alive()]
+        if alive:
+            raise PipeBusyError(
+                "a worker of an earlier, cancelled call is still running ("
+                + "; ".join(a.describe(time.monotonic()) for _, a in alive)
+                + "): it stops before its next action; this Pipe can be used once it has returned"
+            )
+        self._abandoned = []
+        if self._abandoned_backward:
+            self._abandoned_backward = False
+            self._discard_grads()
+            raise PipeBusyError(
+                "a worker abandoned inside a backward of an earlier, cancelled call returned afterwards and may have "
+                "written partial gradients: every parameter's .grad was reset to None; call again"
+            )
+        if not self._busy.acquire(blocking=False):
+            raise PipeBusyError(
+                "this Pipe is already running a step() or forward on another thread; one Pipe runs one call at a "
+                "time (use a lock, or one Pipe per thread over separate modules)"
+            )
+
+    def _discard_grads(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def _on_failure(self, outcome: StepOutcome) -> Optional[str]:
+        if self._bn is not None:
+            self._bn.discard()
+        self._abandoned = list(outcome.abandoned)
+        if any(a.ran_backward and a.current is not None and a.current[0] != "F" for _, a in outcome.abandoned):
+            self._abandoned_backward = True
+        if outcome.ran_backward:
+            self._discard_grads()
+            return (
+                "pipeline_ext: the step was cancelled after some backward work ran; its partial gradients were "
+                "discarded: every parameter's .grad is None (what earlier steps had accumulated too)"
+            )
+        return None
+
     def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs) -> None:
-        """Every rank's executor on its worker thread; the first failure closes the hub and is raised."""
-        if self._pool is None:
-            self._pool = futures.ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="pipe-rank")
+        """Every rank's executor on its worker thread; the first failure cancels all of them and is raised."""
         hub = LocalHub(self.devices, send_timeout=self.timeout)
         context = _Context.capture()
-        self._rng.new_step()
-
+        token = CancelToken()
+        activities = [Activity(r) for r in range(len(self.devices))]
         executors = [
-            Executor(schedule, r, {s: runners[s] for s in schedule.stages_of(r)}, hub.channel(r), timeout=self.timeout)
+            Executor(
+                schedule,
+                r,
+                {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
+                hub.channel(r),
+                timeout=self.timeout,
+            )
             for r in range(len(self.devices))
         ]
 
-        def work(rank: int) -> None:
-            with ExitStack() as stack:
-                context.enter(stack)
-                executors[rank].run(inputs)
+        def job(rank: int) -> Callable[[], None]:
+            def work() -> None:
+                with ExitStack() as stack:
+                    context.enter(stack)
+                    executors[rank].run(inputs)
 
-        jobs = {self._pool.submit(work, r): r for r in range(len(self.devices))}
-        done, _ = futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
-        if failed:
-            # Wake every other worker at once with the reason instead of letting them time out.
-            rank = jobs[failed[0]]
-            exc = failed[0].exception()
-            a = executors[rank].failed_action
-            where = f" in {a.kind.value} of stage {a.stage}, microbatch {a.microbatch}" if a is not None else ""
-            hub.close(f"rank {rank} failed{where}: {type(exc).__name__}: {exc}")
-            futures.wait(jobs)
-            raise exc  # type: ignore[misc]
+            return work
+
+        def cancel(reason: str) -> None:
+            hub.close(f"step cancelled: {reason}")
+
+        run_step_threads(
+            [job(r) for r in range(len(self.devices))],
+            activities,
+            token,
+            self.timeout,
+            on_cancel=cancel,
+            on_failure=self._on_failure,
+            grace=min(self.timeout, 5.0),
+        )
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the pipe's schedule; returns the mean loss.
 
         Gradients accumulate into the parameters' ``.grad`` (call
-        ``zero_grad`` between steps as usual).
+        ``zero_grad`` between steps as usual). A failed step leaves no partial
+        gradients: it raises, and when some backward work had run, every
+        parameter's ``.grad`` is None.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step runs a backward; call it with autograd enabled (not under no_grad)")
+        if not self.partitions:
+            loss = loss_fn(args[0] if len(args) == 1 else args, target)
+            if loss.requires_grad:
+                loss.backward()
+            return loss.detach()
+        self._enter()
+        try:
+            return self._step(args, kwargs, target, loss_fn)
+        finally:
+            self._busy.release()
+
+    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
+        m = len(sizes)
         target = to_device(target, self.stage_devices[-1])
-        target_sizes = microbatch_sizes((target,), {}, self.chunks)
+        target_sizes = microbatch_sizes((target,), {}, m)
         if target_sizes != sizes:
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        targets = split_target(target, self.chunks)
+        targets = split_target(target, m)
         weights = loss_weights(loss_fn, sizes, targets)  # row shares, or the loss_fn's own (token counts)
+        schedule, _ = self._schedules_for(m)
+        call = self._new_call(m)
         n = len(self.partitions)
         runners = {
-            s: StageRunner(part, s, n, loss_fn, call=self._call_for(s), checkpoint=self._ckpt)
+            s: StageRunner(part, s, n, loss_fn, call=self._call_for(s, call, s > 0), checkpoint=call.ckpt)
             for s, part in enumerate(self.partitions)
         }
-        self._run(self.schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, weights))
+        if self._bn is not None:
+            self._bn.begin(self.training)
+        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, weights))
+        if self._bn is not None:
+            self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]
         last = runners[n - 1]
-        return sum(w * last.losses[m] for m, w in enumerate(weights))  # type: ignore[return-value]
+        return sum(w * last.losses[k] for k, w in enumerate(weights))  # type: ignore[return-value]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Fill-drain forward; the output is connected to every stage's autograd graph."""
-        args_chunks, kwargs_chunks, _ = self._split(args, kwargs)
+        if not self.partitions:
+            return _identity(args, kwargs)
+        self._enter()
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._busy.release()
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        _check_tensors(args, "input")
+        args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
+        m = len(sizes)
+        _, schedule = self._schedules_for(m)
+        call = self._new_call(m)
         n = len(self.partitions)
         links: dict = {}
-        ckpt = self._ckpt if torch.is_grad_enabled() else None
         runners = {
-            s: ConnectedRunner(part, s, n, links, call=self._call_for(s), checkpoint=ckpt)
+            s: ConnectedRunner(part, s, n, links, call=self._call_for(s, call, False), checkpoint=call.ckpt)
             for s, part in enumerate(self.partitions)
         }
-        self._run(self._forward_schedule, runners, StepInputs(args_chunks, kwargs_chunks))
-        return merge_chunks([runners[n - 1].outputs[m] for m in range(self.chunks)])
+        if self._bn is not None:
+            self._bn.begin(self.training)
+        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks))
+        if self._bn is not None:
+            self._bn.commit()
+        out = merge_chunks([runners[n - 1].outputs[k] for k in range(m)])
+        _check_tensors((out,), "output")
+        return out
 
-    def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=False)
+
+def _check_tensors(values: Any, what: str) -> None:
+    """torchgpipe's rule for ``pipe(x)``: what goes in and out is tensors (in tuples, lists or dicts)."""
+    for v in pytree.tree_leaves(values):
+        if v is not None and not isinstance(v, torch.Tensor):
+            raise TypeError(f"Pipe {what}s must be tensors or tuples of tensors, got a {type(v).__name__}")
+
+
+def _identity(args: tuple, kwargs: dict) -> Any:
+    if kwargs:
+        raise TypeError("an empty Pipe takes no keyword arguments")
+    _check_tensors(args, "input")
+    return args[0] if len(args) == 1 else args

@@ -21,6 +21,8 @@ RTOL, ATOL = 1e-5, 1e-6
 def _pipe(model: str, name: str, p: int, m: int, **kw):
     v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1
     stages = build(model, p * v)
+    # the "tuple" model's stages take (x, skip, ids) as positional arguments: the multi-process convention
+    kw.setdefault("unpack_tuples", model == "tuple")
     return pe.Pipe(nn.Sequential(*stages), balance=[1] * (p * v), devices=["cpu"] * p, chunks=m, schedule=name, **kw), stages
 
 
@@ -181,9 +183,9 @@ def test_train_eval_to_dtype_and_to_device_refused():
     assert model[1].training
     pipe.to(torch.float64)
     assert pipe(x.double()).dtype == torch.float64 and model[0].weight.dtype == torch.float64
-    with pytest.raises(ValueError, match="places each stage on its own device"):
+    with pytest.raises(TypeError, match="places each stage on its own device"):  # torchgpipe's type
         pipe.to("cpu")
-    with pytest.raises(ValueError, match="places each stage on its own device"):
+    with pytest.raises(TypeError, match="places each stage on its own device"):
         pipe.cuda()
 
 
@@ -216,7 +218,7 @@ def test_split_min_max_and_balancing():
         (lambda: pe.Pipe(nn.Linear(2, 2)), "needs an nn.Sequential"),
         (lambda: pe.Pipe(nn.Sequential(nn.Linear(2, 2)), balance=[2], devices=["cpu"]), "summing to the module's 1 layers"),
         (lambda: pe.Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=0), "chunks must be a positive int"),
-        (lambda: pe.Pipe(nn.Sequential(nn.Linear(2, 2)), checkpoint="sometimes"), "checkpoint must be one of"),
+        (lambda: pe.Pipe(nn.Sequential(nn.Linear(2, 2)), checkpoint="sometimes"), "checkpoint is not one of 'always', 'except_last', or 'never'"),
         (
             lambda: pe.Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"] * 2, chunks=1, schedule="1f1b"),
             "1f1b needs n_microbatches >= num_ranks",
@@ -228,10 +230,20 @@ def test_bad_construction_is_a_clear_error(make, match):
         make()
 
 
-def test_more_chunks_than_rows_is_a_clear_error():
-    pipe = pe.Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"] * 2, chunks=4)
-    with pytest.raises(ValueError, match="must not exceed the batch size"):
-        pipe(torch.randn(3, 2))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_batch_smaller_than_chunks_runs_one_row_per_microbatch(name):
+    """torchgpipe allows it (the last batch of an epoch); the result is the unsplit model's."""
+    pipe, stages = _pipe("mlp", name, 2, 4)
+    x, y = make_batch("mlp", 3)
+    ref_loss, ref_grads, _ = reference("mlp", len(stages), x, y)
+    torch.testing.assert_close(pipe.step(x, target=y, loss_fn=loss_fn), ref_loss, rtol=RTOL, atol=ATOL)
+    for stage, grads in zip(stages, ref_grads):
+        for p_, g in zip(stage.parameters(), grads):
+            torch.testing.assert_close(p_.grad, g, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(pipe(x), run_stages(build("mlp", len(stages)), x), rtol=RTOL, atol=ATOL)
+    if name == "1f1b":  # 1F1B needs as many microbatches as devices: a clear error, not a wrong answer
+        with pytest.raises(ValueError, match="fewer than chunks=4"):
+            pipe(x[:1])
 
 
 def test_user_inputs_not_mutated():

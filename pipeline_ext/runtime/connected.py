@@ -25,22 +25,28 @@ __all__ = ["Boundary", "ConnectedRunner"]
 
 
 class Boundary(torch.autograd.Function):
-    """Identity on the received tensor whose gradient goes to ``source`` (the producer's output)."""
+    """The received tensor, made the output of ``source`` (the producer's output) for autograd.
+
+    The received tensor is handed in inside a list, not as an input: an input
+    returned from a custom Function is a view of it, which autograd forbids to
+    modify in place, and a stage may start with an in-place layer
+    (``nn.ReLU(inplace=True)``). It is returned as itself: no copy.
+    """
 
     @staticmethod
-    def forward(ctx: Any, received: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, source: torch.Tensor, received: list[torch.Tensor]) -> torch.Tensor:
         ctx.src_device = source.device
-        return received.view_as(received)
+        return received[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if grad.device == ctx.src_device:
-            return None, grad
+            return grad, None
         # The same protocol as activations going forward (LocalChannel): copy on
         # the copy streams after the work that produced the gradient; the source
         # device's current stream waits for the copy and owns the result.
         (out,) = _C.copy_between_devices([grad], grad.device, ctx.src_device)
-        return None, out
+        return out, None
 
 
 class ConnectedRunner(StagePosition):
@@ -74,7 +80,7 @@ class ConnectedRunner(StagePosition):
         if self.stage_index > 0:
             sources = self.links.pop((self.stage_index - 1, mb))
             args = tuple(
-                Boundary.apply(r, s) if is_differentiable(s) and s.requires_grad else r for r, s in zip(args, sources)
+                Boundary.apply(s, [r]) if is_differentiable(s) and s.requires_grad else r for r, s in zip(args, sources)
             )
         kwargs = kwargs or {}
 

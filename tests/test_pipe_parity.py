@@ -1,0 +1,203 @@
+"""Pipe's silent wrong answers of issue 13, each in the user's loop against the unsplit nn.Sequential.
+
+Randomness is compared with the unsplit model by replay: the ``Noisy`` layer
+draws its mask with ``torch.rand`` (functional randomness, no nn.Dropout for
+the pipe to notice) and records the masks of each real forward (not of
+recomputations); the reference runs the unsplit model on the whole batch with
+those masks. Gradients from recomputation with other masks would differ.
+"""
+from __future__ import annotations
+
+import _thread
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_ext as pe
+from pipeline_ext.checkpoint import is_recomputing
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Noisy(nn.Module):
+    """Linear, then a random mask drawn inside forward; records (or replays) its masks."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.masks: list[torch.Tensor] = []
+        self.replay: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.replay:
+            mask = self.replay.pop(0)
+        else:
+            mask = (torch.rand_like(h) > 0.5).to(h.dtype) * 2.0
+            if not is_recomputing():
+                self.masks.append(mask)
+        return torch.nn.functional.dropout(h * mask, p=0.0)
+
+
+def _noisy(n: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Noisy() for _ in range(n)])
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _replayed_reference(model: nn.Sequential, xs: list[torch.Tensor], masks: list[list[torch.Tensor]]):
+    """Outputs and grads of the unsplit model on each whole batch, with the pipe's masks (per call)."""
+    ref = _noisy(len(model))
+    outs = []
+    for call, x in enumerate(xs):
+        for layer, layer_masks in zip(ref, masks):
+            layer.replay = [torch.cat(layer_masks[call])]
+        outs.append(ref(x))
+    sum(o.sum() for o in outs).backward()
+    return [o.detach() for o in outs], _grads(ref)
+
+
+def _masks_per_call(model: nn.Sequential, calls: int, chunks: int) -> list[list[list[torch.Tensor]]]:
+    return [[layer.masks[c * chunks : (c + 1) * chunks] for c in range(calls)] for layer in model]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_functional_randomness_under_checkpointing_matches_unsplit_model(checkpoint):
+    model = _noisy()
+    pipe = pe.Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    x = torch.randn(12, 8)
+    out = pipe(x)
+    out.sum().backward()
+    ref_out, ref_grads = _replayed_reference(model, [x], _masks_per_call(model, 1, 4))
+    torch.testing.assert_close(out, ref_out[0], rtol=RTOL, atol=ATOL)
+    for a, b in zip(_grads(model), ref_grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_functional_randomness_in_step_matches_unsplit_model(schedule):
+    model = _noisy()
+    pipe = pe.Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=4, schedule=schedule, checkpoint="always")
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    loss = pipe.step(x, target=y, loss_fn=lambda out, t: (out * t).sum())
+    masks = _masks_per_call(model, 1, 4)
+    ref = _noisy()
+    for layer, m in zip(ref, masks):
+        layer.replay = [torch.cat(m[0])]
+    ref_loss = (ref(x) * y).sum()
+    ref_loss.backward()
+    # the step's loss is the microbatch-weighted mean of sum losses: a quarter of the whole batch's sum
+    torch.testing.assert_close(loss * 4, ref_loss.detach(), rtol=RTOL, atol=1e-4)
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a * 4, b, rtol=RTOL, atol=1e-4)
+
+
+def test_two_calls_before_one_backward_keep_their_own_seeds():
+    model = _noisy()
+    pipe = pe.Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="always")
+    x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
+    out1, out2 = pipe(x1), pipe(x2)
+    (out1.sum() + out2.sum()).backward()
+    ref_outs, ref_grads = _replayed_reference(model, [x1, x2], _masks_per_call(model, 2, 3))
+    torch.testing.assert_close(out1, ref_outs[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out2, ref_outs[1], rtol=RTOL, atol=ATOL)
+    for a, b in zip(_grads(model), ref_grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+# -- a module that appears twice ------------------------------------------------------------------
+def _twice():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    return nn.Sequential(block, block, nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("balance", [[2, 1], [1, 2]])
+def test_module_used_twice_is_applied_twice(balance):
+    model, ref = _twice(), _twice()
+    pipe = pe.Pipe(model, balance=balance, devices=["cpu", "cpu"], chunks=2)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    torch.testing.assert_close(pipe(x), ref(x), rtol=RTOL, atol=ATOL)
+    loss = pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert len(pipe) == 3 and pipe[0] is pipe[1] is model[0]
+
+
+def test_module_shared_by_stages_on_different_devices_is_refused():
+    block = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="layer '1' is also used by layer '0'.*different devices"):
+        pe.Pipe(nn.Sequential(block, block), balance=[1, 1], devices=["cpu", "meta"])
+    tied = nn.Linear(4, 4)
+    other = nn.Linear(4, 4)
+    other.weight = tied.weight
+    with pytest.raises(ValueError, match="a parameter of layer '1'"):
+        pe.Pipe(nn.Sequential(tied, other), balance=[1, 1], devices=["cpu", "meta"])
+
+
+# -- a step cancelled by Ctrl-C leaves nothing behind ----------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)], nn.Linear(8, 2))
+
+
+class Interrupt(nn.Module):
+    """Raises KeyboardInterrupt (here, or in the main thread) on its ``at``-th forward; a no-op otherwise."""
+
+    def __init__(self, at: int, main_thread: bool) -> None:
+        super().__init__()
+        self.at, self.main_thread, self.calls = at, main_thread, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            if not self.main_thread:
+                raise KeyboardInterrupt
+            _thread.interrupt_main()  # what Ctrl-C does to the caller of step()
+        return x
+
+
+def _reference_grads(x, y):
+    ref = _mlp()
+    nn.functional.mse_loss(ref(x), y).backward()
+    return _grads(ref)
+
+
+@pytest.mark.parametrize("main_thread", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_ctrl_c_cancels_the_step_and_a_retry_equals_the_unsplit_model(main_thread, schedule):
+    model = _mlp()
+    layers = list(model)
+    # the interrupt fires in the last stage's forward of microbatch 3, after backwards already ran
+    seq = nn.Sequential(*layers[:2], Interrupt(4, main_thread), *layers[2:])
+    pipe = pe.Pipe(seq, balance=[2, 3], devices=["cpu", "cpu"], chunks=6, schedule=schedule)
+    x, y = torch.randn(12, 8), torch.randn(12, 2)
+    with pytest.raises(KeyboardInterrupt) as info:
+        pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipe-rank")]  # every worker stopped
+    assert all(p.grad is None for p in model.parameters())  # partial gradients discarded...
+    assert any("partial gradients were discarded" in n for n in getattr(info.value, "__notes__", []))  # ...and said
+    pipe.zero_grad()
+    pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    for a, b in zip(_grads(model), _reference_grads(x, y)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_failure_before_any_backward_keeps_accumulated_gradients():
+    model = _mlp()
+    seq = nn.Sequential(Interrupt(1, False), *model)
+    pipe = pe.Pipe(seq, balance=[2, 3], devices=["cpu", "cpu"], chunks=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
