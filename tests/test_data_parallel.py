@@ -5,9 +5,11 @@ DistributedDataParallel, in FSDP2 ``fully_shard`` (block and stage, so both
 resharding settings are exercised) or in nothing (the user all-reduces by
 hand). After 3 SGD steps every rank's parameters must equal those of the
 unsplit model trained on the whole global batch, for 1F1B, interleaved 1F1B,
-ZB-H1 and ZBV (several stages per rank, I/W split, V placement). One spawn per
-wrapper loops over the schedules, building fresh models each time. Reductions
-are counted: exactly one per stage (DDP bucket, FSDP2 parameter group) per step.
+ZB-H1 and ZBV (several stages per rank, I/W split, V placement), and with DDP
+and FSDP2 also for GPipe, looped BFS, ZB-H2 and DualPipeV. One spawn per
+(wrapper, schedule list) loops over the schedules, building fresh models each
+time. Reductions are counted: exactly one per stage (DDP bucket, FSDP2
+parameter group) per step.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from mp_utils import no_complaints, run_ranks
 
 PP, DP, M, ROWS, STEPS = 2, 2, 4, 16, 3
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
-COUNTED = {"zb_h1", "zbv"}  # these count reductions through a DDP comm hook / an FSDP2 custom reduce-scatter
+OTHER_SCHEDULES = ["gpipe", "looped_bfs", "zb_h2", "dualpipev"]
+COUNTED = {"zb_h1", "zbv", "zb_h2", "dualpipev"}  # these count reductions through a DDP comm hook / an FSDP2 custom reduce-scatter
 
 
 def _counting_reduce_scatter(counter: list[int]):
@@ -137,18 +140,25 @@ def _accumulate_under_no_sync(sched, wrapped: dict, ref, mine: list[int], ns: in
     return bad
 
 
-def _train(rank: int, world: int, wrapper: str) -> list[str]:
+def _train(rank: int, world: int, wrapper: str, names: list[str]) -> list[str]:
     import pipeline_ext as pe
 
     mesh = pe.pipeline_mesh(pp=PP, dp=DP, device_type="cpu")
-    return [b for name in SCHEDULES for b in _schedule_run(rank, mesh, name, wrapper)]
+    return [b for name in names for b in _schedule_run(rank, mesh, name, wrapper)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "none"])
 def test_pp_x_dp_matches_unsplit_model(wrapper):
-    no_complaints(_train, PP * DP, wrapper, timeout=200)
+    no_complaints(_train, PP * DP, wrapper, SCHEDULES, timeout=200)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_pp_x_dp_other_schedules_match_unsplit_model(wrapper):
+    no_complaints(_train, PP * DP, wrapper, OTHER_SCHEDULES, timeout=200)
 
 
 # -- refused wrappers ---------------------------------------------------------------------------
