@@ -33,6 +33,10 @@ _EXPORTS = {
     "_ScheduleForwardOnly": "pipeline_ext.schedule_classes",
     "get_schedule_class": "pipeline_ext.schedule_classes",
     "TensorChunkSpec": "pipeline_ext.microbatch",
+    "pipeline": "pipeline_ext.tracer",
+    "SplitPoint": "pipeline_ext.tracer",
+    "pipe_split": "pipeline_ext.tracer",
+    "build_stage": "pipeline_ext.tracer",
     "split_args_kwargs_into_chunks": "pipeline_ext.microbatch",
     "merge_chunks": "pipeline_ext.microbatch",
     "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
@@ -51,7 +55,7 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
+_SUBMODULES = {"tracer", "schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

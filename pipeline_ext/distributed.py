@@ -210,7 +210,9 @@ class PipelineSchedule:
         timeout: float = 300.0,
         trace: bool = False,
     ) -> None:
-        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        from pipeline_ext.tracer import as_stage  # torch-built stages (build_stage, pipe.build_stage) too
+
+        stages = [as_stage(s) for s in ([stages] if not isinstance(stages, (list, tuple)) else stages)]
         if not stages:
             raise ValueError("need at least one PipelineStage")
         first = stages[0]

@@ -224,6 +224,8 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
     bad += [f"dw_builder: {b}" for b in _grads_equal(modules, ref, [rank])]
     if dw.runs != 4:
         bad.append(f"dw_builder's runner ran {dw.runs} times, want 4 (one W per microbatch)")
+    # torch's tracer front end: pipeline() cuts the model, torch's own build_stage or ours wraps a stage module
+    bad += _traced(rank, world)
     # forward-only schedule and a training step under no_grad
     fwd = pe._ScheduleForwardOnly(pe.PipelineStage(build("mlp", world)[rank], rank, world, "cpu"), 4)
     out = fwd.step(*((x,) if rank == 0 else ()))
@@ -238,6 +240,38 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
     except RuntimeError as exc:
         if "needs autograd" not in str(exc):
             bad.append(str(exc))
+    return bad
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _traced(rank: int, world: int) -> list[str]:
+    bad = []
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 16)
+    for how in ("torch's pipe.build_stage", "pe.build_stage"):
+        torch.manual_seed(0)
+        model, ref = _Chain(), _Chain()
+        ref.load_state_dict(model.state_dict())
+        pipe = pe.pipeline(model, mb_args=(x[:2],), split_spec={"layers.2": pe.SplitPoint.BEGINNING})
+        if how == "pe.build_stage":
+            stage = pe.build_stage(pipe.get_stage_module(rank), rank, pipe.info(), "cpu")
+        else:
+            stage = pipe.build_stage(rank, torch.device("cpu"))
+        _step(pe.Schedule1F1B(stage, 4, loss_fn=loss_fn), rank, world, x, y)
+        loss_fn(ref(x), y).backward()
+        want = dict(ref.named_parameters())
+        for name, p in stage.submod.named_parameters():
+            if not torch.allclose(p.grad, want[name].grad, rtol=1e-5, atol=1e-6):
+                bad.append(f"traced ({how}): {name} gradient differs from the unsplit model")
     return bad
 
 
