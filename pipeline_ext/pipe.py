@@ -466,7 +466,11 @@ class Pipe(nn.Module):
 
     def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs) -> None:
         """Every rank's executor on its worker thread; the first failure cancels all of them and is raised."""
-        hub = LocalHub(self.devices, send_timeout=self.timeout)
+        grace = min(self.timeout, 5.0)
+        # The step's deadline bounds everything and names every stuck rank; the channel waits' own
+        # timeouts are a backstop behind it.
+        wait_timeout = self.timeout + grace + 1.0
+        hub = LocalHub(self.devices, send_timeout=wait_timeout)
         context = _Context.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
@@ -476,7 +480,7 @@ class Pipe(nn.Module):
                 r,
                 {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
                 hub.channel(r),
-                timeout=self.timeout,
+                timeout=wait_timeout,
             )
             for r in range(len(self.devices))
         ]
@@ -499,7 +503,7 @@ class Pipe(nn.Module):
             self.timeout,
             on_cancel=cancel,
             on_failure=self._on_failure,
-            grace=min(self.timeout, 5.0),
+            grace=grace,
         )
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], **kwargs: Any) -> torch.Tensor:

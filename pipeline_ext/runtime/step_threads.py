@@ -79,7 +79,7 @@ class Activity:
 
     def describe(self, now: float) -> str:
         if self.current is None:
-            return f"rank {self.rank} (between actions)"
+            return f"rank {self.rank} (waiting for a message)"
         return f"rank {self.rank} in {self.current} (for {now - self.since:.1f} s)"
 
 
@@ -171,14 +171,15 @@ def run_step_threads(
             done.put((rank, None))
 
     threads = [threading.Thread(target=body, args=(r,), name=f"{name}-{r}", daemon=True) for r in range(len(jobs))]
-    for t in threads:
-        t.start()
     deadline = time.monotonic() + timeout
-    running = set(range(len(jobs)))
+    running: set[int] = set()
     errors: list[tuple[int, BaseException]] = []
     raised: Optional[BaseException] = None
     reason = ""
     try:
+        for r, t in enumerate(threads):
+            t.start()
+            running.add(r)
         while running and not errors:
             left = deadline - time.monotonic()
             if left <= 0:
