@@ -10,7 +10,7 @@ statistics of the whole batch, as the unsplit model would.
 The user's BatchNorm modules are kept (not replaced, so state-dict keys,
 parameter identity and the user's references all stay): a pre-hook records the
 microbatch's per-channel sums (not during recomputation, which would count it
-twice) and snapshots the running buffers, a post-hook puts them back, and
+twice) and lets the layer update copies of the running buffers, a post-hook puts the real ones back, and
 ``DeferredStats.commit`` applies the batch's update once the call's forwards
 are done. The hooks do nothing outside a call of the pipe that owns them.
 """
@@ -88,21 +88,25 @@ class DeferredStats:
             s.count = 0
 
 
-def _buffers(m: _BatchNorm) -> list[torch.Tensor]:
-    return [m.running_mean, m.running_var, m.num_batches_tracked]
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _pre(ref: "weakref.ref[DeferredStats]", m: _BatchNorm, args: tuple[Any, ...]) -> None:
     stats = ref()
-    if stats is None or not stats.active or not m.training:
+    # a recomputation runs in backward, after its call returned: it updates nothing either
+    if stats is None or not m.training or not (stats.active or is_recomputing()):
         return
     x = args[0]
     with torch.no_grad():
         saved = getattr(stats._saved, "by_layer", None)
         if saved is None:
             saved = stats._saved.by_layer = {}
-        saved[id(m)] = [b.clone() for b in _buffers(m)]
-        if not is_recomputing():
+        # The layer updates throwaway copies; the real buffers are put back by _post (swapped, not
+        # copied into: autograd may have saved the buffers the layer used).
+        saved[id(m)] = [getattr(m, name) for name in _BUFFERS]
+        for name in _BUFFERS:
+            setattr(m, name, getattr(m, name).clone())
+        if stats.active and not is_recomputing():
             dims = [0, *range(2, x.dim())]
             total, squares = x.sum(dims).float(), (x.float() ** 2).sum(dims)
             s = stats._sums[id(m)]
@@ -119,6 +123,5 @@ def _post(ref: "weakref.ref[DeferredStats]", m: _BatchNorm) -> None:
     saved = getattr(stats._saved, "by_layer", {}).pop(id(m), None)
     if saved is None:
         return
-    with torch.no_grad():
-        for b, v in zip(_buffers(m), saved):
-            b.copy_(v)
+    for name, b in zip(_BUFFERS, saved):
+        setattr(m, name, b)

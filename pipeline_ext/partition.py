@@ -3,17 +3,25 @@
 A pipeline runs at the pace of its slowest stage, so the split minimises the
 largest per-stage cost. ``balance_by_params`` uses parameter counts (free, a
 fair proxy for compute in uniform stacks); ``balance_by_time`` profiles each
-layer's forward and backward on a sample batch.
+layer's forward and backward on a sample batch; ``balance_by_size`` balances
+memory (torchgpipe's): measured CUDA memory of each layer's forward on a GPU,
+parameter and activation sizes on the CPU.
+
+Profiling leaves the model as it was: it runs on deep copies of the layers in
+training mode (BatchNorm running statistics and ``.grad`` untouched, the
+model's own training flag kept). A layer's output goes to the next layer as one
+argument, as in ``Pipe``.
 """
 from __future__ import annotations
 
+import copy
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["balance_by_params", "balance_by_time", "split_min_max"]
+__all__ = ["balance_by_params", "balance_by_time", "balance_by_size", "split_min_max"]
 
 
 def split_min_max(costs: Sequence[float], n: int) -> list[int]:
@@ -47,9 +55,10 @@ def split_min_max(costs: Sequence[float], n: int) -> list[int]:
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
+    """Every entry of the Sequential, in order (a module used twice counts twice, as Pipe runs it)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"balancing needs an nn.Sequential, got {type(module).__name__}")
-    return list(module.children())
+    return list(module._modules.values())
 
 
 def balance_by_params(module: nn.Sequential, n: int) -> list[int]:
@@ -58,35 +67,114 @@ def balance_by_params(module: nn.Sequential, n: int) -> list[int]:
     return split_min_max(costs, n)
 
 
+def _sandbox(module: nn.Sequential, device: torch.device | None = None) -> Iterator[nn.Module]:
+    """Each layer as a training-mode deep copy (on ``device``): profiling never touches the model."""
+    for layer in _layers(module):
+        copied = copy.deepcopy(layer)
+        if device is not None:
+            copied = copied.to(device)
+        yield copied.train()
+
+
+def _profile(module: nn.Sequential, sample: Any, device: torch.device | None, measure) -> list[float]:
+    """``measure(layer, input) -> (cost, output)`` per layer, each fed the previous layer's output."""
+    x = sample if device is None else _to(sample, device)
+    costs = []
+    for layer in _sandbox(module, device):
+        cost, x = measure(layer, _leaf(x))
+        costs.append(cost)
+        x = _detach(x)
+    return costs
+
+
 def balance_by_time(module: nn.Sequential, sample: Any, n: int, repeats: int = 3) -> list[int]:
     """Layers per stage from measured forward+backward time of each layer on ``sample``.
 
     Each layer is timed on the activation the previous layers produce for
-    ``sample``, as a leaf that requires grad, so its backward is timed too. The
-    module's parameters' ``.grad`` are left as they were.
+    ``sample``, as a leaf that requires grad, so its backward is timed too.
     """
-    layers = _layers(module)
-    saved = {p: p.grad for p in module.parameters()}
-    costs: list[float] = []
-    x = sample
-    try:
-        for layer in layers:
-            times = []
-            for _ in range(repeats):
-                inp = _leaf(x)
-                t0 = time.perf_counter()
-                out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
-                tensors = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
-                if tensors:
-                    torch.autograd.backward(tensors, [torch.ones_like(o) for o in tensors])
-                times.append(time.perf_counter() - t0)
-            costs.append(sorted(times)[len(times) // 2])
-            with torch.no_grad():
-                x = layer(*x) if isinstance(x, tuple) else layer(x)
-    finally:
-        for p, g in saved.items():
-            p.grad = g
-    return split_min_max(costs, n)
+
+    def measure(layer: nn.Module, inp: Any) -> tuple[float, Any]:
+        times, out = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = layer(inp)
+            _backward(out)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2], out
+
+    return split_min_max(_profile(module, sample, None, measure), n)
+
+
+def balance_by_size(module: nn.Sequential, sample: Any, n: int, chunks: int = 1, param_scale: float = 2.0,
+                    device: Any = None) -> list[int]:
+    """Layers per stage balancing memory: activations of one microbatch plus ``param_scale`` x parameters.
+
+    ``param_scale`` counts what lives as long as a parameter (2.0: the weight
+    and its gradient; more with optimizer state, e.g. 4.0 for Adam). On CUDA
+    (``device``, or the sample's device) each layer's forward is measured with
+    ``torch.cuda.max_memory_allocated`` on a microbatch (``sample`` split in
+    ``chunks``); on the CPU the activation cost is the bytes of the tensors
+    autograd saves for backward.
+    """
+    dev = torch.device(device) if device is not None else _device_of(sample)
+    micro = _first_chunk(sample, chunks)
+
+    def measure(layer: nn.Module, inp: Any) -> tuple[float, Any]:
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            out = layer(inp)
+            torch.cuda.synchronize(dev)
+            latent = torch.cuda.max_memory_allocated(dev) - base
+        else:
+            saved: list[int] = []
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved.append(t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(inp)
+            latent = sum(saved)
+        return latent + param_scale * params, out
+
+    return split_min_max(_profile(module, micro, dev if dev.type == "cuda" else None, measure), n)
+
+
+def _backward(out: Any) -> None:
+    tensors = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(o) for o in tensors])
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(t) for t in x)
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(t, device) for t in x)
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _device_of(x: Any) -> torch.device:
+    if isinstance(x, (tuple, list)):
+        for t in x:
+            return _device_of(t)
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
+def _first_chunk(x: Any, chunks: int) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_first_chunk(t, chunks) for t in x)
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and chunks > 1:
+        return x.chunk(chunks)[0]
+    return x
 
 
 def _leaf(x: Any) -> Any:

@@ -88,7 +88,10 @@ class ConnectedRunner(StagePosition):
             return self.call(mb, self.module, a, kwargs)
 
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
-            out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
+            # The whole stage recomputes (no early stop): a layer's forward hooks then run in the
+            # recomputation too (deferred batch norm puts its running statistics back in one).
+            with torch_checkpoint.set_checkpoint_early_stop(False):
+                out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             out = run(*args)
         if self.is_last:

@@ -139,6 +139,13 @@ class StepOutcome:
         return any(a.ran_backward for a in self.activities)
 
 
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Threads that reported are past their work; joining them means none outlives the step."""
+    for t in threads:
+        if t.ident is not None:
+            t.join()
+
+
 def _note(exc: BaseException, text: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(text)
@@ -200,6 +207,7 @@ def run_step_threads(
         raised = exc
         reason = f"{type(exc).__name__} in the calling thread"
     if not running and not errors and raised is None:
+        _join(threads)
         return
     if errors and raised is None:
         raised = errors[0][1]
@@ -220,6 +228,7 @@ def run_step_threads(
     except BaseException:  # a second Ctrl-C: stop waiting, abandon who is still running
         pass
     outcome = StepOutcome(reason, list(activities), [(threads[r], activities[r]) for r in sorted(running)])
+    _join([t for r, t in enumerate(threads) if r not in running])
     now = time.monotonic()
     if outcome.abandoned:
         _note(

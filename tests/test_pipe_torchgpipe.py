@@ -1,0 +1,199 @@
+"""Pipe follows torchgpipe's conventions (issue 13 gaps); each checked against the unsplit model."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_ext as pe
+from pipeline_ext.partition import balance_by_size, balance_by_time
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def _same(pipe_model, ref, x, make_loss):
+    """pipe(x) then backward equals the unsplit model: output and every gradient."""
+    out = pipe_model(x)
+    make_loss(out).backward()
+    ref_out = ref(x)
+    make_loss(ref_out).backward()
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    return out
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class Join(nn.Module):
+    """Takes the pair as ONE argument (torchgpipe)."""
+
+    def forward(self, pair):
+        a, b = pair
+        return a * torch.tanh(b)
+
+
+class Single(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, only):
+        (a,) = only
+        return (self.fc(a),)
+
+
+@pytest.mark.parametrize("balance", [[3], [1, 2], [2, 1]])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_tuple_is_passed_as_one_argument_within_and_between_stages(balance, checkpoint):
+    torch.manual_seed(0)
+    model = nn.Sequential(Split(), Join(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    pipe = pe.Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    _same(pipe, ref, x, lambda o: o.pow(2).sum())
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    model.zero_grad()
+    ref.zero_grad()
+    y = torch.randn(6, 2)
+    loss = pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    nn.functional.mse_loss(ref(x), y).backward()
+    torch.testing.assert_close(loss, nn.functional.mse_loss(ref(x), y).detach(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_one_element_tuple_stays_a_tuple_across_stages():
+    torch.manual_seed(0)
+    model = nn.Sequential(Single(), Single())
+    pipe = pe.Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    a = torch.randn(4, 4, requires_grad=True)
+    (out,) = pipe((a,))
+    torch.testing.assert_close(out, model[1](model[0]((a,)))[0])
+    out.sum().backward()
+    assert a.grad is not None and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_inplace_first_layer_of_a_stage(checkpoint):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    pipe = pe.Pipe(model, balance=[1, 2], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    if checkpoint == "always":  # the recomputation would start from the modified input: refused, not wrong
+        with pytest.raises(RuntimeError, match="modified its input in place"):
+            pipe(x)
+        return
+    _same(pipe, ref, x, lambda o: o.pow(2).sum())
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    model.zero_grad()
+    ref.zero_grad()
+    pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    nn.functional.mse_loss(ref(x), y).backward()
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_sequential_like_and_torchgpipe_state_dict_keys():
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    model = nn.Sequential(a, b, c)
+    pipe = pe.Pipe(model, balance=[1, 2], devices=["cpu", "cpu"])
+    assert len(pipe) == 3 and list(pipe) == [a, b, c] and pipe[-1] is c and pipe[1] is b
+    with pytest.raises(IndexError):
+        pipe[3]
+    assert set(pipe.state_dict()) == {f"partitions.{s}.{i}.{w}" for s, i in [(0, 0), (1, 1), (1, 2)] for w in ("weight", "bias")}
+    named = pe.Pipe(nn.Sequential(OrderedDict(first=nn.Linear(2, 2), second=nn.Linear(2, 2))), balance=[1, 1],
+                    devices=["cpu", "cpu"])
+    assert {"partitions.0.first.weight", "partitions.1.second.weight"} <= set(named.state_dict())
+    # a checkpoint of one pipe loads into another with the same balance
+    other = pe.Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)), balance=[1, 2], devices=["cpu"] * 2)
+    other.load_state_dict(pipe.state_dict())
+    assert torch.equal(other[2].weight, c.weight)
+
+
+def test_argument_rules():
+    lin = lambda: nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1))  # noqa: E731
+    pipe = pe.Pipe(lin(), balance=[1, 1, 1], devices=["cpu"] * 5)  # extra devices are ignored
+    assert pipe.devices == [torch.device("cpu")] * 3
+    with pytest.raises(IndexError, match="only 1 devices"):
+        pe.Pipe(lin(), balance=[1, 1, 1], devices=["cpu"])
+    pipe = pe.Pipe(lin(), balance=[3], devices=["cpu"], chunks=42.0, checkpoint="always")
+    assert pipe.chunks == 42 and isinstance(pipe.chunks, int) and pipe.checkpoint == "always"
+    for move in (lambda: pipe.cpu(), lambda: pipe.to("cpu"), lambda: pipe.to(torch.rand(1)), lambda: pipe.to(device='meta')):
+        with pytest.raises(TypeError):
+            move()
+    empty = pe.Pipe(nn.Sequential(), [])
+    x = torch.tensor([42.0])
+    assert empty(x) is x and empty((x,)) == (x,)
+    with pytest.raises(TypeError):
+        empty(42)
+    with pytest.raises(TypeError, match="must be tensors"):
+        pe.Pipe(nn.Sequential(nn.Identity()), balance=[1], devices=["cpu"])("hello")
+
+
+def test_no_recomputation_in_eval_mode():
+    seen = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append((pe.is_checkpointing(), pe.is_recomputing()))
+            return x * x  # saves x: its recomputation is needed
+
+    pipe = pe.Pipe(nn.Sequential(nn.Linear(2, 2), Spy()), balance=[1, 1], devices=["cpu", "cpu"], chunks=2,
+                   checkpoint="always")
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert sorted(seen) == [(False, True)] * 2 + [(True, False)] * 2  # each microbatch: checkpointed, then recomputed
+    seen.clear()
+    pipe.eval()
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert seen == [(False, False)] * 2
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_deferred_batch_norm_matches_unsplit_model(checkpoint):
+    torch.manual_seed(0)
+    # one BatchNorm: a later one's input would differ anyway (per-microbatch normalisation upstream)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 3, 1))
+    ref = copy.deepcopy(model)
+    pipe = pe.Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint,
+                   deferred_batch_norm=True)
+    for step in range(2):
+        x = torch.randn(8, 3, 5, 5) + step
+        pipe(x).mean().backward()
+        ref(x).mean().backward()
+    for m, r in zip(model.modules(), ref.modules()):
+        if isinstance(m, nn.BatchNorm2d):
+            torch.testing.assert_close(m.running_mean, r.running_mean, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(m.running_var, r.running_var, rtol=1e-4, atol=1e-5)
+            assert int(m.num_batches_tracked) == int(r.num_batches_tracked) == 2
+
+
+def test_balancing_leaves_the_model_untouched():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 64), nn.Linear(64, 2))
+    model.eval()
+    model(torch.randn(4, 8)).sum().backward()  # existing gradients
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    for balance in (balance_by_time(model, torch.randn(16, 8), 2), balance_by_size(model, torch.randn(16, 8), 2)):
+        assert len(balance) == 2 and sum(balance) == 4
+    assert not model.training
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    # sizes: the big Linear(64, 2) side is heavier in parameters; saved activations decide too
+    assert balance_by_size(nn.Sequential(*[nn.Linear(i + 1, i + 2) for i in range(6)]), torch.rand(7, 1), 2,
+                           param_scale=100) == [4, 2]
