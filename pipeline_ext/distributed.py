@@ -194,6 +194,20 @@ def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
     return group
 
 
+def _host_group(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[dist.ProcessGroup]:
+    """The group the step records travel on: the stages' own on CPU, a Gloo twin of it for GPU stages.
+
+    The records are read on the host to decide the step. Received into GPU
+    memory (NCCL) that read would synchronise the host with the GPU at every
+    step, stalling behind the forward just queued; over Gloo they stay in host
+    memory. Only this group's members create the twin.
+    """
+    if device.type == "cpu":
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
 class PipelineSchedule:
     """Runs a schedule (built-in name or hand-written ``Schedule``) on this process's stages."""
 
@@ -243,7 +257,9 @@ class PipelineSchedule:
         self._last_stage = num_stages - 1
         self.num_stages = num_stages
         self._device = device
-        self._agreement = StepAgreement(self.group, self.rank, self.num_ranks, device, timeout)
+        self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
+                                        torch.device("cpu"), timeout,
+                                        ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
         self._step_no = 0
         self._set_schedule(schedule)
         self._tracer: Optional[Tracer] = None

@@ -394,3 +394,27 @@ def test_messages_a_failed_step_left_behind_are_never_taken_for_a_later_steps():
     later = [said[0][2].split(":")[1].strip(), said[1][2].split(":")[1].strip()]
     assert later in (["exact", "exact"], ["error", "error"]), said
     assert not [s for v in said.values() for s in v if "WRONG" in s], said
+
+
+def _record_groups(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    import pipeline_ext as pe
+
+    bad = []
+    cpu = pe.Schedule1F1B(pe.PipelineStage(build("mlp", world)[rank], rank, world, "cpu"), 4, loss_fn=loss_fn)
+    if cpu._agreement.group is not None and cpu._agreement.group is not dist.group.WORLD:
+        bad.append("a CPU pipeline's step records should travel on its own group")
+    # GPU stages (constructed only: nothing runs): the records get a Gloo twin group, so the host never reads GPU memory
+    gpu = pe.Schedule1F1B(pe.PipelineStage(build("mlp", world)[rank], rank, world, "cuda:0"), 4, loss_fn=loss_fn)
+    twin = gpu._agreement.group
+    if twin is None or twin is dist.group.WORLD or dist.get_backend(twin) != "gloo":
+        bad.append(f"a GPU pipeline's step records travel on {twin}, not a Gloo twin group")
+    if dist.get_process_group_ranks(twin) != list(range(world)) or gpu._agreement.device.type != "cpu":
+        bad.append("the twin group must hold the pipeline's ranks, its records host memory")
+    return bad
+
+
+@pytest.mark.timeout(60)
+def test_gpu_pipelines_exchange_step_records_in_host_memory():
+    no_complaints(_record_groups, 2, timeout=40)

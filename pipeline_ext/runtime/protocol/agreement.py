@@ -189,16 +189,25 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
 
 
 class StepAgreement:
-    """Runs the exchange of :class:`StepRecord` between the ranks of ``group``, bounded by ``timeout``."""
+    """Runs the exchange of :class:`StepRecord` between the pipeline's ranks over ``group``, bounded by ``timeout``.
+
+    ``ranks`` are the pipeline ranks' global ranks, in pipeline-rank order
+    (default: ``group``'s). ``group`` may be another group over the same
+    processes (a Gloo twin of an NCCL pipeline group, so records stay in host
+    memory).
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, ranks: Optional[Sequence[int]] = None) -> None:
         self.group, self.rank, self.num_ranks, self.device = group, rank, num_ranks, device
         self.timeout = timeout
+        if ranks is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(num_ranks))
+        self._ranks = list(ranks)
         self._signatures: dict[tuple, int] = {}
 
-    def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+    def _global(self, pipeline_rank: int) -> int:
+        return self._ranks[pipeline_rank]
 
     def signature(self, args: Sequence[Any], kwargs: dict, sizes: Sequence[int], chunk_spec: Any) -> int:
         """A 62-bit hash of the batch's pytree structure, shapes and dtypes, the split and the chunk spec.
