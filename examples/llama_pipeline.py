@@ -19,9 +19,10 @@ one file:
 - **tied embeddings** (``tie_word_embeddings``): ``pe.tie_parameters`` keeps the
   first stage's embedding and the last stage's head one weight;
 - **clipping**: ``pe.clip_grad_norm_`` over the whole pipeline;
-- **PP x DP** from a ``DeviceMesh`` ("dp", "pp"): the DP gradient average is a
-  plain all-reduce over ``mesh["dp"]`` after each step (stages may instead be
-  wrapped in DDP / ``fully_shard``, see the README).
+- **PP x DP** from torch's ``DeviceMesh`` (``pe.pipeline_mesh``, dims "dp" and
+  "pp"; ``pe.pipeline_layout`` says which stages this rank holds): each stage
+  is wrapped in ``DistributedDataParallel`` over its replicas, and the schedule
+  synchronises it once per step (``fully_shard`` works the same way).
 
 Run it (random weights, no downloads; ``pip install "pipeline_ext[llama]"``)::
 
@@ -44,7 +45,6 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
-from pipeline_ext import schedules as S
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,33 +121,35 @@ def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
 
 def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of the run; returns what it measured (losses on the last stage, checks with ``check``)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
 
     pp = cfg["pp"]
     if world % pp:
         raise ValueError(f"world size {world} is not a multiple of --pp {pp}")
     dp = world // pp
     device = torch.device(cfg.get("device", "cpu"))
-    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    dp_group = mesh["dp"].get_group() if dp > 1 else None
+    name = cfg["schedule"]
+    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
+    mesh = pe.pipeline_mesh(pp=pp, dp=dp, device_type=device.type)  # torch's DeviceMesh, dims ("dp", "pp")
+    layout = pe.pipeline_layout(mesh, name, stages_per_rank=v)  # which stages this rank holds
+    mine, n, dp_rank = layout.stages, layout.num_stages, layout.dp_rank
+    dp_group = layout.dp_group if dp > 1 else None
 
     config = llama_config(cfg["size"], cfg["seq"])
     torch.manual_seed(0)  # the same random weights on every rank
     full = LlamaForCausalLM(config).to(device)
     reference = copy.deepcopy(full) if cfg.get("check") else None
 
-    name = cfg["schedule"]
-    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
-    n = pp * v
-    mine = [s for s, r in enumerate(S.build(name, pp, cfg["microbatches"], stages_per_rank=v).stage_to_rank)
-            if r == pp_rank]
     ranges = split_layers(config.num_hidden_layers, n)
     modules = {s: LlamaStage(full, *ranges[s], first=s == 0, last=s == n - 1) for s in mine}
     del full  # the stages hold what this rank needs
-    stages = [pe.PipelineStage(modules[s], s, n, device, group=mesh["pp"].get_group()) for s in mine]
+    # data parallel: each stage in DDP over its replicas (synchronised once per step by the schedule)
+    wrapped = {s: DistributedDataParallel(m, process_group=dp_group) if dp_group is not None else m
+               for s, m in modules.items()}
+    stages = [pe.PipelineStage(wrapped[s], s, n, device, group=mesh["pp"]) for s in mine]
     loss_fn = pe.TokenMeanLoss(dp_group=dp_group)
     sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn)
+    # names as in the stage module (the DDP wrapper's "module." prefix is not needed)
     pe.tie_parameters(sched, {"embed": {0: "model.embed_tokens.weight", n - 1: "lm_head.weight"}})
     params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
@@ -163,11 +165,6 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if sched.has_first_stage else ((), {})
         sched.step(*args, target=labels[mine_rows].to(device) if sched.has_last_stage else None, losses=losses,
                    **kwargs)
-        if dp_group is not None:  # data parallel by hand: average the replicas' gradients
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp_group)
-                    p.grad /= dp
         if reference is not None and step == 0:
             out.update(_compare_first_step(reference, modules, sched, loss_fn, losses, ids, mask, labels, dp_group,
                                            cfg["clip"], device))
