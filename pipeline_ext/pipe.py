@@ -309,6 +309,8 @@ class Pipe(nn.Module):
                 devices, n = devices[: len(layers)], len(layers)
             return balance_by_params(module, n), devices
         balance = [int(b) for b in balance]
+        if any(b < 1 for b in balance) or sum(balance) != len(layers):
+            raise ValueError(f"balance {balance} must be positive layer counts summing to the module's {len(layers)} layers")
         if one_per_device:
             if len(balance) > len(devices):
                 raise IndexError(
@@ -370,7 +372,10 @@ class Pipe(nn.Module):
     )
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        try:
+            device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        except RuntimeError as exc:  # a device torch cannot even name here (cuda:0 on a CPU-only machine)
+            raise TypeError(f"{self._MOVE} ({exc})") from exc
         if device is not None:
             raise TypeError(self._MOVE)
         return super().to(*args, **kwargs)

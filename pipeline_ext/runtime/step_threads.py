@@ -173,6 +173,11 @@ def run_step_threads(
         try:
             jobs[rank]()
         except BaseException as exc:  # reported to the caller, never lost in the thread
+            # Stop the others at once, not when the caller wakes up (torchgpipe's early stop).
+            if not isinstance(exc, StepCancelled):
+                first = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+                if token.cancel(first):
+                    on_cancel(first)
             done.put((rank, exc))
         else:
             done.put((rank, None))
@@ -212,8 +217,8 @@ def run_step_threads(
     if errors and raised is None:
         raised = errors[0][1]
     assert raised is not None
-    token.cancel(reason)
-    on_cancel(reason)
+    if token.cancel(reason):
+        on_cancel(reason)
     # Let every worker reach its next action (they stop there) or wake from a closed channel.
     stop_by = time.monotonic() + grace
     try:
