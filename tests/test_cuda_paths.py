@@ -86,7 +86,7 @@ def test_stages_split_between_gpu_and_cpu(name):
     x, y = make_batch("tuple", N)
     ref_loss, ref_grads = _reference(stages, x, y, "cpu", "fp32")
     pipe = pe.Pipe(nn.Sequential(*stages), balance=[1] * len(stages), devices=["cuda:0", "cpu"], chunks=M,
-                   schedule=name)
+                   schedule=name, unpack_tuples=True)  # the "tuple" model's stages take a tuple as arguments
     loss = pipe.step(x, target=y, loss_fn=loss_fn)
     _assert_matches(loss, list(pipe.parameters()), ref_loss, ref_grads, TOLERANCE["fp32"], name)
 
