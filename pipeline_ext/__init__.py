@@ -42,6 +42,7 @@ _EXPORTS = {
     "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
     "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
     "UnsupportedWrapperError": "pipeline_ext.runtime.data_parallel",
+    "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
     "pipeline_mesh": "pipeline_ext.mesh",
     "pipeline_layout": "pipeline_ext.mesh",
     "PipelineLayout": "pipeline_ext.mesh",

@@ -22,20 +22,40 @@ node. If two boundary nodes share part of their weight-only subgraphs (tied
 weights used twice in a stage), re-entering per node would count the shared
 part twice, so W falls back to one backward over the whole graph restricted to
 the parameters: still exact, but W then costs about a full backward.
+
+Some graphs cannot be re-entered per node exactly (see ``runtime/split_obstacles.py``):
+a ``torch.compile``'d region is one opaque node whose compiled backward computes
+every gradient at once and may donate its buffers (a second call is an error);
+a reentrant checkpoint refuses ``autograd.grad``; selective activation
+checkpointing (SAC) lets its region be recomputed once only; an unknown
+saved-tensor unpack hook may be once-only too. For those, I runs the whole
+backward (weight grads accumulate at I, as B would do) and W has nothing
+left: exact, without the zero-bubble benefit; ``DeferredWeightGrad.unsplit``
+says why, and ``StageRunner`` warns once per stage. Plain non-reentrant
+checkpointing splits: W runs under one ``GraphExecGroup``, so its region is
+recomputed once for W (and once for I), not once per boundary node.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.checkpoint import GraphExecGroup
 
-__all__ = ["DeferredWeightGrad", "backward_input", "backward_weight"]
+from pipeline_ext.runtime.split_obstacles import graph_traits
+
+__all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight"]
 
 
-def _input_region(roots: Sequence[Any], input_nodes: set[Any]) -> set[Any]:
-    """Nodes reachable from ``roots`` that lead to one of ``input_nodes`` (included)."""
+class UnsplitBackwardWarning(UserWarning):
+    """A stage's backward could not be split into I and W exactly, so I ran all of it."""
+
+
+def _reachability(roots: Sequence[Any], input_nodes: set[Any]) -> dict[Any, bool]:
+    """Every node reachable from ``roots``, mapped to whether it leads to one of ``input_nodes``."""
     leads: dict[Any, bool] = {}
     for root in roots:
         stack: list[tuple[Any, bool]] = [(root, False)]
@@ -48,7 +68,7 @@ def _input_region(roots: Sequence[Any], input_nodes: set[Any]) -> set[Any]:
                 leads[node] = node in input_nodes  # provisional; final value set on the way back
                 stack.append((node, True))
                 stack.extend((c, False) for c in children if c not in leads)
-    return {n for n, ok in leads.items() if ok}
+    return leads
 
 
 def _weight_leaves(starts: Sequence[Any], owner: dict[Any, int], tag: int) -> Optional[list[torch.Tensor]]:
@@ -93,6 +113,10 @@ class DeferredWeightGrad:
     output_grads: list[Optional[torch.Tensor]] = field(default_factory=list)
     # fallback: the whole backward restricted to these leaves
     fallback_params: Optional[list[torch.Tensor]] = None
+    #: why I already ran the whole backward (W has nothing left); None when split
+    unsplit: Optional[str] = None
+    # the graph holds checkpointed regions: W's engine calls share one GraphExecGroup
+    recomputes: bool = False
 
     def clear(self) -> None:
         self.boundaries.clear()
@@ -117,8 +141,10 @@ def _plan(region: set[Any]) -> Optional[list[_Boundary]]:
     return boundaries
 
 
-def _all_leaves(roots: Sequence[Any], exclude: set[Any]) -> list[torch.Tensor]:
-    seen: set[Any] = set()
+def _all_leaves(roots: Sequence[Any], stops: set[Any]) -> list[torch.Tensor]:
+    """Leaf tensors reachable from ``roots`` without passing through ``stops`` (the stage inputs' nodes:
+    a non-leaf input's history belongs to whoever made it)."""
+    seen: set[Any] = set(stops)
     leaves: list[torch.Tensor] = []
     stack = list(roots)
     while stack:
@@ -127,7 +153,7 @@ def _all_leaves(roots: Sequence[Any], exclude: set[Any]) -> list[torch.Tensor]:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and node not in exclude:
+        if variable is not None:
             leaves.append(variable)
         stack.extend(c for c, _ in node.next_functions if c is not None)
     return leaves
@@ -143,11 +169,23 @@ def backward_input(
     ``outputs`` with their ``grad_outputs`` (None for a scalar loss); outputs
     that do not require grad are ignored. ``inputs`` are the stage inputs that
     require grad. An input that gets no gradient comes back as None.
+
+    If the graph cannot be split exactly (``split_obstacles``), the whole
+    backward runs here, weight grads included, and the returned
+    ``DeferredWeightGrad`` has ``unsplit`` set and nothing left for W.
     """
     deferred = DeferredWeightGrad()
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
-    region = _input_region([get_gradient_edge(o).node for o, _ in pairs], input_nodes) if input_nodes else set()
+    if not input_nodes:  # nothing to do at I: W backpropagates everything in one engine call
+        deferred.outputs, deferred.output_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        return [None] * len(inputs), deferred
+    leads = _reachability([get_gradient_edge(o).node for o, _ in pairs], input_nodes)
+    traits = graph_traits(leads)
+    if traits.obstacle is not None:
+        return _backward_whole(pairs, inputs, traits.obstacle)
+    deferred.recomputes = traits.recomputes
+    region = {n for n, ok in leads.items() if ok}
     in_region = [(o, g) for o, g in pairs if get_gradient_edge(o).node in region]
     for o, g in pairs:
         if get_gradient_edge(o).node not in region:
@@ -182,25 +220,97 @@ def backward_input(
     return list(grads), deferred
 
 
+def _backward_whole(
+    pairs: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]], inputs: Sequence[torch.Tensor], why: str
+) -> tuple[list[Optional[torch.Tensor]], DeferredWeightGrad]:
+    """I as a full backward (what B does): weight grads accumulate now, W gets nothing.
+
+    Leaf inputs collect their grads in ``.grad`` through a plain ``backward``
+    (what a reentrant checkpoint needs); their previous ``.grad`` is put back.
+    A non-leaf input would let a plain backward run on into whatever graph made
+    it, so then the backward is restricted to the inputs and the graph's leaves.
+    """
+    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    before = [t.grad if t.is_leaf else None for t in inputs]
+    try:
+        for t in inputs:
+            if t.is_leaf:
+                t.grad = None
+        if all(t.is_leaf for t in inputs):
+            torch.autograd.backward(roots, grads)
+            got = [t.grad for t in inputs]
+        else:
+            leaves = _all_leaves([get_gradient_edge(o).node for o in roots], {get_gradient_edge(t).node for t in inputs})
+            got = _grads_of(roots, grads, list(inputs), leaves)
+    finally:
+        for t, g in zip(inputs, before):
+            if t.is_leaf:
+                t.grad = g
+    return got, DeferredWeightGrad(unsplit=why)
+
+
+def _grads_of(
+    roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]], inputs: list[torch.Tensor], leaves: list[torch.Tensor]
+) -> list[Optional[torch.Tensor]]:
+    """Full backward restricted to ``inputs`` + ``leaves``: leaves accumulate, inputs' grads are returned."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = [t.register_hook(lambda g, i=i: captured.__setitem__(i, g)) for i, t in enumerate(inputs)]
+    try:
+        torch.autograd.backward(roots, grads, inputs=inputs + leaves)
+    finally:
+        for h in handles:
+            h.remove()
+    return [captured.get(i) for i in range(len(inputs))]
+
+
+# one engine call of W: roots, their grads, the leaves to reach (None: all)
+_Call = tuple[list[Any], list[Optional[torch.Tensor]], Optional[list[torch.Tensor]]]
+
+
 def backward_weight(deferred: DeferredWeightGrad) -> None:
     """Run the weight-grad half, accumulating into the parameters' ``.grad``."""
-    # Nodes shared between the calls below may run more than once, so buffers are
-    # kept; they are freed when the caller drops the microbatch's outputs.
-    try:
-        if deferred.fallback_params is not None:
-            if deferred.fallback_params:
-                torch.autograd.backward(
-                    deferred.outputs, deferred.output_grads, inputs=deferred.fallback_params, retain_graph=True
-                )
-            return
+    # (roots, their grads, the leaves to reach or None for all) per engine call, in groups
+    # whose calls touch disjoint nodes: the boundaries' weight-only subgraphs never overlap
+    # (overlapping ones take the one-call fallback); the outputs that do not depend on any
+    # input may share nodes with them, so they get a group of their own.
+    groups: list[list[_Call]] = []
+    if deferred.fallback_params is not None:
+        if deferred.fallback_params:
+            groups.append([(list(deferred.outputs), list(deferred.output_grads), deferred.fallback_params)])
+    else:
+        edges: list[_Call] = []
         for b in deferred.boundaries:
             assert b.grads is not None
             idx = [i for i, g in enumerate(b.grads) if g is not None]
             if idx:
-                torch.autograd.backward(
-                    [GradientEdge(b.node, i) for i in idx], [b.grads[i] for i in idx], inputs=b.params, retain_graph=True
-                )
+                edges.append(([GradientEdge(b.node, i) for i in idx], [b.grads[i] for i in idx], b.params))
+        groups.append(edges)
         if deferred.outputs:
-            torch.autograd.backward(deferred.outputs, deferred.output_grads, retain_graph=True)
+            groups.append([(list(deferred.outputs), list(deferred.output_grads), None)])
+    n_calls = sum(len(g) for g in groups)
+    done = 0
+    try:
+        for group in groups:
+            with _exec_group(deferred.recomputes and len(group) > 1):
+                for roots, grads, leaves in group:
+                    done += 1
+                    # Nodes shared between calls may run more than once, so every call but the
+                    # last keeps the buffers (the caller frees them by dropping the outputs). The
+                    # last call frees them, which also lets a compiled region with donated buffers
+                    # run in a one-call W (a first stage's).
+                    kw = {"inputs": leaves} if leaves is not None else {}
+                    torch.autograd.backward(roots, grads, retain_graph=done < n_calls, **kw)
     finally:
         deferred.clear()
+
+
+def _exec_group(wanted: bool) -> contextlib.AbstractContextManager[Any]:
+    """One ``GraphExecGroup`` around W's engine calls, so checkpointed regions recompute once for all of them.
+
+    The calls touch disjoint nodes (boundary subgraphs never overlap; overlapping ones
+    take the one-call fallback), which is what the group requires. Groups cannot nest:
+    inside a caller's group each call recomputes on its own (exact, slower).
+    """
+    if not wanted or torch._C._get_graph_exec_group() is not None:
+        return contextlib.nullcontext()
+    return GraphExecGroup()

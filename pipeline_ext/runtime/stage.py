@@ -22,6 +22,7 @@ Conventions, shared with the executor:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,7 +30,12 @@ import torch
 from torch import nn
 
 from pipeline_ext.runtime.data_parallel import GradientSync
-from pipeline_ext.runtime.split_backward import DeferredWeightGrad, backward_input, backward_weight
+from pipeline_ext.runtime.split_backward import (
+    DeferredWeightGrad,
+    UnsplitBackwardWarning,
+    backward_input,
+    backward_weight,
+)
 
 __all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
 
@@ -128,6 +134,7 @@ class StageRunner(StagePosition):
         self.grad_sync = grad_sync
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
+        self._warned_unsplit = False
 
     @property
     def live_microbatches(self) -> int:
@@ -273,6 +280,15 @@ class StageRunner(StagePosition):
             raise StageError(f"stage {self.stage_index}: I of microbatch {mb} ran twice")
         outputs, grads = self._grad_pairs(state, grad_outputs)
         input_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs)
+        if state.deferred.unsplit is not None and not self._warned_unsplit:
+            self._warned_unsplit = True
+            warnings.warn(
+                f"stage {self.stage_index}: the backward cannot be split into input and weight grads exactly "
+                f"because {state.deferred.unsplit}; I runs the whole backward and W does nothing (exact, but "
+                "this stage loses the zero-bubble overlap). Warned once per stage.",
+                UnsplitBackwardWarning,
+                stacklevel=2,
+            )
         message = self._grad_message(state, input_grads)
         state.outputs, state.grad_inputs = [], []  # W needs only the deferred work
         return message
