@@ -190,8 +190,8 @@ def run_step_threads(
     reason = ""
     try:
         for r, t in enumerate(threads):
+            running.add(r)  # before start: a Ctrl-C between the two must not lose a started thread
             t.start()
-            running.add(r)
         while running and not errors:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -232,6 +232,7 @@ def run_step_threads(
                 errors.append((rank, exc))
     except BaseException:  # a second Ctrl-C: stop waiting, abandon who is still running
         pass
+    running = {r for r in running if threads[r].ident is not None}  # a Ctrl-C may have come before a start
     outcome = StepOutcome(reason, list(activities), [(threads[r], activities[r]) for r in sorted(running)])
     _join([t for r, t in enumerate(threads) if r not in running])
     now = time.monotonic()
