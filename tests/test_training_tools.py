@@ -247,6 +247,63 @@ def test_dcp_round_trip_fresh_pipeline_unsplit_model_and_bitwise_resume():
         assert all(torch.equal(full["model"][k], v) for k, v in saved.items())
 
 
+def _fsdp_pipeline(groups, seed: int):
+    """This rank's stage of a 2-stage pipeline, fully_shard-ed over its DP pair, with AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    pp_group, _, pp_rank, _, dp_mesh = groups
+    module = toy(2, tied=False, seed=seed)[pp_rank]
+    fully_shard(module, mesh=dp_mesh)
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, pp_rank, 2, "cpu", group=pp_group), 2, loss_fn=pe.TokenMeanLoss())
+    return module, sched, torch.optim.AdamW(module.parameters(), lr=0.05)
+
+
+def _fsdp_steps(groups, sched, opt, steps) -> None:
+    _, _, pp_rank, dp_rank, _ = groups
+    for step in steps:
+        x, y = _ckpt_batches(step)
+        x, y = x[dp_rank * 3:(dp_rank + 1) * 3], y[dp_rank * 3:(dp_rank + 1) * 3]
+        sched.step(x if pp_rank == 0 else None, target=y if pp_rank == 1 else None)
+        opt.step()
+        opt.zero_grad()
+
+
+def _fsdp_round_trip(rank: int, world: int, path: str) -> dict:
+    """Stage-sharded x FSDP-sharded state (2 x 2): save, load into a fresh pipeline, resume bitwise."""
+    groups = _layout(world, 2)
+    pp_rank = groups[2]
+    fqn_maps = {pp_rank: f"{pp_rank}."}
+    module, sched, opt = _fsdp_pipeline(groups, seed=0)
+    _fsdp_steps(groups, sched, opt, range(2))
+    saved = {k: full(v).clone() for k, v in module.state_dict().items()}
+    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps)
+    _fsdp_steps(groups, sched, opt, range(2, 4))
+    straight = {k: full(v) for k, v in module.state_dict().items()}
+    fresh, sched2, opt2 = _fsdp_pipeline(groups, seed=1)
+    pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps)
+    loaded = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in saved.items())
+    _fsdp_steps(groups, sched2, opt2, range(2, 4))
+    bitwise = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in straight.items())
+    return {"loaded": loaded, "resumed_bitwise": bitwise,
+            "saved": {f"{pp_rank}.{k}": v.numpy() for k, v in saved.items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_dcp_round_trip_of_fsdp_sharded_stages_2x2():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        res = rank_values(_fsdp_round_trip, 4, path, timeout=130)
+        for r, v in res.items():
+            assert v["loaded"] and v["resumed_bitwise"], (r, {k: v[k] for k in v if k != "saved"})
+        saved = {k: torch.from_numpy(v) for r in res for k, v in res[r]["saved"].items()}
+        unsplit = nn.Sequential(*toy(2, tied=False, seed=5))  # loads the sharded checkpoint whole
+        pe.load_checkpoint(path, unsplit, torch.optim.AdamW(unsplit.parameters(), lr=0.05))
+        assert unsplit.state_dict().keys() == saved.keys()
+        for k, v in unsplit.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+
+
 # -- in-process pieces ---------------------------------------------------------------------------
 def test_unsplit_names():
     assert unsplit_name("lin.weight", None) == "lin.weight"
