@@ -43,6 +43,7 @@ _EXPORTS = {
     "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
     "UnsupportedWrapperError": "pipeline_ext.runtime.data_parallel",
     "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
+    "split_backend": "pipeline_ext.runtime.compiled_split",
     "pipeline_mesh": "pipeline_ext.mesh",
     "pipeline_layout": "pipeline_ext.mesh",
     "PipelineLayout": "pipeline_ext.mesh",

@@ -95,21 +95,26 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)
 
 
-def _check(rank: int, name: str, wrap: str, compiled: bool) -> list[str]:
-    """One training step of ``name`` against the unsplit eager model; the complaints, if any."""
+def _check(rank: int, name: str, wrap: str, compiled: bool, backend: str = "inductor") -> list[str]:
+    """One training step of ``name`` against the unsplit eager model; the complaints, if any.
+
+    ``backend``: "inductor" (torch's default) or "split" (``pe.split_backend``, whose
+    backward is cut into I and W graphs: no fallback, no warning).
+    """
     import pipeline_ext as pe
 
     layout_stages = [rank, 3 - rank] if name == "zbv" else [rank, rank + 2] if name in MULTI else [rank]
     ns = 4 if name in MULTI else 2
     modules, ref = _models(ns, wrap)
-    run = {s: torch.compile(modules[s], backend="inductor") if compiled else modules[s] for s in layout_stages}
+    chosen = pe.split_backend if backend == "split" else backend
+    run = {s: torch.compile(modules[s], backend=chosen) if compiled else modules[s] for s in layout_stages}
     stages = [pe.PipelineStage(run[s], s, ns, "cpu") for s in layout_stages]
     loss_fn = nn.functional.mse_loss
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn)
     params = [p for s in layout_stages for p in modules[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     x, y = _batch()
-    where = f"{name} {'compiled' if compiled else 'eager'} {wrap} rank {rank}"
+    where = f"{name} {f'compiled ({backend})' if compiled else 'eager'} {wrap} rank {rank}"
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for _ in range(2):  # the warning must not come back at the second step
@@ -128,7 +133,7 @@ def _check(rank: int, name: str, wrap: str, compiled: bool) -> list[str]:
         for p in (p for st in ref for p in st.parameters()):
             p -= 0.1 * p.grad
     bad += _compare(where, "param after SGD", modules, ref, layout_stages, lambda p: p.detach())
-    bad += _check_warnings(where, name, wrap, compiled, layout_stages, unsplit)
+    bad += _check_warnings(where, name, wrap, compiled and backend != "split", layout_stages, unsplit)
     return bad
 
 
@@ -160,9 +165,9 @@ def _check_warnings(where: str, name: str, wrap: str, compiled: bool, mine: list
     return [f"{where}: warning does not say why: {m}" for m in unsplit if reason not in m]
 
 
-def _compiled_run(rank: int, world: int, names: list[str]) -> list[str]:
+def _compiled_run(rank: int, world: int, names: list[str], backend: str = "inductor") -> list[str]:
     torch._dynamo.config.cache_size_limit = 64
-    return [b for name in names for b in _check(rank, name, "none", compiled=True)]
+    return [b for name in names for b in _check(rank, name, "none", compiled=True, backend=backend)]
 
 
 def _checkpointed_run(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
@@ -172,6 +177,13 @@ def _checkpointed_run(rank: int, world: int, cases: list[tuple[str, str]]) -> li
 @pytest.mark.timeout(300)
 def test_compiled_stages_exact_under_every_schedule():
     no_complaints(_compiled_run, 2, SINGLE + MULTI, timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_split_compiled_stages_exact_without_fallback():
+    """``pe.split_backend``: the compiled backward is cut into I and W graphs, exact, and nothing warns."""
+    no_complaints(_compiled_run, 2, ["zb_h1", "zbv", "1f1b"], "split", timeout=280)
 
 
 @pytest.mark.timeout(120)
@@ -286,3 +298,58 @@ def test_runner_warns_once_per_stage():
             runner.backward_weight(mb)
     msgs = [str(w.message) for w in said if issubclass(w.category, UnsplitBackwardWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("stage 1:") and "selective" in msgs[0], msgs
+
+
+# -- split_backend: the compiled backward cut into I and W graphs ------------------------------------
+def test_cut_backward_computes_each_node_once():
+    """A Linear's backward by hand: dx = g @ W (kept), dW = g'.T @ x (deferred), g' = g * s shared."""
+    from torch import fx
+
+    from pipeline_ext.runtime.compiled_split import cut_backward
+
+    def bw(x, w, s, g):
+        h = g * s
+        return torch.mm(h, w), torch.mm(h.t(), x), h.sum(0)
+
+    gm = fx.symbolic_trace(bw)
+    first, rest, n_kept = cut_backward(gm, frozenset({1, 2}))
+    ops = lambda m: [n.target for n in m.graph.nodes if n.op in ("call_function", "call_method")]  # noqa: E731
+    assert n_kept == 1
+    assert ops(first).count(torch.mm) == 1 and ops(rest).count(torch.mm) == 1
+    assert "mul" not in str(ops(rest)) and len([n for n in rest.graph.nodes if n.op == "placeholder"]) == 5
+    x, w, s, g = (torch.randn(3, 4), torch.randn(4, 4), torch.randn(3, 4), torch.randn(3, 4))
+    dx, handed = first(x, w, s, g)
+    dw, db = rest(x, w, s, g, handed)
+    for a, b in zip((dx, dw, db), bw(x, w, s, g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_split_backend_i_computes_no_weight_grad_and_w_completes_it():
+    """I on a region compiled by split_backend accumulates nothing; W adds exactly the weight grads."""
+    import copy
+
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+
+    torch.manual_seed(0)
+    body = Stage()
+    ref = copy.deepcopy(body)
+    compiled = torch.compile(body, backend=pe.split_backend)
+    x = torch.randn(4, D, requires_grad=True)
+    out = compiled(x)
+    g = torch.randn_like(out)
+    (gx,), deferred = backward_input([out], [g], [x])
+    assert deferred.unsplit is None and len(deferred.boundaries) == 1
+    assert all(p.grad is None for p in body.parameters())
+    backward_weight(deferred)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).backward(g)
+    torch.testing.assert_close(gx, x2.grad)
+    for p, q in zip(body.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    # a whole backward (B) of the same compiled region is exact too
+    body.zero_grad(), ref.zero_grad()
+    compiled(x).backward(g)
+    ref(x2).backward(g)
+    for p, q in zip(body.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -45,7 +45,8 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import GraphExecGroup
 
-from pipeline_ext.runtime.split_obstacles import graph_traits
+from pipeline_ext.runtime.compiled_split import DEFER_ATTR
+from pipeline_ext.runtime.split_obstacles import graph_traits, split_aware
 
 __all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight"]
 
@@ -199,6 +200,10 @@ def backward_input(
         deferred.fallback_params = _all_leaves([get_gradient_edge(o).node for o, _ in pairs], input_nodes)
         deferred.outputs = [o for o, _ in pairs]
         deferred.output_grads = [g for _, g in pairs]
+    for b in plan or []:
+        if split_aware(b.node):  # a compiled region that computes only its input grads now, the rest at W
+            setattr(b.node, DEFER_ATTR, frozenset(
+                i for i, (c, _) in enumerate(b.node.next_functions) if c is not None and c not in region))
     handles = []
     for b in plan or []:
         def hook(grads: tuple[Optional[torch.Tensor], ...], b: _Boundary = b) -> None:

@@ -33,10 +33,10 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch.utils import checkpoint as _ckpt
 
-__all__ = ["GraphTraits", "graph_traits", "SPLITTABLE_MARK"]
+__all__ = ["GraphTraits", "graph_traits", "split_aware", "SPLITTABLE_MARK"]
 
-#: attribute a node's forward class (an autograd.Function) may carry to say its
-#: backward is split-aware and may be re-entered at W (see ``runtime/compiled_split.py``)
+#: attribute of a compiled forward (``CompiledFunction.compiled_fw``) whose backward
+#: can be cut into I and W graphs (``runtime/compiled_split.py``)
 SPLITTABLE_MARK = "_pipeline_ext_splittable"
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
@@ -69,12 +69,21 @@ def graph_traits(nodes: Iterable[Any]) -> GraphTraits:
     return GraphTraits(None, recomputes)
 
 
+def split_aware(node: Any) -> bool:
+    """A region compiled by ``compiled_split.split_backend``: its backward can be cut into I and W."""
+    fwd = getattr(type(node), "_forward_cls", None)
+    return getattr(getattr(fwd, "compiled_fw", None), SPLITTABLE_MARK, False) is True
+
+
 def _opaque(node: Any) -> Optional[str]:
     fwd = getattr(type(node), "_forward_cls", None)  # set on the nodes of Python autograd.Functions
-    if fwd is None or getattr(fwd, SPLITTABLE_MARK, False):
+    if fwd is None or split_aware(node):
         return None
     if fwd.__name__ == "CompiledFunction" or type(node).__name__ == "CompiledFunctionBackward":
-        return "it contains a torch.compile'd region (one opaque CompiledFunctionBackward node)"
+        return (
+            "it contains a torch.compile'd region (one opaque CompiledFunctionBackward node; "
+            "torch.compile(..., backend=pipeline_ext.split_backend) keeps the split)"
+        )
     if issubclass(fwd, _ckpt.CheckpointFunction):
         return "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), which refuses autograd.grad"
     return None

@@ -1,0 +1,190 @@
+"""A ``torch.compile`` backend whose backward splits into an input-grad and a weight-grad graph.
+
+With the default inductor backend a compiled region is one opaque autograd
+node, ``CompiledFunctionBackward``: its compiled backward computes every
+gradient at once, so the zero-bubble I/W split cannot run the input-grad half
+alone and falls back to a whole backward at I (``split_obstacles``).
+
+``split_backend`` is inductor (``compile_fx``) with two changes:
+
+- the backward graph AOTAutograd hands to inductor is kept as an FX graph
+  besides being compiled whole (for B). When ``split_backward`` asks a compiled
+  node for its input-grad outputs only, the graph is cut in two: the *first*
+  part computes those outputs plus the intermediate values the remaining
+  outputs need (for a Linear, the gradient at its output), the *rest* computes
+  the weight grads from the saved tensors and those values. Each part is
+  dead-code eliminated and compiled by inductor (once per cut, cached); nothing
+  is computed twice. The values wait on the autograd node between I and W;
+- buffers are not donated (W runs the node a second time, with the graph
+  retained) and AOTAutograd's cache is off for these graphs (a cache hit would
+  bring back an unsplittable backward).
+
+The protocol with ``split_backward``: before I it sets ``DEFER_ATTR`` on the
+node (the output slots, i.e. ``next_functions`` indices, to leave for W); the
+first call computes the others and leaves ``STASH_ATTR``; W re-enters the node
+and the second call computes the deferred slots from the stash. A node without
+``DEFER_ATTR`` (B, 1F1B) runs the whole compiled backward. ``split_obstacles``
+accepts a compiled region only if its forward was compiled here (it carries
+``SPLITTABLE_MARK``).
+
+Use: ``torch.compile(module, backend=pipeline_ext.split_backend)``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import fx
+
+from pipeline_ext.runtime.split_obstacles import SPLITTABLE_MARK
+
+__all__ = ["split_backend", "DEFER_ATTR", "STASH_ATTR"]
+
+DEFER_ATTR = "_pipeline_ext_defer"
+STASH_ATTR = "_pipeline_ext_stash"
+
+
+def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """``torch.compile`` backend: inductor, with a backward that ``split_backward`` can split (see module doc)."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with functorch_config.patch(donated_buffer=False, enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile)
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if kwargs.get("is_backward"):
+        return SplitBackward(gm, example_inputs, kwargs)
+    compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    setattr(compiled, SPLITTABLE_MARK, True)  # reached as CompiledFunction.compiled_fw
+    return compiled
+
+
+class SplitBackward:
+    """The compiled backward of one region: whole, or as (first, rest) parts cut per set of deferred outputs."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        from torch._guards import CompileContext, TracingContext
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        # called with one list of arguments, as AOTAutograd's compiled functions are; an instance
+        # attribute, so that the wrappers AOTAutograd puts around us (functools.wraps) copy it
+        self._boxed_call = True
+        self._graph = copy.deepcopy(gm)  # inductor may rewrite the one it compiles
+        # parts are compiled lazily, at the first I that asks for them: under the contexts of this compile
+        self._tracing = TracingContext.try_get()
+        self._compile = CompileContext.try_get()
+        self._kwargs = {k: kwargs[k] for k in ("graph_id", "boxed_forward_device_index") if k in kwargs}
+        self._whole = compile_fx_inner(gm, example_inputs, **kwargs)
+        self._parts: dict[frozenset[int], tuple[Any, Any, int]] = {}
+
+    def __call__(self, args: list[Any]) -> Any:
+        node = torch._C._current_autograd_node()
+        stash = getattr(node, STASH_ATTR, None)
+        if stash is not None:  # W: the deferred outputs, from the stash
+            delattr(node, STASH_ATTR)
+            deferred, rest, values = stash
+            got = _call(rest, list(args) + values)
+            args.clear()
+            return _scatter(self._n_outputs, sorted(deferred), got)
+        defer: Optional[frozenset[int]] = getattr(node, DEFER_ATTR, None)
+        if defer is not None:
+            delattr(node, DEFER_ATTR)
+        if not defer or len(node.next_functions) != self._n_outputs:  # (slots must map one to one)
+            return _call(self._whole, args)
+        first, rest, n_kept = self._cut(defer)
+        got = _call(first, args)
+        setattr(node, STASH_ATTR, (defer, rest, list(got[n_kept:])))
+        kept = [i for i in range(self._n_outputs) if i not in defer]
+        return _scatter(self._n_outputs, kept, got[:n_kept])
+
+    @property
+    def _n_outputs(self) -> int:
+        return len(_outputs(self._graph))
+
+    def _cut(self, defer: frozenset[int]) -> tuple[Any, Any, int]:
+        if defer not in self._parts:
+            first, rest, n_kept = cut_backward(self._graph, defer)
+            self._parts[defer] = (self._compile_part(first), self._compile_part(rest), n_kept)
+        return self._parts[defer]
+
+    def _compile_part(self, gm: fx.GraphModule) -> Any:
+        from torch._guards import compile_context, tracing
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        example = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        with tracing(self._tracing), compile_context(self._compile):
+            return compile_fx_inner(gm, example, is_backward=True, **self._kwargs)
+
+
+def _call(compiled: Any, args: list[Any]) -> list[Any]:
+    if getattr(compiled, "_boxed_call", False):
+        return list(compiled(args))
+    return list(compiled(*args))
+
+
+def _scatter(n: int, slots: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    out: list[Any] = [None] * n
+    for i, v in zip(slots, values):
+        out[i] = v
+    return out
+
+
+def _outputs(graph: fx.GraphModule) -> list[Any]:
+    (out,) = [n for n in graph.graph.nodes if n.op == "output"]
+    return list(out.args[0])
+
+
+def _ancestors(values: Sequence[Any]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [v for v in values if isinstance(v, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def cut_backward(gm: fx.GraphModule, defer: frozenset[int]) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+    """Cut a backward graph into ``first`` (the outputs not in ``defer``, then the values ``rest`` needs)
+    and ``rest`` (the ``defer`` outputs, sorted by index, from the original arguments and those values).
+
+    Every computation runs in exactly one part: ``rest`` gets only the nodes the
+    kept outputs do not need; what both need is computed in ``first`` and handed on.
+    """
+    outputs = _outputs(gm)
+    kept = [v for i, v in enumerate(outputs) if i not in defer]
+    later = [outputs[i] for i in sorted(defer)]
+    in_first = _ancestors(kept)
+    in_rest = _ancestors(later) - in_first
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # computed in first, used in rest (or a deferred output itself): handed on
+    handed = [
+        n for n in gm.graph.nodes
+        if n in in_first and n.op != "placeholder"
+        and (any(u in in_rest for u in n.users) or any(n is v for v in later))
+    ]
+
+    def build(nodes: set[fx.Node], extra_inputs: list[fx.Node], results: list[Any]) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for p in placeholders + extra_inputs:
+            env[p] = graph.placeholder(p.name if p.op == "placeholder" else f"handed_{p.name}")
+            env[p].meta = dict(p.meta)
+        for n in gm.graph.nodes:
+            if n in nodes and n.op != "placeholder" and n not in env:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        graph.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in results))
+        part = fx.GraphModule(gm, graph)
+        part.graph.eliminate_dead_code()
+        part.recompile()
+        return part
+
+    first = build(in_first, [], kept + handed)
+    rest = build(in_rest, handed, later)
+    return first, rest, len(kept)
