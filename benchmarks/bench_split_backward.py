@@ -20,6 +20,28 @@ from torch import nn
 from pipeline_ext.runtime.split_backward import backward_input, backward_weight
 
 
+def time_whole(model: nn.Module, x: torch.Tensor) -> float:
+    """Seconds of one full backward B of ``model(x)`` (the forward is not timed)."""
+    inp = x.clone().requires_grad_(True)
+    out = model(inp)
+    g = torch.ones_like(out)
+    t0 = time.perf_counter()
+    out.backward(g)
+    return time.perf_counter() - t0
+
+
+def time_split(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    """Seconds of I + W and of I alone for ``model(x)`` (the forward is not timed)."""
+    inp = x.clone().requires_grad_(True)
+    out = model(inp)
+    g = torch.ones_like(out)
+    t0 = time.perf_counter()
+    _, deferred = backward_input([out], [g], [inp])
+    t1 = time.perf_counter()
+    backward_weight(deferred)
+    return time.perf_counter() - t0, t1 - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -36,32 +58,14 @@ def main() -> None:
     )
     x = torch.randn(args.batch, args.seq, args.d)
 
-    def full() -> float:
-        inp = x.clone().requires_grad_(True)
-        out = stack(inp)
-        g = torch.ones_like(out)
-        t0 = time.perf_counter()
-        out.backward(g)
-        return time.perf_counter() - t0
-
-    def split() -> tuple[float, float]:
-        inp = x.clone().requires_grad_(True)
-        out = stack(inp)
-        g = torch.ones_like(out)
-        t0 = time.perf_counter()
-        _, deferred = backward_input([out], [g], [inp])
-        t1 = time.perf_counter()
-        backward_weight(deferred)
-        return time.perf_counter() - t0, t1 - t0
-
     for _ in range(3):
-        full(), split()
+        time_whole(stack, x), time_split(stack, x)
     b, iw, i = [], [], []
     for _ in range(args.repeats):
         stack.zero_grad(set_to_none=True)
-        b.append(full())
+        b.append(time_whole(stack, x))
         stack.zero_grad(set_to_none=True)
-        total, first = split()
+        total, first = time_split(stack, x)
         iw.append(total)
         i.append(first)
     mb, miw, mi = statistics.median(b), statistics.median(iw), statistics.median(i)
