@@ -30,13 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
-from pipeline_ext.microbatch import (
-    merge_chunks,
-    microbatch_sizes,
-    split_args_kwargs,
-    split_target,
-    to_device,
-)
+from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
@@ -355,10 +349,7 @@ class PipelineSchedule:
             return [], [], []  # as in torch: inputs given to a rank without stage 0 are not used
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
-        sizes = microbatch_sizes(args, kwargs, self.n_microbatches, self.chunk_spec)
-        args, kwargs = to_device((args, kwargs), self._device)
-        args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, self.n_microbatches, self.chunk_spec)
-        return args_chunks, kwargs_chunks, sizes
+        return split_step_inputs(args, kwargs, self.n_microbatches, self._device, self.chunk_spec)
 
     def _check_target(self, plan: int, target: Any) -> list:
         """The target split per microbatch on the last stage's rank; [] when no loss is computed.
@@ -377,7 +368,7 @@ class PipelineSchedule:
             return []
         if self.loss_fn is None:
             raise ValueError("target= was given but the schedule has no loss_fn to compute a loss with")
-        return split_target(to_device(target, self._device), self.n_microbatches)
+        return split_step_target(target, self.n_microbatches, self._device)
 
     def _post_agreement(self, plan: int, executor: Executor, args: tuple, kwargs: dict,
                         target: Any) -> tuple[StepInputs, PendingExchange]:

@@ -40,6 +40,8 @@ __all__ = [
     "microbatch_sizes",
     "microbatch_weights",
     "split_target",
+    "split_step_inputs",
+    "split_step_target",
     "to_device",
 ]
 
@@ -272,3 +274,29 @@ def to_device(tree: Any, device: torch.device) -> Any:
 def split_target(target: Any, n_microbatches: int) -> list[Any]:
     """The loss target (a tensor or pytree) cut into microbatches like a single positional input."""
     return [c[0] for c in split_args_kwargs((target,), {}, n_microbatches)[0]]
+
+
+def split_step_inputs(
+    args: Sequence[Any], kwargs: dict[str, Any] | None, n_microbatches: int, device: torch.device,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
+    """A step's batch on ``device``, cut into microbatches: ``(args_chunks, kwargs_chunks, rows)``.
+
+    The one place both front doors (``Pipe`` and ``PipelineSchedule``) turn a
+    batch into microbatches, so they check and split it the same way.
+    """
+    sizes = microbatch_sizes(args, kwargs, n_microbatches, chunk_spec)
+    args, kwargs = to_device((tuple(args), dict(kwargs or {})), device)
+    args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, n_microbatches, chunk_spec)
+    return args_chunks, kwargs_chunks, sizes
+
+
+def split_step_target(target: Any, n_microbatches: int, device: torch.device,
+                      sizes: Sequence[int] | None = None) -> list[Any]:
+    """The loss target on ``device`` cut into microbatches; checked against the batch's ``sizes`` when given."""
+    target = to_device(target, device)
+    if sizes is not None:
+        target_sizes = microbatch_sizes((target,), {}, n_microbatches)
+        if target_sizes != list(sizes):
+            raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {list(sizes)}")
+    return split_target(target, n_microbatches)

@@ -39,13 +39,7 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.batchnorm import DeferredStats
 from pipeline_ext.checkpoint import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
-from pipeline_ext.microbatch import (
-    merge_chunks,
-    microbatch_sizes,
-    split_args_kwargs,
-    split_target,
-    to_device,
-)
+from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.partition import balance_by_params
 from pipeline_ext.runtime.channels import LocalHub
 from pipeline_ext.runtime.connected import ConnectedRunner
@@ -59,7 +53,8 @@ __all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
 Device = Union[str, int, torch.device]
 
 #: built-in schedules that place two stages on every rank by default
-MULTI_STAGE_SCHEDULES = frozenset({"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"})
+#: built-in schedules that put several stages on a device by default (from the schedule registry)
+MULTI_STAGE_SCHEDULES = frozenset(n for n in S.available() if S.default_stages_per_rank(n) > 1)
 
 
 class PipeBusyError(RuntimeError):
@@ -423,10 +418,7 @@ class Pipe(nn.Module):
     def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
         rows = microbatch_sizes(args, kwargs, 1)[0]
         m = min(self.chunks, max(rows, 1))  # torchgpipe: a batch smaller than chunks is allowed
-        sizes = microbatch_sizes(args, kwargs, m)
-        args, kwargs = to_device((args, kwargs), self.stage_devices[0])
-        args_chunks, kwargs_chunks = split_args_kwargs(args, kwargs, m)
-        return args_chunks, kwargs_chunks, sizes
+        return split_step_inputs(args, kwargs, m, self.stage_devices[0])
 
     def _enter(self) -> None:
         """One call at a time; never while a cancelled call's worker still runs."""
@@ -535,11 +527,7 @@ class Pipe(nn.Module):
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
         m = len(sizes)
-        target = to_device(target, self.stage_devices[-1])
-        target_sizes = microbatch_sizes((target,), {}, m)
-        if target_sizes != sizes:
-            raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {sizes}")
-        targets = split_target(target, m)
+        targets = split_step_target(target, m, self.stage_devices[-1], sizes)
         weights = loss_weights(loss_fn, sizes, targets)  # row shares, or the loss_fn's own (token counts)
         schedule, _ = self._schedules_for(m)
         call = self._new_call(m)

@@ -38,10 +38,9 @@ import torch
 
 from pipeline_ext.runtime.protocol.identity import check_tag_space, message_tag
 from pipeline_ext.runtime.protocol.plan import DEFAULT_MAX_PLANS, PlanCache, StepMessages
-from pipeline_ext.runtime.stage import StageRunner
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 
-__all__ = ["Channel", "Handle", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
+__all__ = ["Channel", "Handle", "Runner", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 
@@ -60,6 +59,28 @@ class Handle(Protocol):
     def wait(self, timeout: float, what: str) -> list[torch.Tensor]: ...
 
     def is_completed(self) -> bool: ...
+
+
+class Runner(Protocol):
+    """What the executor asks of one stage: F, B, I and W on microbatches.
+
+    ``StageRunner`` is the one implementation; ``ConnectedRunner`` (Pipe's
+    autograd-connected forward) and ``GuardedRunner`` (Pipe's cancellable
+    steps) wrap it and are typed peers of it through this protocol.
+    """
+
+    @property
+    def is_last(self) -> bool: ...
+
+    def forward(self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None,
+                loss_weight: float = 1.0) -> tuple[torch.Tensor, ...]: ...
+
+    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]: ...
+
+    def backward_input(self, mb: int,
+                       grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]: ...
+
+    def backward_weight(self, mb: int) -> None: ...
 
 
 class Channel(Protocol):
@@ -111,7 +132,7 @@ class Executor:
         self,
         schedule: Schedule,
         rank: int,
-        runners: dict[int, StageRunner],
+        runners: dict[int, Runner],
         channel: Channel,
         timeout: float = 300.0,
         recv_window: int = 4,
