@@ -75,6 +75,7 @@ class SplitBackward:
         # attribute, so that the wrappers AOTAutograd puts around us (functools.wraps) copy it
         self._boxed_call = True
         self._graph = copy.deepcopy(gm)  # inductor may rewrite the one it compiles
+        self._n_outputs = len(_outputs(self._graph))  # one per next_functions slot of the node
         # parts are compiled lazily, at the first I that asks for them: under the contexts of this compile
         self._tracing = TracingContext.try_get()
         self._compile = CompileContext.try_get()
@@ -101,10 +102,6 @@ class SplitBackward:
         setattr(node, STASH_ATTR, (defer, rest, list(got[n_kept:])))
         kept = [i for i in range(self._n_outputs) if i not in defer]
         return _scatter(self._n_outputs, kept, got[:n_kept])
-
-    @property
-    def _n_outputs(self) -> int:
-        return len(_outputs(self._graph))
 
     def _cut(self, defer: frozenset[int]) -> tuple[Any, Any, int]:
         if defer not in self._parts:
