@@ -361,7 +361,8 @@ def report(files: list[str], runs: dict[str, dict[str, FileRun]], kept: dict[str
         cells = []
         for v in variants:
             run = runs[v][name]
-            cells.append(f"{sum(r.outcome == 'passed' for r in run.results.values()):>11d} of {len(base.ids):<5d}")
+            passed = sum(i in run.results and run.results[i].outcome == "passed" for i in base.ids)
+            cells.append(f"{passed:>11d} of {len(base.ids):<5d}")
         out.append(f"{name:34s} {len(base.ids):5d} " + " ".join(f"{c:>20s}" for c in cells))
     if "torch" in runs and "pipeline_ext" in runs:
         out.append("\nPass on torch, fail on pipeline_ext:")
