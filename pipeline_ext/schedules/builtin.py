@@ -18,7 +18,14 @@ from typing import Callable, Optional
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import loop_placement, v_placement
-from pipeline_ext.schedules.orders import RankBuilder, depth_first, pipeline_order, split_backward, split_backward_of
+from pipeline_ext.schedules.orders import (
+    RankBuilder,
+    depth_first,
+    interleaved_rounds,
+    pipeline_order,
+    split_backward,
+    split_backward_of,
+)
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -113,26 +120,33 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
                  lambda r: pipeline_order(_forwards(r, m), _full_backwards(r, range(m)), warmup=p - 1 - r))
 
 
+def _interleaved_order(name: str, p: int, m: int, v: int, split: bool) -> Schedule:
+    """Interleaved 1F1B's depth-first order; ``split``: every backward as I and W, rank r's W delayed by r."""
+    rounds, g = interleaved_rounds(p, m)
+    _require(m % rounds == 0, name, "n_microbatches to be a multiple of its rounds, max(1, n_microbatches // "
+             "num_ranks)", n_microbatches=m, num_ranks=p)
+
+    def rank(r: int) -> list[Action]:
+        fwd = [Action(s, F, j) for s, j in depth_first(r, p, v, m, reverse=False, group=g)]
+        order = list(depth_first(r, p, v, m, reverse=True, group=g))
+        bwd = split_backward_of(order, lag=r) if split else [[Action(s, B, j)] for s, j in order]
+        return pipeline_order(fwd, bwd, warmup=min((p - 1 - r) * 2 + (v - 1) * g, m * v))
+
+    return _make(name, m, loop_placement(p, v), rank)
+
+
 @register("interleaved_1f1b", stages_per_rank=2, multi_stage=True)
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021), depth-first order.
 
     Stage s on rank s % p (v stages per rank); microbatches go through a rank's
-    stages in groups of p. Warm-up (p-1-r)*2 + (v-1)*p forwards on rank r.
-    Bubble (p-1)/(v*m+p-1). Peak activations on rank 0: (v-1)*p + 2(p-1) + 1
-    stage-activations (each 1/v of a rank's layers). Needs v >= 2, m >= p and
-    m % p == 0.
+    stages in rounds of g = m // max(1, m // p) (p when m is a multiple of p),
+    as torch counts them. Warm-up (p-1-r)*2 + (v-1)*g forwards on rank r.
+    Bubble (p-1)/(v*m+p-1) when m is a multiple of p. Peak activations on rank
+    0: (v-1)*g + 2(p-1) + 1 stage-activations (each 1/v of a rank's layers).
+    Needs m to be a multiple of its rounds (any m <= p, any multiple of p, ...).
     """
-    _require(m >= p and m % p == 0, "interleaved_1f1b", "n_microbatches to be a multiple of num_ranks",
-             n_microbatches=m, num_ranks=p)
-    placement = loop_placement(p, v)
-
-    def rank(r: int) -> list[Action]:
-        fwd = [Action(s, F, j) for s, j in depth_first(r, p, v, m, reverse=False)]
-        bwd = [[Action(s, B, j)] for s, j in depth_first(r, p, v, m, reverse=True)]
-        return pipeline_order(fwd, bwd, warmup=min((p - 1 - r) * 2 + (v - 1) * p, m * v))
-
-    return _make("interleaved_1f1b", m, placement, rank)
+    return _interleaved_order("interleaved_1f1b", p, m, v, split=False)
 
 
 @register("interleaved_zb", stages_per_rank=2, multi_stage=True)
@@ -145,15 +159,7 @@ def interleaved_zb(p: int, m: int, v: int = 2) -> Schedule:
     and the owed W passes fill the drain. Same warm-up, placement and
     constraints as interleaved 1F1B; r more stage-activations held on rank r.
     """
-    _require(m >= p and m % p == 0, "interleaved_zb", "n_microbatches to be a multiple of num_ranks",
-             n_microbatches=m, num_ranks=p)
-
-    def rank(r: int) -> list[Action]:
-        fwd = [Action(s, F, j) for s, j in depth_first(r, p, v, m, reverse=False)]
-        bwd = split_backward_of(list(depth_first(r, p, v, m, reverse=True)), lag=r)
-        return pipeline_order(fwd, bwd, warmup=min((p - 1 - r) * 2 + (v - 1) * p, m * v))
-
-    return _make("interleaved_zb", m, loop_placement(p, v), rank)
+    return _interleaved_order("interleaved_zb", p, m, v, split=True)
 
 
 @register("looped_bfs", stages_per_rank=2, multi_stage=True)

@@ -62,19 +62,31 @@ def split_backward_of(order: Sequence[tuple[int, int]], lag: int) -> list[list[A
     return groups
 
 
-def depth_first(rank: int, p: int, v: int, m: int, reverse: bool) -> Iterator[tuple[int, int]]:
+def depth_first(rank: int, p: int, v: int, m: int, reverse: bool, group: int = 0) -> Iterator[tuple[int, int]]:
     """(stage, microbatch) pairs of one rank in Megatron's interleaved order.
 
     Microbatches pass through the rank's v stages (s = rank + k*p, loop
-    placement) in groups of p: p microbatches on the first local stage, the same
-    p on the next, ..., then the next group. ``reverse`` walks the local stages
-    last to first, as the backward does.
+    placement) in groups of ``group`` (default p): ``group`` microbatches on the
+    first local stage, the same ones on the next, ..., then the next group.
+    ``reverse`` walks the local stages last to first, as the backward does.
     """
+    g = group or p
     for k in range(m * v):
-        chunk = (k // p) % v
+        chunk = (k // g) % v
         if reverse:
             chunk = v - 1 - chunk
-        yield rank + chunk * p, (k // (p * v)) * p + k % p
+        yield rank + chunk * p, (k // (g * v)) * g + k % g
+
+
+def interleaved_rounds(p: int, m: int) -> tuple[int, int]:
+    """(rounds, microbatches per round) of an interleaved order, as torch counts them.
+
+    ``max(1, m // p)`` rounds of ``m // rounds`` microbatches, so any m that
+    the rounds divide works (2 microbatches on 4 ranks, or 10 on 4), not only
+    multiples of p.
+    """
+    rounds = max(1, m // p)
+    return rounds, m // rounds
 
 
 class RankBuilder:
