@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PipelineStage": "pipeline_ext.distributed",
     "PipelineSchedule": "pipeline_ext.distributed",
+    "PipeliningMetadataError": "pipeline_ext.distributed",
+    "PipeliningShapeError": "pipeline_ext.distributed",
     "PipelineScheduleSingle": "pipeline_ext.schedule_classes",
     "PipelineScheduleMulti": "pipeline_ext.schedule_classes",
     "ScheduleGPipe": "pipeline_ext.schedule_classes",

@@ -49,7 +49,7 @@ from pipeline_ext.training.loss import loss_weights
 
 _TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
 
-__all__ = ["PipelineStage", "PipelineSchedule"]  # torch's Schedule* names: pipeline_ext/schedule_classes.py
+__all__ = ["PipelineStage", "PipelineSchedule", "PipeliningMetadataError", "PipeliningShapeError"]  # torch's Schedule* names: pipeline_ext/schedule_classes.py
 
 
 class PipelineStage(StagePosition):
@@ -141,6 +141,17 @@ class PipelineStage(StagePosition):
         self.output_chunks.clear()
 
 
+try:  # torch's class, so `except PipeliningMetadataError` in torch code catches ours too
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+except ImportError:  # pragma: no cover - older torch
+    class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
+        """A stage's inputs or outputs are not what it declared."""
+
+
+class PipeliningShapeError(ValueError, PipeliningMetadataError):
+    """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
+
+
 def _checked_call(stage: PipelineStage) -> Optional[Callable[..., Any]]:
     """Check each microbatch against torch's ``input_args``/``output_args`` when given (shapes, dtypes)."""
     if stage.input_args is None and stage.output_args is None:
@@ -173,8 +184,8 @@ def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected:
                 problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
                 break
     if problem:
-        raise ValueError(f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args describe "
-                         "one microbatch; leave them out to let shapes be discovered)")
+        raise PipeliningShapeError(f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args "
+                                   "describe one microbatch; leave them out to let shapes be discovered)")
 
 
 def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
@@ -390,6 +401,10 @@ class PipelineSchedule:
         error: Optional[Exception] = None
         try:
             inputs.args, inputs.kwargs, sizes = self._check_inputs(args, kwargs)
+            first = self.stages.get(0)
+            if first is not None and first.input_args is not None:  # declared shapes: refuse before any stage runs
+                for mb, chunk in enumerate(inputs.args):
+                    _match_meta(first, "inputs", mb, tuple(chunk), first.input_args)
             if self.has_first_stage:
                 record.rows = sum(sizes)
                 record.signature = self._agreement.signature(args, kwargs, sizes, self.chunk_spec)
