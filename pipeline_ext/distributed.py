@@ -219,7 +219,7 @@ class PipelineSchedule:
     def __init__(
         self,
         stages: Union[PipelineStage, Sequence[PipelineStage]],
-        schedule: Union[str, S.Schedule],
+        schedule: Union[str, S.Schedule, None],
         n_microbatches: int,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         args_chunk_spec: Any = None,
@@ -266,7 +266,10 @@ class PipelineSchedule:
                                         torch.device("cpu"), timeout,
                                         ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
         self._step_no = 0
-        self._set_schedule(schedule)
+        self.schedule: Optional[S.Schedule] = None
+        self._executor: Optional[Executor] = None
+        if schedule is not None:  # None: a torch-style subclass assigns pipeline_order next
+            self._set_schedule(schedule)
         self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
@@ -320,7 +323,8 @@ class PipelineSchedule:
         Turning it on again starts a fresh recording. See ``trace_report`` and ``write_trace``.
         """
         self._tracer = Tracer(self.rank) if on else None
-        self._executor.on_action = self._tracer.record if on else None
+        if self._executor is not None:
+            self._executor.on_action = self._tracer.record if on else None
 
     def trace_report(self, dst: int = 0) -> Optional[TraceReport]:
         """Measured costs and bubble vs. the simulator's, over the traced steps.
@@ -480,6 +484,9 @@ class PipelineSchedule:
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
              return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
+        if self._executor is None:
+            raise RuntimeError(f"{type(self).__name__} has no schedule yet: assign pipeline_order (or call "
+                               "_load_csv) on every rank before step()")
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         executor = self._executor if plan == _TRAIN else self._forward_executor()
@@ -523,8 +530,29 @@ class PipelineSchedule:
     # -- torch's schedule surface: the order as data, CSV ------------------------------------------
     @property
     def pipeline_order(self) -> dict[int, list[S.Action]]:
-        """Every rank's compute actions in order (torch's ``pipeline_order``; ``str(action)`` is torch's spelling)."""
+        """Every rank's compute actions in order (torch's ``pipeline_order``; ``str(action)`` is torch's spelling).
+
+        Assigning it (``{rank: [actions]}``; torch's ``_Action`` objects, ours,
+        their strings, None for an idle slot) runs that order from the next
+        step, as a torch subclass of ``PipelineScheduleMulti`` does; every rank
+        must assign the same order.
+        """
+        if self.schedule is None:
+            return {}
         return {r: [a for a in acts if a.is_compute] for r, acts in enumerate(self.schedule.actions)}
+
+    @pipeline_order.setter
+    def pipeline_order(self, order: dict[int, Sequence[Any]]) -> None:
+        if not order:  # torch's base classes start from an empty order
+            return
+        rows = [order.get(r, []) for r in range(max(order) + 1)]
+        comms = any("SEND" in str(a) or "RECV" in str(a) for row in rows for a in row if a is not None)
+        self._set_schedule(S.from_cells(rows, "compute_comms" if comms else "compute_only", self.n_microbatches,
+                                        name=type(self).__name__))
+
+    def _validate_and_set_stage_mapping(self, order: dict[int, Sequence[Any]]) -> None:
+        """torch's name for assigning an order and taking the stage placement from it."""
+        self.pipeline_order = order
 
     def _dump_csv(self, filename: str) -> None:
         """Write ``pipeline_order`` as torch's CSV: one row per rank, one action per cell."""

@@ -96,10 +96,9 @@ class PipelineScheduleMulti(PipelineSchedule):
         timeout: float = 300.0,
         trace: bool = False,
     ) -> None:
-        if not self.schedule_name:
-            raise TypeError(f"{type(self).__name__} is a base class; use one of its schedules "
-                            "(e.g. ScheduleInterleaved1F1B), or PipelineSchedule for a hand-written one")
-        super().__init__(stages, self.schedule_name, n_microbatches, loss_fn=loss_fn,
+        # Without a schedule_name (torch's way of writing a custom schedule: subclass, then assign
+        # self.pipeline_order), nothing runs until the order is assigned.
+        super().__init__(stages, self.schedule_name or None, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace)
         self._stages = list(self.stages.values())

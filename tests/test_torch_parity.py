@@ -225,6 +225,8 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
     bad += [f"dw_builder: {b}" for b in _grads_equal(modules, ref, [rank])]
     if dw.runs != 4:
         bad.append(f"dw_builder's runner ran {dw.runs} times, want 4 (one W per microbatch)")
+    # torch's way of writing a custom schedule: subclass PipelineScheduleMulti, assign pipeline_order
+    bad += _custom_subclass(rank, world, x, y)
     # torch's tracer front end: pipeline() cuts the model, torch's own build_stage or ours wraps a stage module
     bad += _traced(rank, world)
     # forward-only schedule and a training step under no_grad
@@ -242,6 +244,31 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
         if "needs autograd" not in str(exc):
             bad.append(str(exc))
     return bad
+
+
+class _TorchStyleV(pe.PipelineScheduleMulti):
+    """A custom schedule written as torch users write one: torch's _Action objects, V placement."""
+
+    def __init__(self, stages, n_microbatches: int, loss_fn) -> None:
+        from torch.distributed.pipelining.schedules import _Action
+
+        from pipeline_ext import schedules as S
+
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
+        zbv = S.build("zbv", 2, n_microbatches)
+        order = {r: [_Action.from_str(str(a)) for a in acts] + [None] for r, acts in enumerate(zbv.actions)}
+        self.pipeline_order = order
+        self._validate_and_set_stage_mapping(self.pipeline_order)
+
+
+def _custom_subclass(rank: int, world: int, x, y) -> list[str]:
+    n = 2 * world
+    modules, ref = build("mlp", n), build("mlp", n)
+    mine = [rank, n - 1 - rank]
+    sched = _TorchStyleV([pe.PipelineStage(modules[s], s, n, "cpu") for s in mine], 4, loss_fn)
+    sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 0 else {}))
+    loss_fn(run_stages(ref, x), y).backward()
+    return [f"torch-style subclass: {b}" for b in _grads_equal(modules, ref, mine)]
 
 
 class _Chain(torch.nn.Module):

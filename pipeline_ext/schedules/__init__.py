@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline_ext.schedules.auto import auto
 from pipeline_ext.schedules.builtin import available, build, default_stages_per_rank
-from pipeline_ext.schedules.csv_io import dump_csv, load_csv
+from pipeline_ext.schedules.csv_io import dump_csv, from_cells, load_csv
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import check_deadlock, forward_only, lower
 from pipeline_ext.schedules.render import render_ascii, render_png, to_chrome_trace
@@ -17,6 +17,7 @@ from pipeline_ext.schedules.validate import validate
 
 __all__ = [
     "dump_csv",
+    "from_cells",
     "load_csv",
     "default_stages_per_rank",
     "Action", "ActionKind", "Costs", "Schedule", "ScheduleError", "SimResult", "auto", "available", "build",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import csv
 import re
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from pipeline_ext.schedules.ir import Action, Schedule, ScheduleError
 
-__all__ = ["dump_csv", "load_csv", "FORMATS"]
+__all__ = ["dump_csv", "load_csv", "from_cells", "FORMATS"]
 
 FORMATS = ("compute_only", "compute_comms")
 _FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
@@ -52,23 +52,33 @@ def load_csv(path: str, format: str = "compute_only", n_microbatches: Optional[i
     receives are added by lowering); ``compute_comms`` rows hold every action,
     and are used as given.
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     with open(path, newline="") as f:
         rows = [row for row in csv.reader(f)]
-    actions = [[a for col, text in enumerate(row) for a in _cell(text, rank, col)] for rank, row in enumerate(rows)]
+    return from_cells(rows, format, n_microbatches, name, where=str(path))
+
+
+def from_cells(rows: Sequence[Sequence[Any]], format: str = "compute_only", n_microbatches: Optional[int] = None,
+               name: str = "custom", where: str = "pipeline_order") -> Schedule:
+    """A ``Schedule`` from per-rank cells: torch's action strings, torch's ``_Action`` objects, ours, or None.
+
+    What torch's CSV and a torch-style ``pipeline_order`` assignment both give.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    actions = [[a for col, cell in enumerate(row) for a in _cell("" if cell is None else str(cell), rank, col)]
+               for rank, row in enumerate(rows)]
     while actions and not actions[-1]:
         actions.pop()
     if not actions:
-        raise ScheduleError(f"{path}: no actions")
+        raise ScheduleError(f"{where}: no actions")
     if format == "compute_only":
         comm = [(r, str(a)) for r, acts in enumerate(actions) for a in acts if not a.is_compute]
         if comm:
-            raise ScheduleError(f"{path}: format 'compute_only' but rank {comm[0][0]} has {comm[0][1]}; "
+            raise ScheduleError(f"{where}: format 'compute_only' but rank {comm[0][0]} has {comm[0][1]}; "
                                 "use format='compute_comms'")
     text = "\n".join(" ".join(str(a) for a in acts) for acts in actions)
     schedule = Schedule.from_text(text)
     found = schedule.n_microbatches
     if n_microbatches is not None and found != n_microbatches:
-        raise ScheduleError(f"{path} has {found} microbatches, the schedule is for n_microbatches={n_microbatches}")
+        raise ScheduleError(f"{where} has {found} microbatches, the schedule is for n_microbatches={n_microbatches}")
     return Schedule(schedule.actions, schedule.stage_to_rank, schedule.n_microbatches, name)
