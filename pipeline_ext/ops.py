@@ -71,14 +71,18 @@ def even_sizes(n: int, chunks: int) -> List[int]:
     return [base + 1 if i < extra else base for i in range(chunks)]
 
 
-def _as_sizes(sizes: Sequence[int]) -> List[int]:
+def _as_sizes(sizes: Sequence[int], symbolic: bool = False) -> List[int]:
+    """``sizes`` as a list of ints; ``symbolic`` also keeps SymInts (sizes traced
+    by torch.compile with dynamic shapes)."""
     if isinstance(sizes, int) or not isinstance(sizes, (list, tuple, torch.Size)):
         raise TypeError(
             f"split: sizes must be a list or tuple of ints, got {type(sizes).__name__}; "
             "for n near-equal pieces use even_sizes(tensor.shape[dim], n)"
         )
-    try:  # SymInts: sizes traced by torch.compile with dynamic shapes
-        return [s if isinstance(s, torch.SymInt) else operator.index(s) for s in sizes]
+    try:
+        if symbolic:
+            return [s if isinstance(s, torch.SymInt) else operator.index(s) for s in sizes]
+        return [operator.index(s) for s in sizes]
     except TypeError:
         raise TypeError(f"split: sizes must contain only ints, got {list(sizes)!r}") from None
 
@@ -92,8 +96,14 @@ def _as_tensors(op: str, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return list(tensors)
 
 
-def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(op: str, tensors: Sequence[torch.Tensor]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        return any(t.requires_grad for t in tensors)
+    except AttributeError:
+        _as_tensors(op, tensors)  # raises the clear TypeError
+        raise
 
 
 def _views_suffice(tensor: torch.Tensor, sizes: List[int], dim: int) -> bool:
@@ -116,16 +126,11 @@ def _views_suffice(tensor: torch.Tensor, sizes: List[int], dim: int) -> bool:
 
 # Each function below enters its op one of two ways: in eager mode through
 # _C's entry points (a few microseconds cheaper per call, see csrc/ops.h), and
-# when traced through torch.ops.pipeline_ext.*, which tracing sees. Both reach
-# the same kernels, autograd formulas and fake kernels.
+# under torch.compile / export through torch.ops.pipeline_ext.*, which dynamo
+# can trace (it cannot trace pybind11). Both reach the ops through the
+# dispatcher: the same kernels, autograd formulas and fake kernels.
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _traced(tensors: Sequence[object]) -> bool:
-    """Whether this call is traced: torch.compile / export, or tensor subclasses
-    such as FakeTensor and FunctionalTensor (AOTAutograd tracing a backward)."""
-    return torch.compiler.is_compiling() or any(type(t) not in _PLAIN for t in tensors)
 
 
 def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torch.Tensor]:
@@ -141,9 +146,11 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"split: expected a tensor, got {type(tensor).__name__}")
-    sizes = _as_sizes(sizes)
-    if type(tensor) in _PLAIN and not torch.compiler.is_compiling():  # _traced, for one tensor
-        return _C.call_split(tensor, sizes, dim)
+    # Tensor subclasses (FakeTensor, FunctionalTensor: AOTAutograd tracing a
+    # backward) may have symbolic shapes, which call_split cannot read.
+    if type(tensor) in _PLAIN and not torch.compiler.is_compiling():
+        return _C.call_split(tensor, _as_sizes(sizes), dim)
+    sizes = _as_sizes(sizes, symbolic=True)
     if _views_suffice(tensor, sizes, dim):
         return list(torch.split_with_sizes(tensor, sizes, dim))
     return _ops.split_copy.default(tensor, sizes, dim)
@@ -157,16 +164,20 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
     given, must already have the result's shape, dtype and device and is
     written in place (its storage is kept). Differentiable when ``out`` is None.
     """
-    traced = not isinstance(tensors, (list, tuple)) or _traced(tensors)
-    if traced:  # (also where an element is no tensor)
-        tensors = _as_tensors("concat", tensors)
-    if out is not None and _needs_grad(tensors):
+    if isinstance(tensors, torch.Tensor):  # pybind11 would iterate its rows
+        _as_tensors("concat", tensors)
+    if out is not None and _needs_grad("concat", tensors):
         raise RuntimeError(
             "concat: out= is not differentiable, but an input requires grad; "
             "drop out= or run under torch.no_grad()"
         )
-    if not traced:
-        return _C.call_concat(tensors, dim, out)
+    if not torch.compiler.is_compiling():  # FakeTensors etc. are fine: call_concat reads no shape
+        try:
+            return _C.call_concat(tensors, dim, out)
+        except TypeError:
+            _as_tensors("concat", tensors)  # a clear message instead of pybind11's
+            raise
+    tensors = _as_tensors("concat", tensors)
     if not tensors:  # with no tensor the dispatcher could not pick a kernel to say so
         raise ValueError("concat: expected a non-empty list of tensors")
     if out is None:
