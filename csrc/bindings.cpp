@@ -1,9 +1,12 @@
-// The only file that includes pybind11: it exposes the C++ core as pipeline_ext._C.
+// The only file that includes pybind11: it exposes the C++ runtime classes
+// (channels, streams, requests, PackLayout) as pipeline_ext._C. The tensor kernels
+// are torch custom ops instead (ops.cpp, torch.ops.pipeline_ext.*); bound here
+// are only their eager entry points, which call them through the dispatcher.
 // Each section binds one header; the code it binds lives beside that header.
 #include <torch/extension.h>
 
 #include "kernels/pack.h"
-#include "kernels/split_concat.h"
+#include "ops.h"
 #include "runtime/channel.h"
 #include "runtime/local_channel.h"
 #include "runtime/stream.h"
@@ -12,29 +15,37 @@ namespace py = pybind11;
 
 namespace {
 
-// ---- kernels/split_concat.h, kernels/pack.h --------------------------------
-void bind_kernels(py::module_& m) {
+// ---- ops.h, kernels/pack.h ----------------------------------------------------------
+// The tensor kernels are torch custom ops (ops.cpp, torch.ops.pipeline_ext.*).
+// Bound here: their eager entry points (ops.h says why they exist; each one
+// goes through the dispatcher), PackLayout, and layout_of.
+void bind_ops(py::module_& m) {
   using pipeline_ext::PackLayout;
   // The copy work runs without the GIL so other Python threads (one per
-  // pipeline rank) keep going; no Python object is touched inside.
+  // pipeline rank) keep going; a Python kernel on the way (autograd formula,
+  // fake kernel, dispatch mode) takes the GIL itself.
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("split", &pipeline_ext::split, py::arg("tensor"), py::arg("sizes"), py::arg("dim") = 0, release(),
-        "Split along dim into contiguous pieces of the given sizes (views when possible, else one copy pass).");
   // std::vector, not at::TensorList: pybind11 converts Python lists to the former.
   using Tensors = std::vector<at::Tensor>;
+  m.def("call_split", &pipeline_ext::call_split, py::arg("tensor"), py::arg("sizes"), py::arg("dim"), release(),
+        "ops.split in eager mode: aten views when they are contiguous, else the split_copy op.");
   m.def(
-      "concat",
+      "call_concat",
       [](const Tensors& tensors, int64_t dim, const std::optional<at::Tensor>& out) {
-        return pipeline_ext::concat(tensors, dim, out);
-      }, py::arg("tensors"), py::arg("dim") = 0, py::arg("out") = py::none(),
-        release(), "Concatenate along dim in one copy pass into out (allocated when None).");
+        return pipeline_ext::call_concat(tensors, dim, out);
+      },
+      py::arg("tensors"), py::arg("dim"), py::arg("out") = py::none(), release(),
+      "ops.concat in eager mode: the concat op, or concat_out when out is given.");
   m.def(
-      "pack",
-      [](const Tensors& tensors, const std::optional<at::Tensor>& out) { return pipeline_ext::pack(tensors, out); },
+      "call_pack",
+      [](const Tensors& tensors, const std::optional<at::Tensor>& out) { return pipeline_ext::call_pack(tensors, out); },
       py::arg("tensors"), py::arg("out") = py::none(), release(),
-      "Copy tensors into one 64-byte-aligned uint8 buffer (out if given); returns (buffer, PackLayout).");
-  m.def("unpack", &pipeline_ext::unpack, py::arg("buffer"), py::arg("layout"), release(),
-        "Views of buffer described by layout (no copy).");
+      "ops.pack in eager mode: (buffer, PackLayout) from the pack or pack_out op.");
+  m.def("call_unpack", &pipeline_ext::unpack, py::arg("buffer"), py::arg("layout"), release(),
+        "ops.unpack in eager mode: what the composite unpack op computes, without re-encoding the layout.");
+  m.def(
+      "layout_of", [](const Tensors& tensors) { return pipeline_ext::layout_of(tensors); }, py::arg("tensors"),
+      "The PackLayout that pack(tensors) gives (checks one device, dense tensors), without copying.");
   m.attr("PACK_ALIGNMENT") = pipeline_ext::kPackAlignment;
 
   py::class_<PackLayout>(m, "PackLayout", "Where each packed tensor lives in a pack() buffer.")
@@ -190,13 +201,13 @@ void bind_channels(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pipeline_ext compiled core: kernels, streams/events, send/recv channels";
+  m.doc() = "pipeline_ext compiled core: PackLayout, streams/events, send/recv channels (kernels: torch.ops.pipeline_ext)";
 #ifdef WITH_CUDA
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
 #endif
-  bind_kernels(m);
+  bind_ops(m);
   bind_streams(m);
   bind_channels(m);
 }

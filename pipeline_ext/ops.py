@@ -8,7 +8,7 @@ per tensor. The C++ kernels here move all bytes of one call in ONE pass
 (one parallel memcpy region on CPU, one kernel launch on CUDA):
 
 - :func:`split` returns contiguous pieces: views when the layout allows (no copy
-  at all), otherwise views into one allocation filled by one copy pass.
+  at all), otherwise fresh tensors filled by one copy pass.
 - :func:`concat` writes every input into one (preallocated or given) output.
 - :func:`pack` / :func:`unpack` turn a list of tensors of any dtypes and shapes
   into one byte buffer plus a :class:`PackLayout`, and back into views of the
@@ -18,15 +18,30 @@ Results equal ``torch.tensor_split`` / ``torch.cat`` exactly. :func:`split` and
 :func:`concat` are differentiable (their backward is the other op);
 :func:`pack` / :func:`unpack` are not (they move bytes for communication, and
 the runtime attaches gradients at stage boundaries itself).
+
+The kernels are torch custom ops, ``torch.ops.pipeline_ext.*`` (schemas and
+CPU/CUDA kernels in C++, ``csrc/ops.cpp``; fake kernels and autograd formulas
+registered below), so ``torch.compile``, FakeTensor and ``torch.export`` see
+through these functions: ``split_copy`` (split's copying case), ``concat``,
+``concat_out``, ``pack``, ``pack_out`` and ``unpack`` (composite: views of the
+buffer). An op with a kernel of its own may not return views of its inputs (nor
+outputs sharing memory), so split's zero-copy case is ``torch.split_with_sizes``,
+outside the ops. This
+module is their one Python face.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from pipeline_ext._ext import _C
+
+#: The custom ops (registered when ``_C`` loads): split_copy, concat, concat_out,
+#: pack, pack_out, unpack.
+_ops = torch.ops.pipeline_ext
 
 __all__ = ["split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT"]
 
@@ -56,13 +71,17 @@ def even_sizes(n: int, chunks: int) -> List[int]:
     return [base + 1 if i < extra else base for i in range(chunks)]
 
 
-def _as_sizes(sizes: Sequence[int]) -> List[int]:
+def _as_sizes(sizes: Sequence[int], symbolic: bool = False) -> List[int]:
+    """``sizes`` as a list of ints; ``symbolic`` also keeps SymInts (sizes traced
+    by torch.compile with dynamic shapes)."""
     if isinstance(sizes, int) or not isinstance(sizes, (list, tuple, torch.Size)):
         raise TypeError(
             f"split: sizes must be a list or tuple of ints, got {type(sizes).__name__}; "
             "for n near-equal pieces use even_sizes(tensor.shape[dim], n)"
         )
     try:
+        if symbolic:
+            return [s if isinstance(s, torch.SymInt) else operator.index(s) for s in sizes]
         return [operator.index(s) for s in sizes]
     except TypeError:
         raise TypeError(f"split: sizes must contain only ints, got {list(sizes)!r}") from None
@@ -87,32 +106,31 @@ def _needs_grad(op: str, tensors: Sequence[torch.Tensor]) -> bool:
         raise
 
 
-class _Split(torch.autograd.Function):
-    """split whose backward concatenates the pieces' gradients."""
+def _views_suffice(tensor: torch.Tensor, sizes: List[int], dim: int) -> bool:
+    """Whether every piece of a valid split is contiguous as a view of ``tensor``.
 
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, sizes: List[int], dim: int):  # type: ignore[override]
-        ctx.sizes, ctx.dim = sizes, dim
-        return tuple(_C.split(tensor, sizes, dim))
+    That is a contiguous tensor whose dimensions before ``dim`` are all 1 (or
+    a split into at most one non-empty piece). Invalid arguments give False:
+    the custom op then rejects them with its error naming the problem. The
+    eager path decides in C++ (``split_gives_views``); this mirror is for
+    traced calls, where shapes may be symbolic.
+    """
+    ndim = tensor.dim()
+    if ndim == 0 or not sizes or not -ndim <= dim < ndim:
+        return False
+    d = dim % ndim
+    if any(s < 0 for s in sizes) or sum(sizes) != tensor.shape[d] or not tensor.is_contiguous():
+        return False
+    return math.prod(tensor.shape[:d]) == 1 or sum(1 for s in sizes if s > 0) <= 1 or tensor.numel() == 0
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        # Gradients of unused pieces arrive as zeros (materialize_grads default).
-        return _C.concat(list(grads), ctx.dim, None), None, None
 
+# Each function below enters its op one of two ways: in eager mode through
+# _C's entry points (a few microseconds cheaper per call, see csrc/ops.h), and
+# under torch.compile / export through torch.ops.pipeline_ext.*, which dynamo
+# can trace (it cannot trace pybind11). Both reach the ops through the
+# dispatcher: the same kernels, autograd formulas and fake kernels.
 
-class _Concat(torch.autograd.Function):
-    """concat whose backward splits the output gradient back into the inputs."""
-
-    @staticmethod
-    def forward(ctx, dim: int, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.dim = dim
-        ctx.sizes = [t.shape[dim] for t in tensors]
-        return _C.concat(list(tensors), dim, None)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return (None, *_C.split(grad, ctx.sizes, ctx.dim))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torch.Tensor]:
@@ -121,15 +139,21 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
     ``sizes`` must sum to ``tensor.shape[dim]`` (use :func:`even_sizes` for
     tensor_split's uneven distribution). The pieces are views of ``tensor``
     when they are contiguous as views (contiguous input and every dimension
-    before ``dim`` of size 1, e.g. splitting a batch on dim 0); otherwise they
-    are views into ONE new allocation written by one copy pass. Differentiable.
+    before ``dim`` of size 1, e.g. splitting a batch on dim 0: that is
+    ``torch.split_with_sizes``); otherwise they are fresh tensors written by
+    ONE copy pass (the custom op ``torch.ops.pipeline_ext.split_copy``).
+    Differentiable.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"split: expected a tensor, got {type(tensor).__name__}")
-    sizes = _as_sizes(sizes)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return list(_Split.apply(tensor, sizes, dim))
-    return _C.split(tensor, sizes, dim)
+    # Tensor subclasses (FakeTensor, FunctionalTensor: AOTAutograd tracing a
+    # backward) may have symbolic shapes, which call_split cannot read.
+    if type(tensor) in _PLAIN and not torch.compiler.is_compiling():
+        return _C.call_split(tensor, _as_sizes(sizes), dim)
+    sizes = _as_sizes(sizes, symbolic=True)
+    if _views_suffice(tensor, sizes, dim):
+        return list(torch.split_with_sizes(tensor, sizes, dim))
+    return _ops.split_copy.default(tensor, sizes, dim)
 
 
 def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -142,19 +166,24 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
     """
     if isinstance(tensors, torch.Tensor):  # pybind11 would iterate its rows
         _as_tensors("concat", tensors)
-    if _needs_grad("concat", tensors):
-        if out is not None:
-            raise RuntimeError(
-                "concat: out= is not differentiable, but an input requires grad; "
-                "drop out= or run under torch.no_grad()"
-            )
-        if tensors and tensors[0].dim() > 0:
-            return _Concat.apply(dim, *tensors)
-    try:
-        return _C.concat(tensors, dim, out)
-    except TypeError:
-        _as_tensors("concat", tensors)  # a clear message instead of pybind11's
-        raise
+    if out is not None and _needs_grad("concat", tensors):
+        raise RuntimeError(
+            "concat: out= is not differentiable, but an input requires grad; "
+            "drop out= or run under torch.no_grad()"
+        )
+    if not torch.compiler.is_compiling():  # FakeTensors etc. are fine: call_concat reads no shape
+        try:
+            return _C.call_concat(tensors, dim, out)
+        except TypeError:
+            _as_tensors("concat", tensors)  # a clear message instead of pybind11's
+            raise
+    tensors = _as_tensors("concat", tensors)
+    if not tensors:  # with no tensor the dispatcher could not pick a kernel to say so
+        raise ValueError("concat: expected a non-empty list of tensors")
+    if out is None:
+        return _ops.concat.default(tensors, dim)
+    _ops.concat_out.default(tensors, dim, out)
+    return out
 
 
 def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, PackLayout]:
@@ -162,18 +191,20 @@ def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) ->
 
     Any dtype and shape (0-d and empty included), contiguous or not; all on one
     device (the buffer's). Each entry starts on a ``PACK_ALIGNMENT``-byte
-    boundary. Send ``buffer`` and ``layout.to_tensor()`` and rebuild the
-    tensors on the other side with :func:`unpack`. ``out`` (a contiguous 1-D
-    uint8 tensor of at least ``layout.nbytes`` bytes) lets a sender reuse one
-    buffer across steps instead of allocating one per message; the returned
-    buffer is then ``out`` itself. Not differentiable.
+    boundary (the gaps are zeroed). Send ``buffer`` and ``layout.to_tensor()``
+    and rebuild the tensors on the other side with :func:`unpack`. ``out`` (a
+    contiguous 1-D uint8 tensor of at least ``layout.nbytes`` bytes) lets a
+    sender reuse one buffer across steps instead of allocating one per
+    message; the returned buffer is then ``out`` itself. Not differentiable.
+    The layout (a C++ object) cannot be traced: inside torch.compile this is a
+    graph break; ``torch.ops.pipeline_ext.pack`` itself traces.
     """
-    if isinstance(tensors, torch.Tensor):
+    if isinstance(tensors, torch.Tensor):  # pybind11 would iterate its rows
         _as_tensors("pack", tensors)
     try:
-        return _C.pack(tensors, out)
+        return _C.call_pack(tensors, out)
     except TypeError:
-        _as_tensors("pack", tensors)
+        _as_tensors("pack", tensors)  # a clear message instead of pybind11's
         raise
 
 
@@ -182,9 +213,112 @@ def unpack(buffer: torch.Tensor, layout: PackLayout) -> List[torch.Tensor]:
 
     Writing to a returned tensor writes the buffer. The layout is validated
     against the buffer first (size, offsets, alignment). Not differentiable.
+    Traced code can call ``torch.ops.pipeline_ext.unpack(buffer, layout.encode())``.
     """
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"unpack: buffer must be a tensor, got {type(buffer).__name__}")
     if not isinstance(layout, PackLayout):
         raise TypeError(f"unpack: layout must be a PackLayout, got {type(layout).__name__}")
-    return _C.unpack(buffer, layout)
+    return _C.call_unpack(buffer, layout)
+
+
+# ---------------------------------------------------------------- fake kernels
+# What each op returns, computed from metadata only (FakeTensor, torch.compile,
+# export). tests/test_custom_ops.py checks them against the real kernels.
+
+
+def _wrap_dim(op: str, dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"{op}: dim {dim} is out of range for a tensor with {ndim} dimensions")
+    return dim % ndim
+
+
+def _with_size(shape: Sequence[int], dim: int, size: int) -> List[int]:
+    return [*shape[:dim], size, *shape[dim + 1:]]
+
+
+@torch.library.register_fake("pipeline_ext::split_copy")
+def _split_copy_fake(tensor: torch.Tensor, sizes: List[int], dim: int) -> List[torch.Tensor]:
+    torch._check_value(tensor.dim() > 0, lambda: "split: cannot split a 0-d tensor")
+    d = _wrap_dim("split", dim, tensor.dim())
+    torch._check_value(len(sizes) > 0, lambda: "split: sizes is empty")
+    for s in sizes:
+        torch._check_value(s >= 0, lambda: f"split: sizes {sizes} has a negative size")
+    torch._check_value(sum(sizes) == tensor.shape[d], lambda: f"split: sizes {sizes} do not sum to the size of dim {d}")
+    return [tensor.new_empty(_with_size(tensor.shape, d, s)) for s in sizes]
+
+
+def _concat_shape(tensors: Sequence[torch.Tensor], dim: int) -> List[int]:
+    torch._check_value(len(tensors) > 0, lambda: "concat: expected a non-empty list of tensors")
+    ref = tensors[0]
+    torch._check_value(ref.dim() > 0, lambda: "concat: zero-dimensional tensors cannot be concatenated")
+    d = _wrap_dim("concat", dim, ref.dim())
+    for i, t in enumerate(tensors):
+        torch._check_type(t.dtype == ref.dtype, lambda: f"concat: tensor {i} has dtype {t.dtype}, not {ref.dtype}")
+        torch._check_value(t.dim() == ref.dim(), lambda: f"concat: tensor {i} has {t.dim()} dimensions")
+        for k in range(ref.dim()):
+            if k != d:
+                torch._check_value(t.shape[k] == ref.shape[k], lambda: f"concat: tensor {i} differs in dim {k}")
+    return _with_size(ref.shape, d, sum(t.shape[d] for t in tensors))
+
+
+@torch.library.register_fake("pipeline_ext::concat")
+def _concat_fake(tensors: List[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0].new_empty(_concat_shape(tensors, dim))
+
+
+@torch.library.register_fake("pipeline_ext::concat_out")
+def _concat_out_fake(tensors: List[torch.Tensor], dim: int, out: torch.Tensor) -> None:
+    torch._check_value(list(out.shape) == _concat_shape(tensors, dim), lambda: "concat: out has the wrong shape")
+
+
+def _packed_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """``PackLayout.nbytes`` of ``tensors``: each non-empty one at the next aligned offset."""
+    nbytes = 0
+    for t in tensors:
+        if t.numel() != 0:
+            nbytes = -(-nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT + t.numel() * t.element_size()
+    return nbytes
+
+
+@torch.library.register_fake("pipeline_ext::pack")
+def _pack_fake(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.empty(_packed_nbytes(tensors), dtype=torch.uint8, device=tensors[0].device)
+
+
+@torch.library.register_fake("pipeline_ext::pack_out")
+def _pack_out_fake(tensors: List[torch.Tensor], out: torch.Tensor) -> None:
+    torch._check_value(out.numel() >= _packed_nbytes(tensors), lambda: "pack: out is smaller than the layout")
+
+
+# ---------------------------------------------------------------- autograd
+# split_copy and concat are each other's backward. The backward calls the
+# public functions, which are differentiable themselves (double backward).
+
+
+def _split_copy_setup(ctx, inputs, output) -> None:
+    tensor, _, dim = inputs
+    ctx.dim = dim
+    ctx.shapes = [o.shape for o in output]
+    ctx.dtype, ctx.device = tensor.dtype, tensor.device
+
+
+def _split_copy_backward(ctx, grads):
+    # A piece nothing used may arrive as None: its gradient is zero.
+    grads = [g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
+             for g, s in zip(grads, ctx.shapes)]
+    return concat(grads, ctx.dim), None, None
+
+
+def _concat_setup(ctx, inputs, output) -> None:
+    tensors, dim = inputs
+    ctx.dim = dim % tensors[0].dim()
+    ctx.sizes = [t.shape[ctx.dim] for t in tensors]
+
+
+def _concat_backward(ctx, grad: torch.Tensor):
+    return split(grad, ctx.sizes, ctx.dim), None
+
+
+torch.library.register_autograd("pipeline_ext::split_copy", _split_copy_backward, setup_context=_split_copy_setup)
+torch.library.register_autograd("pipeline_ext::concat", _concat_backward, setup_context=_concat_setup)

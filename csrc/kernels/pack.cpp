@@ -1,7 +1,9 @@
 #include "kernels/pack.h"
 
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/safe_numerics.h>
 
+#include <cstring>
 #include <sstream>
 
 #include "kernels/copy.h"
@@ -26,12 +28,47 @@ at::Tensor entry_view(const at::Tensor& buffer, const PackEntry& e) {
   return tensor_on_storage(buffer.storage(), e.dtype, (buffer.storage_offset() + e.offset) / es, e.shape);
 }
 
+// Written with SymInts so that unpack also checks a traced (fake, possibly
+// dynamic-shape) buffer; on a real tensor they are plain integers.
 void check_buffer(const char* op, const at::Tensor& buffer, int64_t nbytes) {
-  TORCH_CHECK_VALUE(buffer.dim() == 1 && buffer.scalar_type() == at::kByte && buffer.is_contiguous(), op,
+  const bool contiguous_1d = buffer.dim() == 1 && (buffer.sym_stride(0) == 1 || buffer.sym_size(0) <= 1);
+  TORCH_CHECK_VALUE(contiguous_1d && buffer.scalar_type() == at::kByte, op,
                     ": buffer must be a contiguous 1-D uint8 tensor, got dtype ", buffer.scalar_type(),
-                    " with shape ", buffer.sizes(), " and strides ", buffer.strides());
-  TORCH_CHECK_VALUE(buffer.numel() >= nbytes, op, ": buffer has ", buffer.numel(), " bytes but the layout needs ",
-                    nbytes);
+                    " with shape ", buffer.sym_sizes(), " and strides ", buffer.sym_strides());
+  TORCH_CHECK_VALUE(buffer.sym_numel() >= nbytes, op, ": buffer has ", buffer.sym_numel(),
+                    " bytes but the layout needs ", nbytes);
+}
+
+// True for an ordinary CPU/CUDA tensor outside any tracing, whose entry views
+// can be built directly on its storage (no dispatch per view). Fake,
+// functional, batched and other wrapped tensors, and any active
+// TorchDispatchMode, must see real view ops instead so that they trace them.
+bool builds_views_directly(const at::Tensor& buffer) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper});
+  return (buffer.is_cpu() || buffer.is_cuda()) && !buffer.key_set().has_any(wrapped) &&
+         !c10::impl::TorchDispatchModeTLS::any_modes_set();
+}
+
+// Zeroes the alignment gaps between entries, so that a packed message carries
+// no uninitialized memory and equal tensors always give equal buffers. On CPU
+// each gap is a memset; elsewhere one fill covers the first to the last gap
+// (entries are copied over it afterwards, in stream order).
+void zero_gaps(const at::Tensor& buffer, const PackLayout& layout) {
+  int64_t end = 0, first = -1, last = 0;
+  char* base = dst_bytes(buffer);
+  for (const auto& e : layout.entries) {
+    const int64_t n = e.nbytes();
+    if (n == 0) continue;
+    if (e.offset > end) {
+      if (buffer.is_cpu()) std::memset(base + end, 0, e.offset - end);
+      if (first < 0) first = end;
+      last = e.offset;
+    }
+    end = e.offset + n;
+  }
+  if (first >= 0 && !buffer.is_cpu()) buffer.narrow(0, first, last - first).zero_();
 }
 
 }  // namespace
@@ -165,6 +202,7 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::option
     buffer = at::empty({layout.nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
   }
   c10::NoGradGuard no_grad;
+  zero_gaps(buffer, layout);
   CopyPlan plan;
   char* base = dst_bytes(buffer);
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -183,15 +221,20 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::option
 std::vector<at::Tensor> unpack(const at::Tensor& buffer, const PackLayout& layout) {
   check_buffer("unpack", buffer, layout.nbytes);
   layout.validate();
+  const bool direct = builds_views_directly(buffer);
   std::vector<at::Tensor> out;
   out.reserve(layout.entries.size());
   for (size_t i = 0; i < layout.entries.size(); ++i) {
     const auto& e = layout.entries[i];
     const int64_t es = static_cast<int64_t>(c10::elementSize(e.dtype));
-    TORCH_CHECK_VALUE((buffer.storage_offset() + e.offset) % es == 0, "unpack: entry ", i, " (dtype ", e.dtype,
-                      ") would start at storage byte ", buffer.storage_offset() + e.offset,
+    TORCH_CHECK_VALUE((buffer.sym_storage_offset() + e.offset) % es == 0, "unpack: entry ", i, " (dtype ", e.dtype,
+                      ") would start at storage byte ", buffer.sym_storage_offset() + e.offset,
                       ", not a multiple of its element size ", es, "; unpack a buffer that starts aligned");
-    out.push_back(entry_view(buffer, e));
+    if (direct) {
+      out.push_back(entry_view(buffer, e));
+    } else {  // the same view as aten view ops, which tracing records
+      out.push_back(buffer.narrow(0, e.offset, e.nbytes()).view(e.dtype).view(e.shape));
+    }
   }
   return out;
 }

@@ -57,7 +57,9 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::option
 
 // Views of `buffer` (which must be a contiguous 1-D uint8 tensor of at least
 // layout.nbytes bytes) with the dtypes and shapes of `layout`; they share the
-// buffer's storage, so nothing is copied.
+// buffer's storage, so nothing is copied. On a plain tensor they are built
+// directly on the storage; on a traced one (fake, functional, under a dispatch
+// mode) with narrow/view ops, so that torch.compile and export see real views.
 std::vector<at::Tensor> unpack(const at::Tensor& buffer, const PackLayout& layout);
 
 }  // namespace pipeline_ext

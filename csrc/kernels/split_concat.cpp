@@ -27,58 +27,84 @@ Dims3 around(at::IntArrayRef shape, int64_t dim) {
   return r;
 }
 
-}  // namespace
+// What split needs to know about valid arguments.
+struct SplitPlan {
+  int64_t dim;
+  int64_t nonempty;  // pieces with at least one row
+  Dims3 dims;
+};
 
-std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
+SplitPlan check_split(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
   TORCH_CHECK_VALUE(input.dim() > 0, "split: cannot split a 0-d tensor (it has no dimension to split along)");
   const int64_t d = wrap_dim("split", dim, input.dim());
   TORCH_CHECK_VALUE(!sizes.empty(), "split: sizes is empty; give at least one piece size");
-  int64_t sum = 0;
+  int64_t sum = 0, nonempty = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK_VALUE(sizes[i] >= 0, "split: sizes[", i, "] = ", sizes[i], " is negative (sizes ", sizes, ")");
     sum += sizes[i];
+    nonempty += sizes[i] > 0;
   }
   TORCH_CHECK_VALUE(sum == input.size(d), "split: sizes ", sizes, " sum to ", sum, " but dimension ", d,
                     " of the tensor with shape ", input.sizes(), " has size ", input.size(d));
+  return {d, nonempty, around(input.sizes(), d)};
+}
+
+// Fresh contiguous pieces, filled by one copy pass. Each piece has its own
+// allocation: torch custom ops may not return outputs that alias each other.
+std::vector<at::Tensor> copy_pieces(const at::Tensor& input, at::IntArrayRef sizes, const SplitPlan& p) {
   c10::NoGradGuard no_grad;
-
-  // Narrowed views are contiguous exactly when nothing varies outside the piece:
-  // a contiguous input whose dimensions before `dim` are all 1 (or one piece).
-  const Dims3 dims = around(input.sizes(), d);
-  int64_t nonempty = 0;
-  for (int64_t s : sizes) nonempty += s > 0;
-  if (input.is_contiguous() && (dims.outer == 1 || nonempty <= 1 || input.numel() == 0)) {
-    return at::split_with_sizes(input, sizes, d);  // one dispatch for all views
-  }
-
-  // One allocation for all pieces, piece after piece, each piece contiguous.
+  const int64_t d = p.dim;
   const int64_t es = input.element_size();
-  const at::Tensor buffer = at::empty({input.numel()}, input.options());
   std::vector<at::Tensor> pieces;
   pieces.reserve(sizes.size());
   std::vector<int64_t> shape = input.sizes().vec();
-  int64_t offset = 0;
   for (int64_t s : sizes) {
     shape[d] = s;
-    pieces.push_back(tensor_on_storage(buffer.storage(), input.scalar_type(), offset, shape));
-    offset += dims.outer * s * dims.inner;
+    pieces.push_back(at::empty(shape, input.options().memory_format(at::MemoryFormat::Contiguous)));
   }
   // One strided segment per piece; when rows are tiny the strided copy_ wins.
-  const int64_t row_bytes = input.size(d) * dims.inner * es;
-  const bool plan_ok = is_plain(input) && row_bytes / std::max<int64_t>(nonempty, 1) >= kMinSegmentBytes;
+  const int64_t row_bytes = input.size(d) * p.dims.inner * es;
+  const bool plan_ok = is_plain(input) && row_bytes / std::max<int64_t>(p.nonempty, 1) >= kMinSegmentBytes;
   int64_t start = 0;
-  CopyPlan plan(dims.outer);
+  CopyPlan plan(p.dims.outer);
   for (size_t i = 0; i < sizes.size(); ++i) {
-    const int64_t seg = sizes[i] * dims.inner * es;
+    const int64_t seg = sizes[i] * p.dims.inner * es;
     if (!plan_ok) {
       if (sizes[i] > 0) pieces[i].copy_(input.narrow(d, start, sizes[i]));
     } else {
-      plan.add(src_bytes(input) + start * dims.inner * es, dst_bytes(pieces[i]), seg, row_bytes, seg);
+      plan.add(src_bytes(input) + start * p.dims.inner * es, dst_bytes(pieces[i]), seg, row_bytes, seg);
     }
     start += sizes[i];
   }
   plan.run(input.device());
   return pieces;
+}
+
+}  // namespace
+
+bool split_gives_views(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
+  const int64_t ndim = input.dim();
+  if (ndim == 0 || sizes.empty() || dim < -ndim || dim >= ndim || !input.is_contiguous()) return false;
+  const int64_t d = dim < 0 ? dim + ndim : dim;
+  int64_t sum = 0, nonempty = 0;
+  for (int64_t s : sizes) {
+    if (s < 0) return false;
+    sum += s;
+    nonempty += s > 0;
+  }
+  return sum == input.size(d) && (around(input.sizes(), d).outer == 1 || nonempty <= 1 || input.numel() == 0);
+}
+
+std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
+  if (split_gives_views(input, sizes, dim)) {
+    c10::NoGradGuard no_grad;
+    return at::split_with_sizes(input, sizes, dim);  // one dispatch for all views
+  }
+  return split_copy(input, sizes, dim);
+}
+
+std::vector<at::Tensor> split_copy(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
+  return copy_pieces(input, sizes, check_split(input, sizes, dim));
 }
 
 at::Tensor concat(at::TensorList tensors, int64_t dim, const std::optional<at::Tensor>& out) {
