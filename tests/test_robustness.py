@@ -123,7 +123,7 @@ def test_shape_change_without_input_change_names_stages_and_shapes():
     "make, match",
     [
         (lambda: pe.schedules.build("1f1b", 4, 2), "1f1b needs n_microbatches >= num_ranks"),
-        (lambda: pe.schedules.build("interleaved_1f1b", 2, 3, stages_per_rank=2), "interleaved_1f1b"),
+        (lambda: pe.schedules.build("interleaved_1f1b", 3, 7, stages_per_rank=2), "interleaved_1f1b needs n_micro"),
         (lambda: pe.schedules.build("zbv", 2, 4, stages_per_rank=1), "stages_per_rank"),
         (lambda: pe.schedules.build("dualpipev", 2, 3, stages_per_rank=2), "dualpipev needs n_microbatches >= 2"),
     ],

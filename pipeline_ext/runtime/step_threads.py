@@ -173,12 +173,17 @@ def run_step_threads(
         try:
             jobs[rank]()
         except BaseException as exc:  # reported to the caller, never lost in the thread
-            # Stop the others at once, not when the caller wakes up (torchgpipe's early stop).
+            # Stop the others at once, not when the caller wakes up (torchgpipe's early stop). This
+            # rank's report goes first: cancelling wakes the others with a consequence of this error
+            # ("the channel hub was closed"), which must not reach the caller in its place.
+            first = None
             if not isinstance(exc, StepCancelled):
                 first = f"rank {rank} failed: {type(exc).__name__}: {exc}"
-                if token.cancel(first):
-                    on_cancel(first)
+                if not token.cancel(first):
+                    first = None
             done.put((rank, exc))
+            if first is not None:
+                on_cancel(first)
         else:
             done.put((rank, None))
 
