@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.runtime.channels import DistChannel
+from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
 from pipeline_ext.runtime.protocol.agreement import (
@@ -42,22 +43,22 @@ from pipeline_ext.runtime.protocol.agreement import (
     agree,
 )
 from pipeline_ext.runtime.protocol.identity import stable_hash
-from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 from pipeline_ext.training.loss import loss_weights
 
 _TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
 
-__all__ = ["PipelineStage", "PipelineSchedule", "PipeliningMetadataError", "PipeliningShapeError"]  # torch's Schedule* names: pipeline_ext/schedule_classes.py
+# torch's Schedule* names are in pipeline_ext/schedule_classes.py
+__all__ = ["PipelineStage", "PipelineSchedule", "PipeliningMetadataError", "PipeliningShapeError"]
 
 
 class PipelineStage(StagePosition):
     """One model chunk of a multi-process pipeline, bound to a device and a process group.
 
-    ``input_args`` / ``output_args`` are accepted for compatibility with torch;
-    shapes are discovered on the first step (and again when they change), so
-    they are not needed. ``group`` (a process group, or a 1-D ``DeviceMesh``
+    ``input_args`` / ``output_args`` (torch's static shapes, one microbatch)
+    are optional: shapes are discovered on the first step (and again when they
+    change); when given, every microbatch is checked against them. ``group`` (a process group, or a 1-D ``DeviceMesh``
     such as ``mesh["pp"]``) defaults to the world group.
 
     A ``submodule`` wrapped in ``DistributedDataParallel`` or ``fully_shard``
@@ -268,9 +269,9 @@ class PipelineSchedule:
         self._step_no = 0
         self.schedule: Optional[S.Schedule] = None
         self._executor: Optional[Executor] = None
+        self._tracer: Optional[Tracer] = None
         if schedule is not None:  # None: a torch-style subclass assigns pipeline_order next
             self._set_schedule(schedule)
-        self._tracer: Optional[Tracer] = None
         self.enable_tracing(trace)
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
@@ -300,7 +301,7 @@ class PipelineSchedule:
             self.schedule.name, tuple(self.schedule.stage_to_rank), self.n_microbatches,
             [[str(a) for a in acts] for acts in self.schedule.actions],
         )))
-        if getattr(self, "_tracer", None) is not None:
+        if self._tracer is not None:  # a new schedule: the steps traced so far were another's
             self.enable_tracing(True)
 
     # -- step hooks (pipeline_ext.training: tied parameters) -------------------------------------
@@ -491,9 +492,10 @@ class PipelineSchedule:
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         executor = self._executor if plan == _TRAIN else self._forward_executor()
         inputs, pending = self._post_agreement(plan, executor, args, kwargs, target)
+        step_loss = self._loss_with(loss_kwargs)
         for r in self._runners.values():
             r.reset()
-            r.loss_fn = self._loss_with(loss_kwargs)
+            r.loss_fn = step_loss
         if plan == _TRAIN:
             for hook in list(self._step_pre_hooks.values()):
                 hook()
@@ -546,9 +548,8 @@ class PipelineSchedule:
         if not order:  # torch's base classes start from an empty order
             return
         rows = [order.get(r, []) for r in range(max(order) + 1)]
-        comms = any("SEND" in str(a) or "RECV" in str(a) for row in rows for a in row if a is not None)
-        self._set_schedule(S.from_cells(rows, "compute_comms" if comms else "compute_only", self.n_microbatches,
-                                        name=type(self).__name__))
+        # compute_comms reads sends/receives when given; lowering adds them when not
+        self._set_schedule(S.from_cells(rows, "compute_comms", self.n_microbatches, name=type(self).__name__))
 
     def _validate_and_set_stage_mapping(self, order: dict[int, Sequence[Any]]) -> None:
         """torch's name for assigning an order and taking the stage placement from it."""

@@ -188,37 +188,50 @@ def _ckpt_batches(step: int):
     return batch(6, 100 + step)
 
 
-def _pipeline(rank: int, seed: int):
-    modules = toy(2, tied=False, seed=seed)
-    sched = pe.Schedule1F1B(pe.PipelineStage(modules[rank], rank, 2, "cpu"), 2, loss_fn=pe.TokenMeanLoss())
-    opt = torch.optim.AdamW(modules[rank].parameters(), lr=0.05)
-    return modules[rank], sched, opt
+def _pipeline(pp_rank: int, seed: int, pp_group=None, dp_mesh=None):
+    """This rank's stage of a 2-stage pipeline with AdamW; ``fully_shard``-ed over ``dp_mesh`` when given."""
+    module = toy(2, tied=False, seed=seed)[pp_rank]
+    if dp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=dp_mesh)
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, pp_rank, 2, "cpu", group=pp_group), 2, loss_fn=pe.TokenMeanLoss())
+    return module, sched, torch.optim.AdamW(module.parameters(), lr=0.05)
 
 
-def _train_steps(rank: int, sched, opt, steps) -> None:
+def _train_steps(pp_rank: int, sched, opt, steps, rows: slice = slice(None)) -> None:
+    """Optimizer steps on the checkpoint batches (``rows``: this DP replica's share)."""
     for step in steps:
         x, y = _ckpt_batches(step)
-        sched.step(x if rank == 0 else None, target=y if rank == 1 else None)
+        sched.step(x[rows] if pp_rank == 0 else None, target=y[rows] if pp_rank == 1 else None)
         opt.step()
         opt.zero_grad()
 
 
+def _save_resume(path: str, pp_rank: int, make, rows: slice = slice(None), extra=None) -> dict:
+    """Train 2 steps, save, train 2 more; a fresh pipeline (other weights) loads the checkpoint and
+    trains the same 2: it must load what was saved and end bitwise where the first one did."""
+    fqn_maps = {pp_rank: f"{pp_rank}."}  # the unsplit model is nn.Sequential(stage0, stage1)
+    module, sched, opt = make(seed=0)
+    _train_steps(pp_rank, sched, opt, range(2), rows)
+    saved = {k: full(v).clone() for k, v in module.state_dict().items()}
+    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps, extra=extra)
+    _train_steps(pp_rank, sched, opt, range(2, 4), rows)
+    straight = {k: full(v) for k, v in module.state_dict().items()}
+    fresh, sched2, opt2 = make(seed=1)  # other weights, no optimizer state yet
+    loaded_extra = None if extra is None else {k: -1 for k in extra}
+    pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps, extra=loaded_extra)
+    loaded = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in saved.items())
+    _train_steps(pp_rank, sched2, opt2, range(2, 4), rows)
+    bitwise = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in straight.items())
+    return {"loaded": loaded, "resumed_bitwise": bitwise, "extra": loaded_extra,
+            "saved": {f"{pp_rank}.{k}": v.numpy() for k, v in saved.items()}}  # numpy: no shared memory
+
+
 def _round_trip(rank: int, world: int, path: str) -> dict:
-    fqn_maps = {rank: f"{rank}."}  # the unsplit model is nn.Sequential(stage0, stage1)
-    module, sched, opt = _pipeline(rank, seed=0)
-    _train_steps(rank, sched, opt, range(2))
-    saved = {k: v.clone() for k, v in module.state_dict().items()}
-    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps, extra={"step": 2})
-    _train_steps(rank, sched, opt, range(2, 4))
-    straight = module.state_dict()
-    fresh, sched2, opt2 = _pipeline(rank, seed=1)  # other weights, no optimizer state yet
-    extra = {"step": -1}
-    pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps, extra=extra)
-    loaded_ok = all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
-    _train_steps(rank, sched2, opt2, range(2, 4))
-    bitwise = all(torch.equal(fresh.state_dict()[k], v) for k, v in straight.items())
-    return {"loaded": loaded_ok, "resumed_bitwise": bitwise, "extra": extra["step"],
-            "saved": {f"{rank}.{k}": v.numpy() for k, v in saved.items()}}  # numpy: no shared memory
+    res = _save_resume(path, rank, lambda seed: _pipeline(rank, seed), extra={"step": 2})
+    res["extra"] = res["extra"]["step"]
+    return res
 
 
 @pytest.mark.slow
@@ -247,45 +260,11 @@ def test_dcp_round_trip_fresh_pipeline_unsplit_model_and_bitwise_resume():
         assert all(torch.equal(full["model"][k], v) for k, v in saved.items())
 
 
-def _fsdp_pipeline(groups, seed: int):
-    """This rank's stage of a 2-stage pipeline, fully_shard-ed over its DP pair, with AdamW."""
-    from torch.distributed.fsdp import fully_shard
-
-    pp_group, _, pp_rank, _, dp_mesh = groups
-    module = toy(2, tied=False, seed=seed)[pp_rank]
-    fully_shard(module, mesh=dp_mesh)
-    sched = pe.Schedule1F1B(pe.PipelineStage(module, pp_rank, 2, "cpu", group=pp_group), 2, loss_fn=pe.TokenMeanLoss())
-    return module, sched, torch.optim.AdamW(module.parameters(), lr=0.05)
-
-
-def _fsdp_steps(groups, sched, opt, steps) -> None:
-    _, _, pp_rank, dp_rank, _ = groups
-    for step in steps:
-        x, y = _ckpt_batches(step)
-        x, y = x[dp_rank * 3:(dp_rank + 1) * 3], y[dp_rank * 3:(dp_rank + 1) * 3]
-        sched.step(x if pp_rank == 0 else None, target=y if pp_rank == 1 else None)
-        opt.step()
-        opt.zero_grad()
-
-
 def _fsdp_round_trip(rank: int, world: int, path: str) -> dict:
     """Stage-sharded x FSDP-sharded state (2 x 2): save, load into a fresh pipeline, resume bitwise."""
-    groups = _layout(world, 2)
-    pp_rank = groups[2]
-    fqn_maps = {pp_rank: f"{pp_rank}."}
-    module, sched, opt = _fsdp_pipeline(groups, seed=0)
-    _fsdp_steps(groups, sched, opt, range(2))
-    saved = {k: full(v).clone() for k, v in module.state_dict().items()}
-    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps)
-    _fsdp_steps(groups, sched, opt, range(2, 4))
-    straight = {k: full(v) for k, v in module.state_dict().items()}
-    fresh, sched2, opt2 = _fsdp_pipeline(groups, seed=1)
-    pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps)
-    loaded = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in saved.items())
-    _fsdp_steps(groups, sched2, opt2, range(2, 4))
-    bitwise = all(torch.equal(full(fresh.state_dict()[k]), v) for k, v in straight.items())
-    return {"loaded": loaded, "resumed_bitwise": bitwise,
-            "saved": {f"{pp_rank}.{k}": v.numpy() for k, v in saved.items()}}
+    pp_group, _, pp_rank, dp_rank, dp_mesh = _layout(world, 2)
+    return _save_resume(path, pp_rank, lambda seed: _pipeline(pp_rank, seed, pp_group, dp_mesh),
+                        rows=slice(dp_rank * 3, (dp_rank + 1) * 3))
 
 
 @pytest.mark.slow

@@ -225,10 +225,6 @@ class StepAgreement:
             self._signatures[key] = sig
         return sig
 
-    def exchange(self, mine: StepRecord) -> list[StepRecord]:
-        """Send ``mine`` to every other rank and receive theirs; ``mine`` comes first in the result."""
-        return self.post(mine).records()
-
     def post(self, mine: StepRecord) -> "PendingExchange":
         """Start the exchange of ``mine`` now; its ``records()`` waits for the peers' records.
 
