@@ -62,7 +62,7 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"tracer", "schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
+_SUBMODULES = {"skip", "tracer", "schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -45,6 +45,7 @@ from pipeline_ext.runtime.protocol.agreement import (
 from pipeline_ext.runtime.protocol.identity import stable_hash
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
+from pipeline_ext.skip.routes import SkipRoutes, declarations_digest, declared_skips, gather_routes
 from pipeline_ext.training.loss import loss_weights
 
 _TRAIN, _FORWARD = 1, 2  # the two plans of a schedule (see protocol/agreement.PLANS)
@@ -258,6 +259,12 @@ class PipelineSchedule:
         if len(self.stages) != len(stages):
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: s._make_runner(loss_fn, n_microbatches) for i, s in self.stages.items()}
+        # Skip connections (pipeline_ext.skip): what this rank's stages declare; the routes between
+        # ranks are settled in the first step whose records say some rank has skips (_settle_skips).
+        self._skip_decls = {i: declared_skips(s.submod) for i, s in self.stages.items()}
+        self._skip_digest = declarations_digest(self._skip_decls)
+        self._skip_key: tuple[int, ...] = ()
+        self._skip_routes: Optional[SkipRoutes] = None
         device = first.device
         self._channel = DistChannel(self.group, device, num_stages=num_stages)
         self._last_stage = num_stages - 1
@@ -293,7 +300,9 @@ class PipelineSchedule:
                              f"but this rank was given stages {sorted(self.stages)}")
         self.schedule = S.lower(schedule)
         S.validate(self.schedule)
-        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout)
+        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout,
+                                  skips=self._skip_routes)
+        self._executor.expect_skips(i for i, d in self._skip_decls.items() if d)
         self._eval_executor: Optional[Executor] = None
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_rank = self.schedule.stage_to_rank[-1]
@@ -400,7 +409,7 @@ class PipelineSchedule:
         record = StepRecord(rank=self.rank, step=self._step_no, plan=plan, schedule=self.schedule.name,
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
-                            layouts=executor.plans.digest)
+                            layouts=executor.plans.digest, skips=self._skip_digest)
         self._step_no += 1
         inputs = StepInputs()
         error: Optional[Exception] = None
@@ -437,12 +446,36 @@ class PipelineSchedule:
     def _start(self, inputs: StepInputs, pending: PendingExchange) -> StepStart:
         """The step's agreement, settled right before its first message (every rank takes the same decision)."""
         agreement = agree(pending.records(), self._first_rank, self._last_rank)
+        self._settle_skips(agreement.skips)
         if not inputs.loss_weights:
             inputs.loss_weights = self._weights(agreement.sizes, inputs.targets)
         # Plans are per executor, so a forward-only step never shares one with a training step.
         # When the ranks' plan caches differ (a step failed on some ranks after others had
         # committed its layouts), every rank exchanges the layouts again.
         return StepStart(agreement.step, agreement.signature, agreement.discovery)
+
+    def _settle_skips(self, digests: tuple[int, ...]) -> None:
+        """Skip routes for the declarations the records announce: gathered once, again only when they change.
+
+        Every rank sees the same records, so every rank takes part in the
+        gather, or none does. Skips travel on their own tags, which NCCL
+        ignores (it matches by order), so they are refused on NCCL pipelines.
+        """
+        if digests == self._skip_key:
+            return
+        routes = None
+        if any(digests):
+            routes = gather_routes(self._skip_decls, self.num_stages, self._agreement.group)
+            if routes and self._device.type != "cpu":
+                raise NotImplementedError(
+                    f"skip connections between processes need a backend that matches messages by tag (Gloo); "
+                    f"this pipeline's stages are on {self._device} (NCCL matches by order only). Keep the skip "
+                    "inside one stage, or run the pipeline on CPU with Gloo"
+                )
+        self._skip_key, self._skip_routes = digests, routes
+        for executor in (self._executor, self._eval_executor):
+            if executor is not None:
+                executor.set_skips(routes)
 
     def _weights(self, sizes: Sequence[int], targets: Sequence[Any]) -> list[float]:
         """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""
@@ -480,7 +513,8 @@ class PipelineSchedule:
     def _forward_executor(self) -> Executor:
         if self._eval_executor is None:
             self._eval_executor = Executor(S.forward_only(self.schedule), self.rank, self._runners, self._channel,
-                                           timeout=self.timeout)
+                                           timeout=self.timeout, skips=self._skip_routes)
+            self._eval_executor.expect_skips(i for i, d in self._skip_decls.items() if d)
         return self._eval_executor
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],

@@ -46,6 +46,7 @@ from pipeline_ext.runtime.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
 from pipeline_ext.runtime.step_threads import Activity, CancelToken, GuardedRunner, StepOutcome, run_step_threads
+from pipeline_ext.skip import SkipRoutes, verify_skippables
 from pipeline_ext.training.loss import loss_weights
 
 __all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
@@ -236,6 +237,7 @@ class Pipe(nn.Module):
         self.timeout = timeout
         self.unpack_tuples = unpack_tuples
         self._deterministic = deterministic
+        verify_skippables(module)  # every stash has its pop (torchgpipe checks this here too)
         layers = list(module._modules.items())  # every entry, a repeated module too (children() lists it once)
         devices_ = _devices(devices)
         if not layers:
@@ -261,6 +263,8 @@ class Pipe(nn.Module):
         )
         for part, dev in zip(self.partitions, self.stage_devices):
             nn.Module.to(part, dev)
+        #: which stage sends which skip connection to which (pipeline_ext.skip)
+        self.skip_routes = SkipRoutes.of_modules(list(self.partitions))
         self._schedule_name = schedule if isinstance(schedule, str) else None
         self._v = n // len(devices_)
         self.schedule = S.lower(schedule_obj)
@@ -280,6 +284,7 @@ class Pipe(nn.Module):
         """An empty Sequential is the identity (torchgpipe allows it)."""
         self.balance, self.devices, self.stage_devices = [], [], []
         self.partitions = nn.ModuleList()
+        self.skip_routes = SkipRoutes([])
         self._bn = None
         self._busy = threading.Lock()
         self._abandoned = []
@@ -478,6 +483,7 @@ class Pipe(nn.Module):
                 {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
                 hub.channel(r),
                 timeout=wait_timeout,
+                skips=self.skip_routes,
             )
             for r in range(len(self.devices))
         ]

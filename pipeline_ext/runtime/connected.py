@@ -8,7 +8,8 @@ each stage's graph-connected outputs in a shared table and, on the receiving
 stage, re-attaches the received tensor to them with ``Boundary``: its forward
 is the received data (already on this stage's device), its backward hands the
 gradient to the producing stage's device. Autograd then sees one graph across
-all stages and threads.
+all stages and threads. Skips (``pipeline_ext.skip``) are re-attached the same
+way, from the stashing stage's connected tensor, under (skip key, microbatch).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from pipeline_ext._ext import _C
-from pipeline_ext.runtime.stage import StagePosition, as_output_tuple, is_differentiable
+from pipeline_ext.runtime.stage import Skips, StagePosition, as_output_tuple, is_differentiable
+from pipeline_ext.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["Boundary", "ConnectedRunner"]
 
@@ -62,7 +64,7 @@ class ConnectedRunner(StagePosition):
         module: nn.Module,
         stage_index: int,
         num_stages: int,
-        links: dict[tuple[int, int], tuple[torch.Tensor, ...]],
+        links: dict[tuple[Any, int], Any],
         call: Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any],
         checkpoint: Optional[Callable[[int], bool]] = None,
     ) -> None:
@@ -73,19 +75,25 @@ class ConnectedRunner(StagePosition):
         self.call = call
         self.checkpoint = checkpoint
         self.outputs: dict[int, Any] = {}
+        self._stashed: dict[int, Skips] = {}
 
     def forward(
-        self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None, loss_weight: float = 1.0
+        self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None,
+        loss_weight: float = 1.0, skips: Optional[Skips] = None,
     ) -> tuple[torch.Tensor, ...]:
         if self.stage_index > 0:
             sources = self.links.pop((self.stage_index - 1, mb))
-            args = tuple(
-                Boundary.apply(s, [r]) if is_differentiable(s) and s.requires_grad else r for r, s in zip(args, sources)
-            )
+            args = tuple(_connect(r, s) for r, s in zip(args, sources))
+        popped = {k: _connect(r, self.links.pop((k, mb))) for k, r in (skips or {}).items()}
         kwargs = kwargs or {}
+        stashed: Skips = {}
 
-        def run(*a: Any) -> Any:
-            return self.call(mb, self.module, a, kwargs)
+        def run(*a: Any) -> Any:  # a recomputation pops the same skips again; its stashes are not used
+            with use_skip_tracker(SkipTracker(popped)) as tracker:
+                out = self.call(mb, self.module, a, kwargs)
+            if not stashed:
+                stashed.update(tracker.tensors)
+            return out
 
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
             # The whole stage recomputes (no early stop): a layer's forward hooks then run in the
@@ -94,9 +102,24 @@ class ConnectedRunner(StagePosition):
                 out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             out = run(*args)
+        if stashed:
+            for k, v in stashed.items():
+                self.links[(k, mb)] = v
+            self._stashed[mb] = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in stashed.items()}
         if self.is_last:
             self.outputs[mb] = out
             return ()
         outs = as_output_tuple(out, self.stage_index)
         self.links[(self.stage_index, mb)] = outs
         return tuple(o.detach() for o in outs)
+
+    def take_stashed(self, mb: int) -> Skips:
+        """The skips microbatch ``mb`` stashed for later stages (detached: the channel's part)."""
+        return self._stashed.pop(mb, {})
+
+
+def _connect(received: Any, source: Any) -> Any:
+    """The received tensor, attached to the producer's graph when the producer's tensor needs a gradient."""
+    if is_differentiable(source) and source.requires_grad:
+        return Boundary.apply(source, [received])
+    return received

@@ -25,6 +25,13 @@ does. Over a ``DistChannel`` the executor owns the communication plans
 (``runtime/protocol/plan.py``): one cache per executor, so a training and a
 forward-only executor never share one.
 
+Skip connections (``pipeline_ext.skip``): given ``skips`` routes, a stage's
+F also sends the skips it stashed straight to the popping stage's rank (or
+hands them over locally), and the popping stage's F receives them first; the
+gradients go back the same way around B/I. These messages are not actions of
+the schedule: they ride on F, B and I, whose order already guarantees that a
+skip is sent before it is waited for (``skip/routes.py``).
+
 Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
@@ -32,13 +39,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 
-from pipeline_ext.runtime.protocol.identity import check_tag_space, message_tag
+from pipeline_ext.runtime.protocol.identity import check_tag_space, message_tag, skip_tag
 from pipeline_ext.runtime.protocol.plan import DEFAULT_MAX_PLANS, PlanCache, StepMessages
 from pipeline_ext.schedules import Action, ActionKind, Schedule
+from pipeline_ext.skip.routes import SkipRoutes, pack_skip_grads, pack_skips, unpack_skips
+from pipeline_ext.skip.tracker import SkipKey
 
 __all__ = ["Channel", "Handle", "Runner", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
 
@@ -61,26 +70,39 @@ class Handle(Protocol):
     def is_completed(self) -> bool: ...
 
 
+SkipValues = Mapping[SkipKey, Optional[torch.Tensor]]
+
+
 class Runner(Protocol):
     """What the executor asks of one stage: F, B, I and W on microbatches.
 
     ``StageRunner`` is the one implementation; ``ConnectedRunner`` (Pipe's
     autograd-connected forward) and ``GuardedRunner`` (Pipe's cancellable
     steps) wrap it and are typed peers of it through this protocol.
+
+    Skips: ``forward`` gets the skips popped on this stage (``skips``) and
+    ``take_stashed`` gives the ones it stashed for later stages; backward gets
+    the gradients of those (``skip_grads``) and ``take_skip_grads`` gives the
+    gradients of the popped ones. Only called on stages that have skips.
     """
 
     @property
     def is_last(self) -> bool: ...
 
     def forward(self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None,
-                loss_weight: float = 1.0) -> tuple[torch.Tensor, ...]: ...
+                loss_weight: float = 1.0, skips: Optional[SkipValues] = None) -> tuple[torch.Tensor, ...]: ...
 
-    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]: ...
+    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 skip_grads: Optional[SkipValues] = None) -> list[torch.Tensor]: ...
 
-    def backward_input(self, mb: int,
-                       grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]: ...
+    def backward_input(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                       skip_grads: Optional[SkipValues] = None) -> list[torch.Tensor]: ...
 
     def backward_weight(self, mb: int) -> None: ...
+
+    def take_stashed(self, mb: int) -> dict[SkipKey, Optional[torch.Tensor]]: ...
+
+    def take_skip_grads(self, mb: int) -> dict[SkipKey, Optional[torch.Tensor]]: ...
 
 
 class Channel(Protocol):
@@ -110,13 +132,24 @@ class StepStart:
     rediscover: bool = False  # exchange every layout again, whatever this rank's plan cache holds
 
 
+class _SkipMessage(NamedTuple):
+    """A skip message (or its gradient) between a stashing and a popping stage: not an action of the schedule."""
+
+    src: int
+    dst: int
+    microbatch: int
+    gradient: bool
+
+
 @dataclass
 class _StepState:
     inputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     to_send: dict[Action, list[torch.Tensor]] = field(default_factory=dict)
     posted: dict[Action, Handle] = field(default_factory=dict)
-    sends: deque = field(default_factory=deque)  # (action, handle) in issue order
+    sends: deque = field(default_factory=deque)  # (action or skip message, handle) in issue order
+    skips: dict[_SkipMessage, SkipValues] = field(default_factory=dict)  # handed over on this rank
+    pending: deque = field(default_factory=deque)  # receives not posted yet
 
 
 class Executor:
@@ -125,7 +158,8 @@ class Executor:
     ``recv_window`` bounds how many receives are posted ahead (memory for their
     buffers vs. overlap). ``on_action(action, start, end)`` is called after each
     action when set (tracing). ``max_plans`` bounds the communication plans kept
-    (over a channel that needs layouts).
+    (over a channel that needs layouts). ``skips``: the pipeline's skip routes
+    (``pipeline_ext.skip``), or set them later with ``set_skips``.
     """
 
     def __init__(
@@ -138,6 +172,7 @@ class Executor:
         recv_window: int = 4,
         on_action: Optional[Callable[[Action, float, float], None]] = None,
         max_plans: int = DEFAULT_MAX_PLANS,
+        skips: Optional[SkipRoutes] = None,
     ) -> None:
         if not schedule.lowered and schedule.num_ranks > 1:
             raise ValueError("Executor needs a lowered schedule (see pipeline_ext.schedules.lower)")
@@ -169,19 +204,46 @@ class Executor:
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
         self.failed_action: Optional[Action] = None
-        check_tag_space(self.num_stages, schedule.n_microbatches)
+        self.skips: Optional[SkipRoutes] = None
+        self._skip_stages: frozenset[int] = frozenset()  # this rank's stages that stash or pop across stages
+        self.set_skips(skips)
         self._step = 0  # the step being run: part of every message's tag (protocol/identity.py)
         #: communication plans, when the channel needs layouts (DistChannel); None in process
         self.plans: Optional[PlanCache] = PlanCache(max_plans) if getattr(channel, "needs_layouts", False) else None
         self._messages: Any = None  # this step's channel: StepMessages over a DistChannel, else the channel
 
+    def set_skips(self, skips: Optional[SkipRoutes]) -> None:
+        """Use these skip routes from the next step on (None or empty: no skips)."""
+        if skips is not None and skips.num_stages != self.num_stages:
+            raise ValueError(f"skip routes are for {skips.num_stages} stages, the schedule has {self.num_stages}")
+        self.skips = skips if skips else None
+        check_tag_space(self.num_stages, self.schedule.n_microbatches, skips=self.skips is not None)
+        if self.skips is not None:
+            self.expect_skips({s for s in self.runners if self.skips.sources(s) or self.skips.destinations(s)})
+
+    def expect_skips(self, stages: Any) -> None:
+        """These stages declare skips whose routes the step's start settles (``run(start=callable)``).
+
+        Their F, B and I then open the step (settle its start) before running,
+        so the routes are known when the first skip moves.
+        """
+        self._skip_stages = frozenset(stages) | self._skip_stages
+
     # -- helpers -------------------------------------------------------------------------------
-    def _peer(self, action: Action) -> int:
+    def _peer(self, action: Union[Action, _SkipMessage]) -> int:
+        if isinstance(action, _SkipMessage):  # the other end of the skip, seen from this rank
+            src, dst = self._rank_of[action.src], self._rank_of[action.dst]
+            return dst if self.rank == src else src
         if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
             return self._rank_of[action.stage + 1]
         return self._rank_of[action.stage - 1]
 
-    def _what(self, action: Action) -> str:
+    def _what(self, action: Union[Action, _SkipMessage]) -> str:
+        if isinstance(action, _SkipMessage):
+            what = (f"the skips of stage {action.src} for stage {action.dst}" if not action.gradient
+                    else f"the gradient of stage {action.src}'s skips from stage {action.dst}")
+            return (f"rank {self.rank} waiting on {what}, microbatch {action.microbatch}, with peer rank "
+                    f"{self._peer(action)} in step {self._step}")
         return (
             f"rank {self.rank} waiting on {action.kind.value} of stage {action.stage} microbatch "
             f"{action.microbatch} with peer rank {self._peer(action)} in step {self._step}"
@@ -201,16 +263,15 @@ class Executor:
         message) is the same on every rank: the step number is part of every
         message's tag, the signature picks the communication plan.
         """
-        st = _StepState()
-        pending = deque(self._recv_actions)
+        st = _StepState(pending=deque(self._recv_actions))
         self._messages = None
+        self._start_of_step = start
         clock = time.perf_counter
         self.failed_action = None
         try:
             for action in self.actions:
                 if self._messages is None and action.kind in _MESSAGES:
-                    self._open(start)
-                    self._post(st, pending)
+                    self._open_and_post(st)
                 begin = clock()
                 try:
                     self._dispatch[action.kind](action, st, inputs)
@@ -218,7 +279,7 @@ class Executor:
                     self._fail(action, exc)
                     raise
                 if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    self._post(st, pending)
+                    self._post(st)
                 self._reap(st, block=False)
                 if self.on_action is not None:
                     self.on_action(action, begin, clock())
@@ -233,7 +294,7 @@ class Executor:
         if isinstance(self._messages, StepMessages):
             self.plans.commit(self._messages)
         self._messages = None
-        leftovers = [k for d in (st.inputs, st.grads, st.to_send) for k in d]
+        leftovers = [k for d in (st.inputs, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
 
@@ -246,6 +307,10 @@ class Executor:
         else:
             self._messages = self.plans.step(self.channel, agreed.signature, agreed.rediscover)
 
+    def _open_and_post(self, st: _StepState) -> None:
+        self._open(self._start_of_step)
+        self._post(st)
+
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""
         self.failed_action = action
@@ -253,12 +318,13 @@ class Executor:
         if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)
 
-    def _post(self, st: _StepState, pending: deque) -> None:
+    def _post(self, st: _StepState) -> None:
+        pending = st.pending
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
             st.posted[a] = self._start(a, lambda: self._messages.recv(self._peer(a), self._tag(a)))
 
-    def _start(self, a: Action, post: Callable[[], Handle]) -> Handle:
+    def _start(self, a: Union[Action, _SkipMessage], post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
         try:
             return post()
@@ -284,7 +350,13 @@ class Executor:
         target = weight = None
         if runner.is_last and inputs.targets:
             target, weight = inputs.targets[m], inputs.loss_weights[m]
-        outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight)
+        skips = self._skips_for(a.stage, st)
+        if skips is None:
+            outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight)
+        else:
+            outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight,
+                                  skips=self._skips_in(a.stage, m, st, gradient=False))
+            self._skips_out(a.stage, m, st, runner.take_stashed(m), gradient=False)
         if runner.is_last:
             return
         if self._local(a.stage + 1):
@@ -297,7 +369,12 @@ class Executor:
         m = a.microbatch
         grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
         fn = runner.backward if a.kind == ActionKind.B else runner.backward_input
-        grad_in = fn(m, grads)
+        skips = self._skips_for(a.stage, st)
+        if skips is None:
+            grad_in = fn(m, grads)
+        else:
+            grad_in = fn(m, grads, skip_grads=self._skips_in(a.stage, m, st, gradient=True))
+            self._skips_out(a.stage, m, st, runner.take_skip_grads(m), gradient=True)
         if a.stage == 0:
             return
         if self._local(a.stage - 1):
@@ -323,7 +400,52 @@ class Executor:
         else:
             st.grads[key] = list(tensors)
 
-    def _take(self, d: dict, key: Any, a: Action) -> Any:
+    # -- skips ---------------------------------------------------------------------------------
+    def _skips_for(self, stage: int, st: _StepState) -> Optional[SkipRoutes]:
+        """The routes, when ``stage`` has skips this step (settling the step's start first if need be)."""
+        if stage not in self._skip_stages:
+            return None
+        if self._messages is None:
+            self._open_and_post(st)
+        skips = self.skips
+        if skips is None or not (skips.sources(stage) or skips.destinations(stage)):
+            return None
+        return skips
+
+    def _skips_in(self, stage: int, m: int, st: _StepState, gradient: bool) -> dict[SkipKey, Optional[torch.Tensor]]:
+        """Before F: the skips popped on ``stage``; before B/I: the gradients of those it stashed."""
+        assert self.skips is not None
+        peers = self.skips.destinations(stage) if gradient else self.skips.sources(stage)
+        values: dict[SkipKey, Optional[torch.Tensor]] = {}
+        for peer, keys in peers.items():
+            msg = _SkipMessage(stage, peer, m, True) if gradient else _SkipMessage(peer, stage, m, False)
+            if self._local(peer):
+                values.update(self._take(st.skips, msg, msg))
+                continue
+            if self._messages is None:
+                self._open_and_post(st)
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
+            tensors = self._start(msg, lambda: self._messages.recv(self._peer(msg), tag)).wait(self.timeout, self._what(msg))
+            values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
+        return values
+
+    def _skips_out(self, stage: int, m: int, st: _StepState, values: dict[SkipKey, Optional[torch.Tensor]],
+                   gradient: bool) -> None:
+        """After F: send the skips ``stage`` stashed; after B/I: the gradients of those it popped."""
+        assert self.skips is not None
+        peers = self.skips.sources(stage) if gradient else self.skips.destinations(stage)
+        for peer, keys in peers.items():
+            msg = _SkipMessage(peer, stage, m, True) if gradient else _SkipMessage(stage, peer, m, False)
+            if self._local(peer):
+                st.skips[msg] = {k: values.get(k) for k in keys}
+                continue
+            tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
+            if self._messages is None:
+                self._open_and_post(st)
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
+            st.sends.append((msg, self._start(msg, lambda: self._messages.send(tensors, self._peer(msg), tag))))
+
+    def _take(self, d: dict, key: Any, a: Any) -> Any:
         try:
             return d.pop(key)
         except KeyError:

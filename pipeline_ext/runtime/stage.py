@@ -19,6 +19,11 @@ Conventions, shared with the executor:
   (runtime/data_parallel.py): begun at the step's first forward, asked before
   every B/I/W, finished after the step's last B or W (one per microbatch), so
   gradients are reduced exactly once per step.
+- skip connections (``pipeline_ext.skip``): the skips popped on this stage
+  arrive with F (``skips``) and become leaves that collect their gradient like
+  inputs; the skips this stage stashes for later stages leave with F
+  (``take_stashed``) and become backward roots like outputs, their gradients
+  arriving with B/I (``skip_grads``).
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ from pipeline_ext.runtime.split_backward import (
     backward_input,
     backward_weight,
 )
+from pipeline_ext.skip.tracker import SkipKey, SkipTracker, use_skip_tracker
+
+Skips = dict[SkipKey, Optional[torch.Tensor]]
 
 __all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
 
@@ -84,8 +92,10 @@ class _State:
     outputs: list[torch.Tensor] = field(default_factory=list)
     grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
     deferred: Optional[DeferredWeightGrad] = None
-    # checkpointed microbatch: (args, kwargs, target, loss_weight) to re-run F with autograd before backward
-    recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float]] = None
+    # checkpointed microbatch: (args, kwargs, target, loss_weight, skips) to re-run F with autograd before backward
+    recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float, Skips]] = None
+    skip_inputs: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # popped here, differentiable
+    skip_roots: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # stashed for later stages
 
 
 class StageRunner(StagePosition):
@@ -135,6 +145,8 @@ class StageRunner(StagePosition):
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
         self._warned_unsplit = False
+        self._stashed: dict[int, Skips] = {}  # per microbatch, detached, for take_stashed
+        self._skip_grads: dict[int, Skips] = {}  # per microbatch, for take_skip_grads
 
     @property
     def live_microbatches(self) -> int:
@@ -150,6 +162,8 @@ class StageRunner(StagePosition):
         self.peak_live_microbatches = 0
         self.losses.clear()
         self.outputs.clear()
+        self._stashed.clear()
+        self._skip_grads.clear()
         if self._sync_left is not None and self.grad_sync is not None:
             self._sync_left = None
             self.grad_sync.abort()
@@ -162,6 +176,7 @@ class StageRunner(StagePosition):
         kwargs: Optional[dict[str, Any]] = None,
         target: Any = None,
         loss_weight: float = 1.0,
+        skips: Optional[Skips] = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage on microbatch ``mb``; return its outputs, detached, to hand on.
 
@@ -178,22 +193,30 @@ class StageRunner(StagePosition):
         state = _State()
         if not self.is_first:
             args = tuple(self._as_input(a) for a in args)
+        skips = {k: self._as_input(v) for k, v in (skips or {}).items()}
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
             with torch.no_grad():
-                sent = self._run(mb, state, args, kwargs, target, loss_weight)
-            state.recompute = (tuple(args), kwargs, target, loss_weight)
+                sent = self._run(mb, state, args, kwargs, target, loss_weight, skips)
+            state.recompute = (tuple(args), kwargs, target, loss_weight, skips)
             self._keep(mb, state)
             return sent
-        return self._run(mb, state, args, kwargs, target, loss_weight)
+        return self._run(mb, state, args, kwargs, target, loss_weight, skips)
 
     def _run(
-        self, mb: int, state: _State, args: Sequence[Any], kwargs: Optional[dict[str, Any]], target: Any, loss_weight: float
+        self, mb: int, state: _State, args: Sequence[Any], kwargs: Optional[dict[str, Any]], target: Any,
+        loss_weight: float, skips: Skips,
     ) -> tuple[torch.Tensor, ...]:
         """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
         if not self.is_first:
             state.grad_inputs = [a for a in args if is_differentiable(a)]
-        out = self.call(mb, self.module, args, kwargs or {})
+        state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
+        with use_skip_tracker(SkipTracker(skips)) as tracker:
+            out = self.call(mb, self.module, args, kwargs or {})
         grad_on = torch.is_grad_enabled()
+        stashed = tracker.tensors  # what no layer of this stage popped: for later stages
+        state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
+        if stashed and state.recompute is None:  # a recomputation's stashes were sent already
+            self._stashed[mb] = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in stashed.items()}
         if self.is_last:
             self.outputs[mb] = _detach_tree(out)
             if self.loss_fn is not None and target is not None:
@@ -234,52 +257,82 @@ class StageRunner(StagePosition):
                 "(its F did not run on this stage, or its backward already ran)"
             ) from None
         if state.recompute is not None and action != "W":
-            args, kwargs, target, weight = state.recompute
-            state.recompute = None
+            args, kwargs, target, weight, skips = state.recompute
             with torch.enable_grad():
-                self._run(mb, state, args, kwargs, target, weight)
+                self._run(mb, state, args, kwargs, target, weight, skips)
+            state.recompute = None
         return state
 
+    def take_stashed(self, mb: int) -> Skips:
+        """The skips microbatch ``mb``'s forward stashed for later stages (detached); once."""
+        return self._stashed.pop(mb, {})
+
+    def take_skip_grads(self, mb: int) -> Skips:
+        """The gradients of the skips microbatch ``mb`` popped here, after its B or I; once."""
+        return self._skip_grads.pop(mb, {})
+
     def _grad_pairs(
-        self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]]
+        self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]], skip_grads: Optional[Skips]
     ) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
-        """Backward roots and their gradients (None for the loss)."""
+        """Backward roots and their gradients (None for the loss), stashed skips included."""
         if self.is_last:
-            return state.outputs, [None] * len(state.outputs)
-        if grad_outputs is None:
-            raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
-        grads = _match_grads(state.outputs, grad_outputs, self.stage_index)
-        keep = [i for i, o in enumerate(state.outputs) if o.requires_grad]
-        return [state.outputs[i] for i in keep], [grads[i] for i in keep]
+            outputs, grads = list(state.outputs), [None] * len(state.outputs)
+        else:
+            if grad_outputs is None:
+                raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
+            all_grads = _match_grads(state.outputs, grad_outputs, self.stage_index)
+            keep = [i for i, o in enumerate(state.outputs) if o.requires_grad]
+            outputs, grads = [state.outputs[i] for i in keep], [all_grads[i] for i in keep]
+        for key, root in state.skip_roots:
+            g = (skip_grads or {}).get(key)
+            if g is None or g.shape != root.shape:
+                raise StageError(f"stage {self.stage_index}: no gradient of shape {tuple(root.shape)} arrived for "
+                                 f"skip {key}" + ("" if g is None else f" (got {tuple(g.shape)})"))
+            if root.requires_grad:
+                outputs.append(root)
+                grads.append(g)
+        return outputs, grads
+
+    def _keep_skip_grads(self, mb: int, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if state.skip_inputs:
+            self._skip_grads[mb] = {k: g if g is not None else torch.zeros_like(v)
+                                    for (k, v), g in zip(state.skip_inputs, grads)}
 
     def _grad_message(self, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
         """One gradient per floating-point input, zeros where autograd produced none."""
         return [g if g is not None else torch.zeros_like(x) for x, g in zip(state.grad_inputs, grads)]
 
-    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 skip_grads: Optional[Skips] = None) -> list[torch.Tensor]:
         """B: full backward of ``mb``; accumulates weight grads, returns the input grads."""
         self._before_backward()
         state = self._take(mb, "B")
-        outputs, grads = self._grad_pairs(state, grad_outputs)
-        for inp in state.grad_inputs:
+        outputs, grads = self._grad_pairs(state, grad_outputs, skip_grads)
+        leaves = state.grad_inputs + [v for _, v in state.skip_inputs]
+        for inp in leaves:
             inp.grad = None
         if outputs:
             torch.autograd.backward(outputs, grads)
         message = self._grad_message(state, [inp.grad for inp in state.grad_inputs])
+        self._keep_skip_grads(mb, state, [v.grad for _, v in state.skip_inputs])
         del self._states[mb]
         self._weight_grads_done()
         return message
 
     def backward_input(
-        self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None
+        self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        skip_grads: Optional[Skips] = None,
     ) -> list[torch.Tensor]:
         """I: input grads only; the weight-grad half is kept for ``backward_weight``."""
         self._before_backward()
         state = self._take(mb, "I")
         if state.deferred is not None:
             raise StageError(f"stage {self.stage_index}: I of microbatch {mb} ran twice")
-        outputs, grads = self._grad_pairs(state, grad_outputs)
-        input_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs)
+        outputs, grads = self._grad_pairs(state, grad_outputs, skip_grads)
+        n = len(state.grad_inputs)
+        all_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs + [v for _, v in state.skip_inputs])
+        input_grads = all_grads[:n]
+        self._keep_skip_grads(mb, state, all_grads[n:])
         if state.deferred.unsplit is not None and not self._warned_unsplit:
             self._warned_unsplit = True
             warnings.warn(
@@ -290,7 +343,7 @@ class StageRunner(StagePosition):
                 stacklevel=2,
             )
         message = self._grad_message(state, input_grads)
-        state.outputs, state.grad_inputs = [], []  # W needs only the deferred work
+        state.outputs, state.grad_inputs, state.skip_inputs, state.skip_roots = [], [], [], []  # W: deferred work only
         return message
 
     def backward_weight(self, mb: int) -> None:

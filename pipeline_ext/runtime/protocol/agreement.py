@@ -23,6 +23,9 @@ word   meaning
 10     target rows (rank of the last stage; -1: none)
 11     digest of the message layouts this rank has cached (they must match)
 12     the sender's rank
+13     digest of the skip connections this rank's stages declare (0: none);
+       when any is set, the ranks exchange the declarations once
+       (``PipelineSchedule``, ``pipeline_ext.skip``)
 16-19  schedule name (ASCII)
 20-35  the rejecting rank's reason (UTF-8, truncated)
 =====  ==================================================================
@@ -95,12 +98,13 @@ class StepRecord:
     rows: int = 0
     target_rows: int = -1
     layouts: int = 0  # PlanCache.digest of the plan this step runs: which layouts this rank has cached
+    skips: int = 0  # digest of this rank's skip declarations (0: none)
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
-        words[:13] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
+        words[:14] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
                       int(bool(self.rejected)), int(self.has_loss), self.signature, self.rows, self.target_rows,
-                      self.layouts, self.rank]
+                      self.layouts, self.rank, self.skips]
         words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
         words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
         return words
@@ -116,7 +120,7 @@ class StepRecord:
         return cls(rank=w[12], step=w[1], plan=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
                    schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
-                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11])
+                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11], skips=w[13])
 
 
 def _text_words(text: str, span: tuple[int, int]) -> list[int]:
@@ -138,6 +142,7 @@ class Agreement:
     signature: int
     sizes: list[int]
     discovery: bool  # exchange every message's layout again, whatever the caches say
+    skips: tuple[int, ...] = ()  # every rank's skip declaration digest, in rank order
 
 
 def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
@@ -185,7 +190,8 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
     # Caches differ when a step failed on some ranks after others had committed
     # its layouts: then every rank exchanges them again (a known step on one
     # side and a discovery step on the other would deadlock).
-    return Agreement(step, first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1)
+    return Agreement(step, first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1,
+                     tuple(r.skips for r in records))
 
 
 class StepAgreement:

@@ -2,7 +2,10 @@
 
 Bits 0-19 name the message within a step, ``(microbatch * num_stages +
 sending_stage) * 2 + direction`` (0: activation, 1: gradient), the same on
-sender and receiver. Bits 20-29 carry the step number modulo 1024, so a message
+sender and receiver. Skip connections (``pipeline_ext.skip``) have their own
+lane, bit 19 set: ``((microbatch * num_stages + from_stage) * num_stages +
+to_stage) * 2 + direction``, from and to being the stashing and the popping
+stage whatever the direction. Bits 20-29 carry the step number modulo 1024, so a message
 a failed step left behind (sent, never received) can never be taken for this
 step's: it would need 1024 more steps to match again. Bit 30 marks a layout
 message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the step
@@ -15,19 +18,24 @@ from typing import Optional
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["STEP_SHIFT", "STEPS", "message_tag", "message_of", "describe_tag", "check_tag_space", "stable_hash"]
+__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "describe_tag", "check_tag_space",
+           "stable_hash"]
 
 STEP_SHIFT = 20
 STEPS = 1 << 10  # step numbers wrap around after this many steps
 _IN_STEP = (1 << STEP_SHIFT) - 1
+SKIP_LANE = 1 << (STEP_SHIFT - 1)  # skip messages' bit within a step
 
 
-def check_tag_space(num_stages: int, n_microbatches: int) -> None:
-    """Every message of a step must fit the 20 bits a tag gives the step's messages."""
-    if 2 * num_stages * n_microbatches > 1 << STEP_SHIFT:
+def check_tag_space(num_stages: int, n_microbatches: int, skips: bool = False) -> None:
+    """Every message of a step must fit the 19 bits a tag gives each lane (20 with the skip lane)."""
+    need = 2 * num_stages * n_microbatches * (num_stages if skips else 1)
+    if need > SKIP_LANE:
+        per_mb = 2 * num_stages * (num_stages if skips else 1)
         raise ValueError(
-            f"{num_stages} stages x {n_microbatches} microbatches need more than the 2^{STEP_SHIFT} message tags "
-            f"a step has; use fewer microbatches (at most {(1 << STEP_SHIFT) // (2 * num_stages)})"
+            f"{num_stages} stages x {n_microbatches} microbatches need more than the 2^{STEP_SHIFT - 1} message tags "
+            f"a step has{' for its skip connections' if skips else ''}; use fewer microbatches "
+            f"(at most {SKIP_LANE // per_mb})"
         )
 
 
@@ -45,6 +53,12 @@ def message_tag(action: Action, num_stages: int, step: int = 0) -> int:
     return ((step % STEPS) << STEP_SHIFT) | ((action.microbatch * num_stages + sender) * 2 + direction)
 
 
+def skip_tag(src: int, dst: int, microbatch: int, gradient: bool, num_stages: int, step: int = 0) -> int:
+    """The tag of microbatch ``microbatch``'s skip message between stashing stage ``src`` and popping stage ``dst``."""
+    rest = ((microbatch * num_stages + src) * num_stages + dst) * 2 + int(gradient)
+    return ((step % STEPS) << STEP_SHIFT) | SKIP_LANE | rest
+
+
 def message_of(tag: int) -> int:
     """The message within its step (the tag without the step bits): what layouts are cached by."""
     return tag & _IN_STEP
@@ -55,6 +69,14 @@ def describe_tag(tag: int, num_stages: Optional[int]) -> str:
     if not num_stages:
         return f"tag {tag}"
     step, rest = tag >> STEP_SHIFT, tag & _IN_STEP
+    if rest & SKIP_LANE:
+        rest &= SKIP_LANE - 1
+        direction, rest = rest % 2, rest // 2
+        dst, rest = rest % num_stages, rest // num_stages
+        src, mb = rest % num_stages, rest // num_stages
+        what = (f"skips of stage {src} for stage {dst}" if direction == 0
+                else f"gradient of the skips of stage {src}, from stage {dst}")
+        return f"{what}, microbatch {mb} (tag {tag}, step {step} mod {STEPS})"
     direction, rest = rest % 2, rest // 2
     sender, mb = rest % num_stages, rest // num_stages
     what = (f"activation of stage {sender} for stage {sender + 1}" if direction == 0

@@ -19,7 +19,9 @@ Ordering rule of discovery: receives from one peer post their messages
 strictly in the order layout_1, data_1, layout_2, data_2, ... (the order the
 sender sends them), because backends that ignore tags (NCCL) match messages by
 order alone. So only the oldest unresolved receive per peer has its layout
-posted.
+posted. Skip messages (``pipeline_ext.skip``, Gloo only) keep their own queue
+per peer: they are received when needed, not in the schedule's receive order,
+and must not wait behind an activation's layout.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 
 from pipeline_ext._ext import _C
 from pipeline_ext.runtime.channels import ChannelError, ChannelHandle, ChannelTimeout, DistChannel, _ms
-from pipeline_ext.runtime.protocol.identity import describe_tag, message_of, stable_hash
+from pipeline_ext.runtime.protocol.identity import SKIP_LANE, describe_tag, message_of, stable_hash
 
 __all__ = ["CommPlan", "PlanCache", "StepMessages", "DEFAULT_MAX_PLANS"]
 
@@ -154,7 +156,7 @@ class StepMessages:
 
     def __init__(self, channel: DistChannel, plan: CommPlan, known: bool) -> None:
         self.channel, self.plan, self.known = channel, plan, known
-        self._unresolved: dict[int, deque[_DiscoveryRecv]] = {}
+        self._unresolved: dict[tuple[int, int], deque[_DiscoveryRecv]] = {}  # by (peer, lane)
 
     @staticmethod
     def _key(direction: str, peer: int, tag: int) -> tuple:
@@ -192,7 +194,7 @@ class StepMessages:
         if self.known:
             return self.channel.recv(self._layout(key), peer, tag)
         handle = _DiscoveryRecv(self, peer, tag, key)
-        queue = self._unresolved.setdefault(peer, deque())
+        queue = self._unresolved.setdefault((peer, tag & SKIP_LANE), deque())
         queue.append(handle)
         if len(queue) == 1:
             handle.post_layout()
@@ -200,7 +202,7 @@ class StepMessages:
 
     def _resolve(self, handle: _DiscoveryRecv, deadline: Optional[float], what: str) -> None:
         """Receive layouts from handle's peer, oldest first, until handle's data is posted."""
-        queue = self._unresolved.get(handle.peer, deque())
+        queue = self._unresolved.get((handle.peer, handle.tag & SKIP_LANE), deque())
         num_stages = self.channel.num_stages
         while handle.data_request is None:
             head = queue[0]
