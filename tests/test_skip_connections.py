@@ -302,3 +302,14 @@ def _unmatched(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_unmatched_skip_between_processes_raises_on_every_rank():
     no_complaints(_unmatched, 2, timeout=50)
+
+
+def test_no_skip_tensor_outlives_a_call():
+    """Skips live from their stash to their pop: nothing is left behind by pipe(x), backward or step()."""
+    model = unet()
+    x, y = batch()
+    pipe = pe.Pipe(model, balance=[2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint="always")
+    F.mse_loss(pipe(x), y).backward()
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    model(x)  # the unsplit model on this thread's default tracker
+    assert pe.skip.current_skip_tracker().tensors == {}
