@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
+from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
@@ -121,6 +122,15 @@ class PipelineStage(StagePosition):
         return runner
 
     @property
+    def fwd_cache(self) -> dict[int, Any]:
+        """Per microbatch, what this stage holds from its forward for its backward (torch's name; read-only copy).
+
+        Empty between steps (a failed step's is dropped too); during a step it
+        holds the microbatches whose backward has not run yet.
+        """
+        return {} if self._runner is None else self._runner.held()
+
+    @property
     def has_backward(self) -> bool:
         """Whether the schedule driving this stage runs backwards (it has a loss_fn), as in torch."""
         return self._has_backward
@@ -190,6 +200,12 @@ def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected:
                                    "describe one microbatch; leave them out to let shapes be discovered)")
 
 
+def _is_stand_in(stage: Any) -> bool:
+    """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so)."""
+    return (not isinstance(stage, PipelineStage) and getattr(stage, "submod", False) is None
+            and all(hasattr(stage, a) for a in ("num_stages", "group_size", "group_rank")))
+
+
 def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
     """A process group from ``group=``: a ProcessGroup, None (world) or a 1-D DeviceMesh (``mesh["pp"]``)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -233,9 +249,13 @@ class PipelineSchedule:
     ) -> None:
         from pipeline_ext.tracer import as_stage  # torch-built stages (build_stage, pipe.build_stage) too
 
-        stages = [as_stage(s) for s in ([stages] if not isinstance(stages, (list, tuple)) else stages)]
-        if not stages:
+        given = [stages] if not isinstance(stages, (list, tuple)) else list(stages)
+        if not given:
             raise ValueError("need at least one PipelineStage")
+        #: built from stand-ins (stage objects without a module, as torch's own tests mock them): the
+        #: schedule can be inspected (pipeline_order, _dump_csv) but not run
+        self.plan_only = all(_is_stand_in(s) for s in given)
+        stages = given if self.plan_only else [as_stage(s) for s in given]
         first = stages[0]
         self.group, self.rank, self.num_ranks = first.group, first.group_rank, first.group_size
         num_stages = first.num_stages
@@ -255,8 +275,8 @@ class PipelineSchedule:
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
         self.timeout = timeout
-        self.stages = {s.stage_index: s for s in stages}
-        if len(self.stages) != len(stages):
+        self.stages = {} if self.plan_only else {s.stage_index: s for s in stages}
+        if len(self.stages) != len(stages) and not self.plan_only:
             raise ValueError("the same stage_index was given twice")
         self._runners = {i: s._make_runner(loss_fn, n_microbatches) for i, s in self.stages.items()}
         # Skip connections (pipeline_ext.skip): what this rank's stages declare; the routes between
@@ -265,14 +285,15 @@ class PipelineSchedule:
         self._skip_digest = declarations_digest(self._skip_decls)
         self._skip_key: tuple[int, ...] = ()
         self._skip_routes: Optional[SkipRoutes] = None
-        device = first.device
-        self._channel = DistChannel(self.group, device, num_stages=num_stages)
+        device = torch.device("cpu") if self.plan_only else first.device
         self._last_stage = num_stages - 1
         self.num_stages = num_stages
         self._device = device
-        self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
-                                        torch.device("cpu"), timeout,
-                                        ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
+        if not self.plan_only:
+            self._channel = DistChannel(self.group, device, num_stages=num_stages)
+            self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
+                                            torch.device("cpu"), timeout,
+                                            ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
         self._step_no = 0
         self.schedule: Optional[S.Schedule] = None
         self._executor: Optional[Executor] = None
@@ -295,15 +316,16 @@ class PipelineSchedule:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, "
                              f"n_microbatches={self.n_microbatches}")
         mine = {s for s, r in enumerate(schedule.stage_to_rank) if r == self.rank}
-        if mine != set(self.stages):
+        if mine != set(self.stages) and not self.plan_only:
             raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
                              f"but this rank was given stages {sorted(self.stages)}")
         self.schedule = S.lower(schedule)
         S.validate(self.schedule)
-        self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout,
-                                  skips=self._skip_routes)
-        self._executor.expect_skips(i for i, d in self._skip_decls.items() if d)
         self._eval_executor: Optional[Executor] = None
+        if not self.plan_only:
+            self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout,
+                                      skips=self._skip_routes)
+            self._executor.expect_skips(i for i, d in self._skip_decls.items() if d)
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_rank = self.schedule.stage_to_rank[-1]
         self._schedule_key = stable_hash(repr((
@@ -519,6 +541,10 @@ class PipelineSchedule:
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
              return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
+        if self.plan_only:
+            raise RuntimeError(f"{type(self).__name__} was built from stand-in stages (no module, no process "
+                               "group): its order can be inspected (pipeline_order, _dump_csv), not run; build it "
+                               "from PipelineStage objects to train")
         if self._executor is None:
             raise RuntimeError(f"{type(self).__name__} has no schedule yet: assign pipeline_order (or call "
                                "_load_csv) on every rank before step()")
@@ -565,8 +591,11 @@ class PipelineSchedule:
 
     # -- torch's schedule surface: the order as data, CSV ------------------------------------------
     @property
-    def pipeline_order(self) -> dict[int, list[S.Action]]:
-        """Every rank's compute actions in order (torch's ``pipeline_order``; ``str(action)`` is torch's spelling).
+    def pipeline_order(self) -> dict[int, list[Any]]:
+        """Every rank's compute actions in order, as torch's ``_Action`` objects (torch's ``pipeline_order``).
+
+        ``self.schedule`` is the same order as this library's data (lowered:
+        sends and receives included).
 
         Assigning it (``{rank: [actions]}``; torch's ``_Action`` objects, ours,
         their strings, None for an idle slot) runs that order from the next
@@ -575,7 +604,7 @@ class PipelineSchedule:
         """
         if self.schedule is None:
             return {}
-        return {r: [a for a in acts if a.is_compute] for r, acts in enumerate(self.schedule.actions)}
+        return torch_order(self.schedule)
 
     @pipeline_order.setter
     def pipeline_order(self, order: dict[int, Sequence[Any]]) -> None:

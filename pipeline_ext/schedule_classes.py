@@ -184,6 +184,17 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
     schedule_name = "dualpipev"
 
 
+def _register_with_torch() -> None:
+    """``issubclass(cls, torch's _PipelineSchedule)`` holds for every class here, as torch code checks it."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:  # a torch without pipelining: nothing to be a subclass of
+        return
+    _PipelineSchedule.register(PipelineSchedule)
+
+
+_register_with_torch()
+
 # torch's names (case-insensitive, as in torch), plus ours and torchtitan's spellings.
 _BY_NAME: dict[str, type] = {
     "1f1b": Schedule1F1B,

@@ -85,7 +85,8 @@ def _matrix(rank: int, world: int, model: str) -> tuple[int, list[str]]:
 
     ran, bad = 0, []
     for name in SCHEDULES:
-        for m, n in ((world, 4 * world), (2 * world, 8 * world), (2 * world, 8 * world + 3)):
+        # fewer microbatches than ranks too, where a schedule allows it (GPipe, ZB-V, as in torch)
+        for m, n in ((world - 1, 4 * world), (world, 4 * world), (2 * world, 8 * world), (2 * world, 8 * world + 3)):
             try:
                 build_schedule(name, world, m, stages_per_rank=_stages_per_rank(name))
             except ScheduleError:

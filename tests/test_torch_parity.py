@@ -46,6 +46,8 @@ def test_losses_list_is_refilled_and_inputs_on_other_ranks_are_ignored():
 
 
 def test_torch_class_names():
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
     assert pe.ScheduleZBVZeroBubble is pe.ScheduleZBV
     assert pe.get_schedule_class("ZBVZeroBubble") is pe.ScheduleZBV
     for name, cls in [("1F1B", pe.Schedule1F1B), ("Interleaved1F1B", pe.ScheduleInterleaved1F1B),
@@ -55,10 +57,10 @@ def test_torch_class_names():
                       ("PipelineScheduleMulti", pe.PipelineScheduleMulti), ("zb_h1", pe.ScheduleZBH1)]:
         assert pe.get_schedule_class(name) is cls and pe.get_schedule_class(name.upper()) is cls
     for cls in (pe.ScheduleGPipe, pe.Schedule1F1B, pe.ScheduleZBH1, pe._ScheduleForwardOnly):
-        assert issubclass(cls, pe.PipelineScheduleSingle)
+        assert issubclass(cls, pe.PipelineScheduleSingle) and issubclass(cls, _PipelineSchedule)
     for cls in (pe.ScheduleInterleaved1F1B, pe.ScheduleLoopedBFS, pe.ScheduleInterleavedZeroBubble, pe.ScheduleZBV,
                 pe.ScheduleDualPipeV):
-        assert issubclass(cls, pe.PipelineScheduleMulti)
+        assert issubclass(cls, pe.PipelineScheduleMulti) and issubclass(cls, _PipelineSchedule)
     # torch's keyword arguments are visible in the signatures (mypy, Sphinx)
     import inspect
 
@@ -211,7 +213,11 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
 
     dist.barrier()
     sched._load_csv(f"{tmp}/zb.csv")
-    if {str(a.kind) for a in sched.pipeline_order[rank]} != {"F", "I", "W"}:
+    from torch.distributed.pipelining.schedules import F, I, W, _Action
+
+    if not all(isinstance(a, _Action) for a in sched.pipeline_order[rank]):
+        bad.append("pipeline_order does not hold torch's _Action objects")
+    if {a.computation_type for a in sched.pipeline_order[rank]} != {F, I, W}:
         bad.append(f"the loaded CSV did not replace the order: {sched.pipeline_order[rank][:6]}")
     _step(sched, rank, world, x, y)
     loss_fn(run_stages(ref, x), y).backward()
@@ -307,3 +313,33 @@ def _traced(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_torch_schedules_csv_and_dw_builder_are_exact(tmp_path):
     no_complaints(_schedules, 2, str(tmp_path), timeout=90)
+
+
+class _StandIn:
+    """A stage that only says where it sits (no module, no process group), as torch's own tests mock one."""
+
+    submod = None
+    group = None
+
+    def __init__(self, num_stages: int, group_size: int, group_rank: int = 0) -> None:
+        self.num_stages, self.group_size, self.group_rank = num_stages, group_size, group_rank
+
+
+@pytest.mark.parametrize("cls,v", [(pe.ScheduleInterleaved1F1B, 2), (pe.ScheduleLoopedBFS, 3),
+                                   (pe.ScheduleInterleavedZeroBubble, 2), (pe.ScheduleZBVZeroBubble, 2),
+                                   (pe.ScheduleDualPipeV, 2)])
+def test_orders_planned_from_stand_in_stages_pass_torchs_checks(cls, v):
+    """No process group needed to plan: pipeline_order is torch's _Action lists, valid by torch's own simulator."""
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _simulate_comms_compute
+
+    p, m = 4, 8
+    sched = cls([_StandIn(v * p, p) for _ in range(v)], m)
+    order = sched.pipeline_order
+    assert sorted(order) == list(range(p)) and all(isinstance(a, _Action) for acts in order.values() for a in acts)
+    rank_of = sched.schedule.stage_to_rank.__getitem__
+    _simulate_comms_compute(_add_send_recv(order, stage_to_rank=rank_of, num_stages=v * p),
+                            stage_to_rank=rank_of, num_stages=v * p)
+    with pytest.raises(RuntimeError, match="built from stand-in stages"):
+        sched.step(torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="stages_per_rank == 2"):  # V schedules: two stages per rank
+        pe.ScheduleZBVZeroBubble([_StandIn(3 * p, p) for _ in range(3)], m)

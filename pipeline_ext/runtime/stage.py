@@ -153,6 +153,10 @@ class StageRunner(StagePosition):
         """Microbatches whose activations (or deferred weight-grad work) are held."""
         return len(self._states)
 
+    def held(self) -> dict[int, Any]:
+        """What is held per microbatch between its F and its backward (torch's ``fwd_cache``); empty after a step."""
+        return dict(self._states)
+
     def reset_peak(self) -> None:
         self.peak_live_microbatches = len(self._states)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline_ext.schedules.ir import Action, Schedule, ScheduleError
 
-__all__ = ["dump_csv", "load_csv", "from_cells", "FORMATS"]
+__all__ = ["dump_csv", "load_csv", "from_cells", "torch_order", "FORMATS"]
 
 FORMATS = ("compute_only", "compute_comms")
 _FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
@@ -27,6 +27,18 @@ def dump_csv(schedule: Schedule, path: str) -> None:
         writer = csv.writer(f)
         for acts in schedule.actions:
             writer.writerow([str(a) for a in acts if a.is_compute])
+
+
+def torch_order(schedule: Schedule) -> dict[int, list[Any]]:
+    """Every rank's compute actions as torch's ``_Action`` objects (what torch's ``pipeline_order`` holds).
+
+    torch code reads an order with ``action.computation_type`` and compares
+    it with ``_Action(stage, F, mb)``; the spelling is shared, so each action
+    is converted through its string.
+    """
+    from torch.distributed.pipelining.schedules import _Action
+
+    return {r: [_Action.from_str(str(a)) for a in acts if a.is_compute] for r, acts in enumerate(schedule.actions)}
 
 
 def _cell(text: str, rank: int, col: int) -> list[Action]:

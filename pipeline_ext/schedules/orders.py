@@ -111,14 +111,20 @@ class RankBuilder:
     def emit(self, *items: tuple[int, ActionKind]) -> None:
         """Append the next (stage, kind) of each item; a W is the stage's oldest owed W.
 
-        A forward past the last microbatch is skipped, so a phase sized for
-        many microbatches shrinks gracefully when there are few.
+        A forward or backward past the last microbatch (and a W of a stage
+        with nothing owed, once its backwards are all out) is skipped, so a
+        phase sized for many microbatches shrinks gracefully when there are
+        few (ZB-V with fewer microbatches than ranks, as torch allows).
         """
         for stage, kind in items:
-            if kind is F and self._next[(stage, F)] >= self.m:
+            if kind is not W and self._next[(stage, B if kind is I else kind)] >= self.m:
                 continue
             if kind is W:
-                owed = next(a for a in self._owed_w if a.stage == stage)
+                owed = next((a for a in self._owed_w if a.stage == stage), None)
+                if owed is None:
+                    if self._next[(stage, B)] >= self.m:
+                        continue
+                    raise ValueError(f"a W of stage {stage} was asked for with none owed (a generator bug)")
                 self._owed_w.remove(owed)
                 self.actions.append(owed)
                 continue
