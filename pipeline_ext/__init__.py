@@ -33,6 +33,7 @@ _EXPORTS = {
     "ScheduleZBVZeroBubble": "pipeline_ext.schedule_classes",
     "ScheduleDualPipeV": "pipeline_ext.schedule_classes",
     "_ScheduleForwardOnly": "pipeline_ext.schedule_classes",
+    "_PipelineScheduleRuntime": "pipeline_ext.schedule_classes",
     "get_schedule_class": "pipeline_ext.schedule_classes",
     "TensorChunkSpec": "pipeline_ext.microbatch",
     "pipeline": "pipeline_ext.tracer",

@@ -13,11 +13,14 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
+from pipeline_ext import schedules as S
 from pipeline_ext.distributed import PipelineSchedule, PipelineStage
+from pipeline_ext.schedules.csv_io import torch_order
 
 __all__ = [
     "PipelineScheduleSingle",
     "PipelineScheduleMulti",
+    "_PipelineScheduleRuntime",
     "ScheduleGPipe",
     "Schedule1F1B",
     "ScheduleInterleaved1F1B",
@@ -113,6 +116,33 @@ class PipelineScheduleMulti(PipelineSchedule):
             )
         return super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
                             loss_kwargs=loss_kwargs, **kwargs)
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """A schedule given as explicit actions, sends and receives included (torch's class of that name).
+
+    torch's way to run a custom or a CSV schedule: subclass it and assign
+    ``pipeline_order_with_comms``, or call ``_prepare_schedule_with_comms``
+    / ``_load_actions`` with ``{rank: [actions]}`` (torch's ``_Action``
+    objects, ours, or their strings). With ``format="compute_only"`` the
+    sends and receives are added by lowering. Every rank must give the same
+    order; it is validated (deadlock, FIFO) before it runs.
+    """
+
+    def _prepare_schedule_with_comms(self, actions: dict[int, Sequence[Any]], format: str = "compute_only") -> None:
+        rows = [actions.get(r, []) for r in range(max(actions) + 1)] if actions else []
+        self._set_schedule(S.from_cells(rows, format, self.n_microbatches, name=type(self).__name__))
+
+    _load_actions = _prepare_schedule_with_comms  # torch's earlier name
+
+    @property
+    def pipeline_order_with_comms(self) -> dict[int, list[Any]]:
+        """Every rank's actions, sends and receives included, as torch's ``_Action`` objects."""
+        return {} if self.schedule is None else torch_order(self.schedule, compute_only=False)
+
+    @pipeline_order_with_comms.setter
+    def pipeline_order_with_comms(self, actions: dict[int, Sequence[Any]]) -> None:
+        self._prepare_schedule_with_comms(actions, format="compute_comms")
 
 
 class ScheduleGPipe(PipelineScheduleSingle):

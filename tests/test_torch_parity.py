@@ -233,6 +233,7 @@ def _schedules(rank: int, world: int, tmp: str) -> list[str]:
         bad.append(f"dw_builder's runner ran {dw.runs} times, want 4 (one W per microbatch)")
     # torch's way of writing a custom schedule: subclass PipelineScheduleMulti, assign pipeline_order
     bad += _custom_subclass(rank, world, x, y)
+    bad += _explicit_comms(rank, world, x, y)
     # torch's tracer front end: pipeline() cuts the model, torch's own build_stage or ours wraps a stage module
     bad += _traced(rank, world)
     # forward-only schedule and a training step under no_grad
@@ -275,6 +276,27 @@ def _custom_subclass(rank: int, world: int, x, y) -> list[str]:
     sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 0 else {}))
     loss_fn(run_stages(ref, x), y).backward()
     return [f"torch-style subclass: {b}" for b in _grads_equal(modules, ref, mine)]
+
+
+class _ExplicitComms(pe._PipelineScheduleRuntime):
+    """torch's runtime class given every action, sends held back until both forwards ran (as torch users write one)."""
+
+    def __init__(self, stages, n_microbatches: int, loss_fn) -> None:
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        self.pipeline_order_with_comms = {
+            0: ["0F0", "0F1", "0SEND_F0", "0SEND_F1", "0RECV_B0", "0RECV_B1", "0B0", "0B1"],
+            1: ["1RECV_F0", "1RECV_F1", "1F0", "1F1", "1B0", "1B1", "1SEND_B0", "1SEND_B1"],
+        }
+
+
+def _explicit_comms(rank: int, world: int, x, y) -> list[str]:
+    modules, ref = build("mlp", world), build("mlp", world)
+    sched = _ExplicitComms([pe.PipelineStage(modules[rank], rank, world, "cpu")], 2, loss_fn)
+    if [str(a) for a in sched.pipeline_order_with_comms[0]][:4] != ["0F0", "0F1", "0SEND_F0", "0SEND_F1"]:
+        return ["pipeline_order_with_comms does not give back the order as assigned"]
+    _step(sched, rank, world, x, y)
+    loss_fn(run_stages(ref, x), y).backward()
+    return [f"_PipelineScheduleRuntime: {b}" for b in _grads_equal(modules, ref, [rank])]
 
 
 class _Chain(torch.nn.Module):

@@ -29,8 +29,8 @@ def dump_csv(schedule: Schedule, path: str) -> None:
             writer.writerow([str(a) for a in acts if a.is_compute])
 
 
-def torch_order(schedule: Schedule) -> dict[int, list[Any]]:
-    """Every rank's compute actions as torch's ``_Action`` objects (what torch's ``pipeline_order`` holds).
+def torch_order(schedule: Schedule, compute_only: bool = True) -> dict[int, list[Any]]:
+    """Every rank's compute actions (or all its actions) as torch's ``_Action`` objects (torch's ``pipeline_order``).
 
     torch code reads an order with ``action.computation_type`` and compares
     it with ``_Action(stage, F, mb)``; the spelling is shared, so each action
@@ -38,7 +38,8 @@ def torch_order(schedule: Schedule) -> dict[int, list[Any]]:
     """
     from torch.distributed.pipelining.schedules import _Action
 
-    return {r: [_Action.from_str(str(a)) for a in acts if a.is_compute] for r, acts in enumerate(schedule.actions)}
+    return {r: [_Action.from_str(str(a)) for a in acts if a.is_compute or not compute_only]
+            for r, acts in enumerate(schedule.actions)}
 
 
 def _cell(text: str, rank: int, col: int) -> list[Action]:
