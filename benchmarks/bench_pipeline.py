@@ -1,7 +1,11 @@
 """pipeline_ext vs torch.distributed.pipelining on one workload, side by side.
 
-Two ranks on Gloo (127.0.0.1), one intra-op thread each. The workload of issue
-6: an MLP of 8 x (Linear(d, d) + ReLU), batch 64, 8 microbatches, MSE loss.
+Two ranks on Gloo (127.0.0.1), one intra-op thread each. Two workloads
+(``--models``): the MLP of issue 6, 8 x (Linear(d, d) + ReLU), batch 64, 8
+microbatches, MSE loss; and a transformer stack closer to what people
+pipeline: ``pipeline_ext.demo_model``'s GPT (token embedding, 8 pre-norm
+causal self-attention + MLP blocks, LM head, cross-entropy), sequence 128,
+batch 16, 8 microbatches, d = ``--dims``.
 For every schedule both libraries run in the same processes, alternating, in
 interleaved repeats (these machines are shared and noisy; only numbers taken
 side by side mean anything), and the unsplit model's forward+backward is timed
@@ -22,6 +26,7 @@ pipeline_ext and torch both move stage-to-stage messages over the same Gloo
 group (pipeline_ext through its C++ ProcessGroupChannel).
 
     PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --models transformer --dims 256 --repeats 5 --steps 2
     PYTHONPATH=. python benchmarks/bench_pipeline.py --overhead
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 
 LAYERS, BATCH, MICROBATCHES, WORLD = 8, 64, 8, 2
+SEQ, SEQ_BATCH, BLOCKS, HEADS = 128, 16, 8, 4  # the transformer workload
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,54 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """A model (as any number of stages, same weights for any cut), its batch and its loss."""
+
+    model: str  # "mlp" or "transformer"
+    d: int
+
+    def stages(self, num_stages: int) -> list[nn.Module]:
+        if self.model == "mlp":
+            return mlp_stages(self.d, num_stages)
+        from pipeline_ext.demo_model import gpt_stages
+
+        return gpt_stages(self._gpt(), num_stages)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.model == "mlp":
+            g = torch.Generator().manual_seed(self.d)
+            return torch.randn(BATCH, self.d, generator=g), torch.randn(BATCH, self.d, generator=g)
+        from pipeline_ext.demo_model import synthetic_batch
+
+        return synthetic_batch(self._gpt(), SEQ_BATCH, step=0)
+
+    @property
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        if self.model == "mlp":
+            return loss_fn
+        from pipeline_ext.demo_model import lm_loss
+
+        return lm_loss
+
+    def _gpt(self) -> Any:
+        from pipeline_ext.demo_model import GPTConfig
+
+        return GPTConfig(vocab=256, seq_len=SEQ, d_model=self.d, heads=HEADS, layers=BLOCKS)
+
+    def describe(self) -> str:
+        if self.model == "mlp":
+            return f"MLP {LAYERS} x Linear(d,d)+ReLU, batch {BATCH}"
+        return f"GPT {BLOCKS} blocks (demo_model), seq {SEQ}, {HEADS} heads, batch {SEQ_BATCH}"
+
+
 def make_step(case_cls: Any, stage_cls: Any, modules: list[nn.Module], v: int, rank: int, m: int,
-              x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+              x: torch.Tensor, y: torch.Tensor, loss: Callable[..., torch.Tensor] = loss_fn) -> Callable[[], None]:
     """A zero-argument training step on this rank's stages of ``modules`` (grads cleared each step)."""
     num_stages = len(modules)
     mine = [s for s in range(num_stages) if _rank_of(s, v) == rank]
     stages = [stage_cls(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
-    sched = case_cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
+    sched = case_cls(stages if v > 1 else stages[0], m, loss_fn=loss)
     params = [p for s in mine for p in modules[s].parameters()]
     first, last = 0 in mine, num_stages - 1 in mine
 
@@ -97,7 +144,7 @@ def _rank_of(stage: int, v: int) -> int:
     return stage % WORLD  # looped placement; v = 1 is the identity
 
 
-def sequential_step(d: int, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> Callable[[], None]:
+def sequential_step(work: Workload, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> Callable[[], None]:
     """The unsplit model's forward+backward on one process, over ``microbatches`` chunks (1: whole batch).
 
     The pipeline's ideal is this run with the same microbatches (gradient
@@ -105,13 +152,14 @@ def sequential_step(d: int, x: torch.Tensor, y: torch.Tensor, microbatches: int)
     more per row than one on 64 (it is bound by reading the weights), and that
     is the microbatch size's price, not the pipeline's.
     """
-    model = nn.Sequential(*mlp_stages(d, 1))
+    model = nn.Sequential(*work.stages(1))
     chunks = list(zip(x.tensor_split(microbatches), y.tensor_split(microbatches)))
+    loss = work.loss
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         for xc, yc in chunks:
-            (loss_fn(model(xc), yc) / len(chunks)).backward()
+            (loss(model(xc), yc) / len(chunks)).backward()
 
     return step
 
@@ -128,7 +176,7 @@ def timed(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def worker(rank: int, world: int, dims: list[int], names: list[str], repeats: int, steps: int) -> list[dict]:
+def worker(rank: int, world: int, works: list[Workload], names: list[str], repeats: int, steps: int) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.pipelining as tp
 
@@ -136,18 +184,17 @@ def worker(rank: int, world: int, dims: list[int], names: list[str], repeats: in
     from pipeline_ext import schedules as S
 
     rows = []
-    for d in dims:
-        g = torch.Generator().manual_seed(d)
-        x, y = torch.randn(BATCH, d, generator=g), torch.randn(BATCH, d, generator=g)
+    for work in works:
+        x, y = work.batch()
         idle = lambda: None  # noqa: E731 - rank 1 waits while rank 0 runs the unsplit model alone
-        seq = sequential_step(d, x, y, MICROBATCHES) if rank == 0 else idle
-        seq_batch = sequential_step(d, x, y, 1) if rank == 0 else idle
+        seq = sequential_step(work, x, y, MICROBATCHES) if rank == 0 else idle
+        seq_batch = sequential_step(work, x, y, 1) if rank == 0 else idle
         for name in names:
             case = CASES[name]
-            ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, mlp_stages(d, WORLD * case.v_ours),
-                             case.v_ours, rank, MICROBATCHES, x, y)
-            theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage, mlp_stages(d, WORLD * case.v_torch),
-                               case.v_torch, rank, MICROBATCHES, x, y)
+            ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, work.stages(WORLD * case.v_ours),
+                             case.v_ours, rank, MICROBATCHES, x, y, work.loss)
+            theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage, work.stages(WORLD * case.v_torch),
+                               case.v_torch, rank, MICROBATCHES, x, y, work.loss)
             for fn in (seq, seq_batch, ours, theirs):  # warm-up: shapes, allocator, caches
                 timed(fn, 2)
             t = {"seq": [], "seq_batch": [], "ours": [], "torch": []}
@@ -160,7 +207,7 @@ def worker(rank: int, world: int, dims: list[int], names: list[str], repeats: in
                                 S.Costs(1.0, 1.0, 1.0)).bubble_rate
             med = {k: statistics.median(v) for k, v in t.items()}
             ideal = med["seq"] / WORLD * (1 + bubble)
-            rows.append({"d": d, "schedule": name, "torch_class": case.torch_class, "bubble": bubble, **med,
+            rows.append({"model": work.model, "d": work.d, "schedule": name, "torch_class": case.torch_class, "bubble": bubble, **med,
                          "eff_ours": ideal / med["ours"], "eff_torch": ideal / med["torch"],
                          "ratio": med["torch"] / med["ours"]})
             dist.barrier()
@@ -273,16 +320,17 @@ def print_overhead(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'d':>5} {'schedule':<17} {'torch class':<30} {'seq ms':>7} {'seq-1 ms':>8} {'ours ms':>8} {'torch ms':>9} "
+    print(f"{'model':<11} {'d':>5} {'schedule':<17} {'torch class':<30} {'seq ms':>7} {'seq-1 ms':>8} {'ours ms':>8} {'torch ms':>9} "
           f"{'eff ours':>8} {'eff torch':>9} {'ours/torch thrpt':>16}")
     for r in rows:
-        print(f"{r['d']:>5} {r['schedule']:<17} {r['torch_class']:<30} {r['seq'] * 1e3:>7.2f} {r['seq_batch'] * 1e3:>8.2f} {r['ours'] * 1e3:>8.2f} "
+        print(f"{r['model']:<11} {r['d']:>5} {r['schedule']:<17} {r['torch_class']:<30} {r['seq'] * 1e3:>7.2f} {r['seq_batch'] * 1e3:>8.2f} {r['ours'] * 1e3:>8.2f} "
               f"{r['torch'] * 1e3:>9.2f} {r['eff_ours']:>8.3f} {r['eff_torch']:>9.3f} {r['ratio']:>15.2f}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--models", nargs="+", default=["mlp"], choices=["mlp", "transformer"])
     ap.add_argument("--schedules", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
@@ -303,9 +351,12 @@ def main() -> None:
         print_executor_cost(out[0][1])
         return
 
-    print(f"MLP {LAYERS} x Linear(d,d)+ReLU, batch {BATCH}, {MICROBATCHES} microbatches, {WORLD} ranks (Gloo), "
-          f"1 thread/rank, torch {torch.__version__}; medians of {args.repeats} interleaved repeats x {args.steps} steps")
-    out = spawn(worker, WORLD, args.dims, args.schedules, args.repeats, args.steps, timeout=args.timeout, threads=1)
+    works = [Workload(model, d) for model in args.models for d in args.dims]
+    for model in args.models:
+        print(f"{model}: {Workload(model, 0).describe()}")
+    print(f"{MICROBATCHES} microbatches, {WORLD} ranks (Gloo), 1 thread/rank, torch {torch.__version__}; "
+          f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
+    out = spawn(worker, WORLD, works, args.schedules, args.repeats, args.steps, timeout=args.timeout, threads=1)
     print_table(out[0][1])
 
 
