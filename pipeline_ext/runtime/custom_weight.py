@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from pipeline_ext.runtime.stage import StageError, StageRunner
+from pipeline_ext.runtime.stage import Skips, StageError, StageRunner
 
 __all__ = ["DwBuilderRunner"]
 
@@ -31,14 +31,16 @@ class DwBuilderRunner(StageRunner):
         super().reset()
         self._dw_runners.clear()
 
-    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
-        message = super().backward(mb, grad_outputs)
+    def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 skip_grads: Optional[Skips] = None) -> list[torch.Tensor]:
+        message = super().backward(mb, grad_outputs, skip_grads)
         self.dw_builder()()
         return message
 
-    def backward_input(self, mb: int,
-                       grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
-        message = super().backward(mb, grad_outputs)  # the whole autograd backward, as torch does with dw_builder
+    def backward_input(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                       skip_grads: Optional[Skips] = None) -> list[torch.Tensor]:
+        # the whole autograd backward, as torch does with dw_builder
+        message = super().backward(mb, grad_outputs, skip_grads)
         self._dw_runners[mb] = self.dw_builder()
         return message
 
