@@ -21,6 +21,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from pipeline_ext.skip.tracker import SkipKey, SkipTracker, use_skip_tracker
+
 __all__ = ["balance_by_params", "balance_by_time", "balance_by_size", "split_min_max"]
 
 
@@ -76,14 +78,30 @@ def _sandbox(module: nn.Sequential, device: torch.device | None = None) -> Itera
         yield copied.train()
 
 
+class _ProfilingSkips(SkipTracker):
+    """Skip connections while layers are profiled one at a time, each several times.
+
+    A stash is kept (detached) instead of handed over once, and every pop gets
+    a fresh leaf of it, so each measured run of a popping layer sees its skip
+    like a stage input, and no backward reaches into an earlier layer's graph.
+    """
+
+    def save(self, key: SkipKey, tensor: Any) -> None:
+        self.tensors[key] = _detach(tensor)
+
+    def load(self, key: SkipKey) -> Any:
+        return _leaf(self.tensors[key])
+
+
 def _profile(module: nn.Sequential, sample: Any, device: torch.device | None, measure) -> list[float]:
     """``measure(layer, input) -> (cost, output)`` per layer, each fed the previous layer's output."""
     x = sample if device is None else _to(sample, device)
     costs = []
-    for layer in _sandbox(module, device):
-        cost, x = measure(layer, _leaf(x))
-        costs.append(cost)
-        x = _detach(x)
+    with use_skip_tracker(_ProfilingSkips()):
+        for layer in _sandbox(module, device):
+            cost, x = measure(layer, _leaf(x))
+            costs.append(cost)
+            x = _detach(x)
     return costs
 
 

@@ -313,3 +313,15 @@ def test_no_skip_tensor_outlives_a_call():
     pipe.step(x, target=y, loss_fn=F.mse_loss)
     model(x)  # the unsplit model on this thread's default tracker
     assert pe.skip.current_skip_tracker().tensors == {}
+
+
+def test_balancing_profiles_a_model_with_skips_and_leaves_it_untouched():
+    """balance_by_time / balance_by_size run each layer alone: a popping layer gets its skip as a fresh input."""
+    model = unet()
+    x, _ = batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for balance in (pe.balance_by_time(model, x, 3), pe.balance_by_size(model, x, 3)):
+        assert len(balance) == 3 and sum(balance) == len(model) and min(balance) >= 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert pe.skip.current_skip_tracker().tensors == {}
