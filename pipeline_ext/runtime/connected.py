@@ -21,7 +21,8 @@ from torch import nn
 
 from pipeline_ext._ext import _C
 from pipeline_ext.runtime.stage import Skips, StagePosition, as_output_tuple, is_differentiable
-from pipeline_ext.skip.tracker import SkipTracker, use_skip_tracker
+from pipeline_ext.skip.skippable import has_skippables
+from pipeline_ext.skip.tracker import call_with_skips
 
 __all__ = ["Boundary", "ConnectedRunner"]
 
@@ -75,6 +76,7 @@ class ConnectedRunner(StagePosition):
         self.call = call
         self.checkpoint = checkpoint
         self.outputs: dict[int, Any] = {}
+        self._skippable = has_skippables(module)
         self._stashed: dict[int, Skips] = {}
 
     def forward(
@@ -89,10 +91,11 @@ class ConnectedRunner(StagePosition):
         stashed: Skips = {}
 
         def run(*a: Any) -> Any:  # a recomputation pops the same skips again; its stashes are not used
-            with use_skip_tracker(SkipTracker(popped)) as tracker:
-                out = self.call(mb, self.module, a, kwargs)
+            if not (self._skippable or popped):
+                return self.call(mb, self.module, a, kwargs)
+            out, left = call_with_skips(lambda: self.call(mb, self.module, a, kwargs), popped)
             if not stashed:
-                stashed.update(tracker.tensors)
+                stashed.update(left)
             return out
 
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):

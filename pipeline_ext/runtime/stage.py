@@ -41,7 +41,8 @@ from pipeline_ext.runtime.split_backward import (
     backward_input,
     backward_weight,
 )
-from pipeline_ext.skip.tracker import SkipKey, SkipTracker, use_skip_tracker
+from pipeline_ext.skip.skippable import has_skippables
+from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 
 Skips = dict[SkipKey, Optional[torch.Tensor]]
 
@@ -145,6 +146,7 @@ class StageRunner(StagePosition):
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
         self._warned_unsplit = False
+        self._skippable = has_skippables(module)  # its forwards run under a skip tracker of their own
         self._stashed: dict[int, Skips] = {}  # per microbatch, detached, for take_stashed
         self._skip_grads: dict[int, Skips] = {}  # per microbatch, for take_skip_grads
 
@@ -214,10 +216,12 @@ class StageRunner(StagePosition):
         if not self.is_first:
             state.grad_inputs = [a for a in args if is_differentiable(a)]
         state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
-        with use_skip_tracker(SkipTracker(skips)) as tracker:
-            out = self.call(mb, self.module, args, kwargs or {})
+        if self._skippable or skips:
+            # what no layer of this stage popped is stashed for later stages
+            out, stashed = call_with_skips(lambda: self.call(mb, self.module, args, kwargs or {}), skips)
+        else:
+            out, stashed = self.call(mb, self.module, args, kwargs or {}), {}
         grad_on = torch.is_grad_enabled()
-        stashed = tracker.tensors  # what no layer of this stage popped: for later stages
         state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
         if stashed and state.recompute is None:  # a recomputation's stashes were sent already
             self._stashed[mb] = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in stashed.items()}

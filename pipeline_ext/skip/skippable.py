@@ -33,7 +33,7 @@ from torch import nn
 from pipeline_ext.skip.namespace import Namespace, namespace_id
 from pipeline_ext.skip.tracker import SkipKey, current_skip_tracker
 
-__all__ = ["Skippable", "skippable", "stash", "pop", "verify_skippables"]
+__all__ = ["Skippable", "skippable", "stash", "pop", "verify_skippables", "has_skippables"]
 
 T = TypeVar("T", bound="Skippable")
 
@@ -212,3 +212,8 @@ def verify_skippables(module: nn.Sequential) -> None:
         problems.append(f"no module declared '{key.name}' as poppable but stashed")
     if problems:
         raise TypeError("one or more pairs of stash and pop do not match:\n\n" + "\n".join(f"* {p}" for p in problems))
+
+
+def has_skippables(module: nn.Module) -> bool:
+    """Whether any submodule stashes or pops: a stage without one needs no tracker of its own."""
+    return any(isinstance(m, Skippable) for m in module.modules())

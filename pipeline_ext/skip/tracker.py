@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 
-__all__ = ["SkipKey", "SkipTracker", "current_skip_tracker", "use_skip_tracker"]
+__all__ = ["SkipKey", "SkipTracker", "current_skip_tracker", "use_skip_tracker", "call_with_skips"]
+
+T = TypeVar("T")
 
 
 class SkipKey(NamedTuple):
@@ -73,3 +75,19 @@ def use_skip_tracker(tracker: SkipTracker) -> Iterator[SkipTracker]:
         yield tracker
     finally:
         _local.tracker = previous
+
+
+def call_with_skips(fn: Callable[[], T], popped: dict[SkipKey, Optional[torch.Tensor]]) -> tuple[T, dict]:
+    """One stage forward: ``fn()`` under a fresh tracker holding ``popped``; returns its result and the leftovers.
+
+    The leftovers are what the stage stashed for later stages. (A plain
+    function, not ``use_skip_tracker``: it runs once per stage and microbatch.)
+    """
+    tracker = SkipTracker(popped)
+    previous = getattr(_local, "tracker", None)
+    _local.tracker = tracker
+    try:
+        out = fn()
+    finally:
+        _local.tracker = previous
+    return out, tracker.tensors
