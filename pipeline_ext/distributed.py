@@ -31,7 +31,6 @@ from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
-from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
@@ -43,6 +42,7 @@ from pipeline_ext.runtime.protocol.agreement import (
     agree,
 )
 from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.shm import make_channel
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 from pipeline_ext.skip.routes import SkipRoutes, declarations_digest, declared_skips, gather_routes
@@ -230,6 +230,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         trace: bool = False,
+        transport: Optional[str] = None,
     ) -> None:
         from pipeline_ext.tracer import as_stage  # torch-built stages (build_stage, pipe.build_stage) too
 
@@ -266,7 +267,8 @@ class PipelineSchedule:
         self._skip_key: tuple[int, ...] = ()
         self._skip_routes: Optional[SkipRoutes] = None
         device = first.device
-        self._channel = DistChannel(self.group, device, num_stages=num_stages)
+        # transport: "auto" | "gloo" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (runtime/shm.py)
+        self._channel = make_channel(self.group, device, num_stages, transport, timeout)
         self._last_stage = num_stages - 1
         self.num_stages = num_stages
         self._device = device
