@@ -28,7 +28,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x31306d68735f6570ULL;  // "pe_shm01"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr int64_t kAlign = 64;
 constexpr int64_t kRecordHeader = 64;
 constexpr int64_t kPadTag = -1;
@@ -59,6 +59,7 @@ struct SegmentHeader {
   // space freed in a ring the owner writes to); the owner sleeps on it (futex).
   alignas(64) std::atomic<uint32_t> doorbell;
   alignas(64) std::atomic<uint32_t> sleepers;  // owner threads asleep (or about to be) on the doorbell
+  alignas(64) std::atomic<uint32_t> attached;  // peers that mapped this segment; the last one removes its name
 };
 
 struct RecordHeader {
@@ -564,13 +565,15 @@ void ShmChannel::attach(int peer, const std::string& name) {
                        " cannot be mapped or has another size (ranks must agree on the ring size)");
   }
   Mapping m{base, bytes};
-  const auto* h = m.header();
+  auto* h = m.header();
   if (h->magic != kMagic || h->version != kVersion || h->nranks != static_cast<uint32_t>(s.size) ||
       h->owner_rank != peer || h->ring_bytes != s.ring_bytes) {
     m.unmap();
     throw ChannelError("shared-memory transport: " + name + " is not rank " + std::to_string(peer) +
                        "'s segment of this group (other version or ring size?)");
   }
+  // The last peer to map it removes the name: from now on a crash of anyone leaves nothing in /dev/shm.
+  if (m.header()->attached.fetch_add(1) + 1 == static_cast<uint32_t>(s.size - 1)) shm_unlink(name.c_str());
   std::lock_guard<std::mutex> lock(s.mu);
   auto& ps = s.peers[peer];
   ps.inbox.unmap();

@@ -21,9 +21,9 @@
 // is_completed, wait): no background thread. A send that does not fit now stays
 // queued in the sender and is pushed by its later calls.
 //
-// Crashes: segment names are removed (shm_unlink) once every peer mapped them
-// (the Python setup does that right after attaching), so a SIGKILL leaves nothing
-// in /dev/shm. A peer that exits is seen through a pidfd within one sleep slice.
+// Crashes: a segment's name is removed (shm_unlink) by the last peer that maps
+// it, so once every rank attached every other, a SIGKILL leaves nothing in
+// /dev/shm. A peer that exits is seen through a pidfd within one sleep slice.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -59,10 +59,11 @@ class ShmChannel {
   at::Device device() const { return at::Device(at::kCPU); }
   // This rank's inbox, for the peers' attach(); empty once unlinked.
   std::string name() const;
-  // Maps `peer`'s inbox (published under `name`) and watches its process.
+  // Maps `peer`'s inbox (published under `name`) and watches its process; the
+  // last of the owner's peers to attach removes the name.
   void attach(int peer, const std::string& name);
-  // Removes this rank's inbox name from /dev/shm (the mapping stays). Call once
-  // every peer attached; idempotent; the destructor does it too.
+  // Removes this rank's inbox name from /dev/shm now (the mapping stays), e.g.
+  // when the group will not use shared memory; idempotent; the destructor does it too.
   void unlink();
 
   // Same contract as ProcessGroupChannel::send (CPU tensors only).

@@ -8,9 +8,10 @@ the bytes into the receiver's inbox (a ring in POSIX shared memory) and wakes
 it through a futex after a short spin.
 
 :class:`ShmChannel` is a :class:`DistChannel` whose transport is decided at its
-first message, collectively over the group's store: shared memory when every
-rank of the group is on this host (same hostname, boot, /dev/shm and pid
-namespace), Gloo otherwise. The channel stays stateless and matches by (peer,
+first message: shared memory when every rank of the group is on this host
+(same hostname, boot, /dev/shm and pid namespace), Gloo otherwise. Each rank
+describes itself to every peer over the group when its first channel on that
+group is built (see ``_Setup``). The channel stays stateless and matches by (peer,
 tag) exactly like Gloo, so the executor and the communication plans
 (``protocol/plan.py``) use it unchanged. All channels of one process on one
 group share one transport, as they share the group's Gloo pairs.
@@ -22,8 +23,8 @@ memory, an error naming the hosts when the ranks are not all on this one).
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
 
-Crash safety: every inbox's name is removed from /dev/shm as soon as every
-peer mapped it (the end of the setup), so a SIGKILL leaves nothing behind; a
+Crash safety: every inbox's name is removed from /dev/shm by the last peer
+that maps it (at the first message), so a SIGKILL leaves nothing behind; a
 peer whose process is gone is reported by the wait (through a pidfd) within
 50 ms, as Gloo reports a closed socket.
 """
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_ext._ext import _C
-from pipeline_ext.runtime.channels import ChannelError, DistChannel
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, DistChannel
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "make_channel", "requested_transport"]
 
@@ -102,62 +103,98 @@ class _GroupTransport:
         self.kind, self.channel, self.reason = kind, channel, reason
 
 
-_connected: dict[str, _GroupTransport] = {}  # by group name
-_setups: dict[str, int] = {}  # setups started per group name: the store keys of one setup
+#: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
+SETUP_TAG = 2**31 - 2
+_INFO_BYTES = 1024
+
+
+class _Setup:
+    """One group's transport setup: posted when its first channel is built, finished at its first message.
+
+    Posting creates this rank's inbox and sends (host, ring size, inbox name) to
+    every peer over the group itself (Gloo point to point, so every wait is
+    bounded; a store can be served by a frozen rank and wait past any timeout).
+    Finishing waits for the peers' messages, then maps their inboxes (shm) or
+    drops this rank's (Gloo). A peer that is already stuck in its first step
+    has sent its message when it built its channel, so the setup never waits on
+    a peer's main thread.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.ring_bytes = _int_env(RING_BYTES_ENV, DEFAULT_RING_BYTES)
+        self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
+        info = json.dumps({"host": _host_id(), "ring_bytes": self.ring_bytes, "segment": self.shm.name}).encode()
+        if len(info) > _INFO_BYTES:
+            raise ChannelError(f"transport setup: this rank's description takes {len(info)} bytes, more than {_INFO_BYTES}")
+        out = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
+        out[: len(info)] = torch.frombuffer(bytearray(info), dtype=torch.uint8)
+        self.inbox = {p: torch.zeros(_INFO_BYTES, dtype=torch.uint8) for p in range(self.size) if p != self.rank}
+        self.works: list[tuple[int, Any]] = []
+        self.failed: Optional[tuple[int, Exception]] = None  # raised by finish(): building a channel never fails
+        for peer, buf in self.inbox.items():
+            try:
+                self.works += [(peer, group.recv([buf], peer, SETUP_TAG)), (peer, group.send([out], peer, SETUP_TAG))]
+            except Exception as exc:  # noqa: BLE001 - a peer already gone: said at the first message
+                self.failed = (peer, exc)
+                break
+
+    def finish(self, timeout: float) -> _GroupTransport:
+        for peer, work in self.works:
+            if self.failed is not None:
+                break
+            try:
+                work.wait(timedelta(seconds=timeout))
+            except Exception as exc:  # noqa: BLE001 - Gloo's error types vary; the text says what happened
+                self.failed = (peer, exc)
+        if self.failed is not None:
+            peer, exc = self.failed
+            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s description "
+                                 f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
+        me = {"host": _host_id(), "ring_bytes": self.ring_bytes}
+        peers = {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
+        if any(e["host"] != me["host"] for e in peers.values()):
+            self.shm.unlink()
+            hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
+                            for e in [me, *peers.values()]})
+            return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
+                                   "hosts: " + ", ".join(hosts))
+        rings = sorted({self.ring_bytes, *(e["ring_bytes"] for e in peers.values())})
+        if len(rings) > 1:
+            self.shm.unlink()
+            raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
+        for peer, e in peers.items():
+            self.shm.attach(peer, e["segment"])
+        return _GroupTransport("shm", self.shm)
+
+
+_setups: dict[str, Union[_Setup, _GroupTransport]] = {}  # by group name: in flight, or decided
 _lock = threading.Lock()
 
 
+def _post(group: dist.ProcessGroup) -> None:
+    """Start the group's setup, once per process (every channel on a group shares its transport)."""
+    with _lock:
+        if group.group_name not in _setups:
+            _setups[group.group_name] = _Setup(group)
+
+
 def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _GroupTransport:
-    """Every rank of ``group`` meets in its store: shared memory if all are on this host, else Gloo."""
+    """The group's transport, finishing its setup if this is the first message: shm on one host, else Gloo."""
     name = group.group_name
     with _lock:
-        known = _connected.get(name)
-        if known is None:
-            _setups[name] = _setups.get(name, 0) + 1
-            known = _setup(group, f"pipeline_ext/transport/{_setups[name]}/", timeout)
-            _connected[name] = known
+        known = _setups[name]
+        if isinstance(known, _Setup):
+            try:
+                known = known.finish(timeout)
+            except BaseException:
+                known.shm.unlink()
+                raise
+            _setups[name] = known
     if required and known.kind != "shm":
         raise ChannelError(f"transport='shm': the ranks of group {name!r} are not all on this host "
                            f"({known.reason}); use transport='auto' or 'gloo'")
     return known
-
-
-def _setup(group: dist.ProcessGroup, prefix: str, timeout: float) -> _GroupTransport:
-    store = dist.distributed_c10d._get_process_group_store(group)
-    rank, size = group.rank(), group.size()
-    wait = timedelta(seconds=timeout)
-
-    def gather(what: str, value: str) -> list[str]:
-        store.set(f"{prefix}{what}/{rank}", value)
-        keys = [f"{prefix}{what}/{r}" for r in range(size)]
-        try:
-            store.wait(keys, wait)
-        except Exception as exc:  # noqa: BLE001 - the store's own error type varies by store
-            raise ChannelError(f"rank {rank}: setting up the pipeline transport, not every rank of the group "
-                               f"reached it within {timeout:g} s (do all ranks use the same transport "
-                               f"setting?): {exc}") from None
-        return [store.get(k).decode() for k in keys]
-
-    ring_bytes = _int_env(RING_BYTES_ENV, DEFAULT_RING_BYTES)
-    me = {"host": _host_id(), "ring_bytes": ring_bytes}
-    everyone = [json.loads(v) for v in gather("host", json.dumps(me, sort_keys=True))]
-    hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
-                    for e in everyone})
-    if any(e["host"] != me["host"] for e in everyone):
-        return _GroupTransport("gloo", _C.ProcessGroupChannel(group, torch.device("cpu")), "hosts: " + ", ".join(hosts))
-    rings = sorted({e["ring_bytes"] for e in everyone})
-    if len(rings) > 1:
-        raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
-    shm = _C.ShmChannel(rank, size, ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
-    try:
-        names = gather("segment", shm.name)
-        for peer, seg in enumerate(names):
-            if peer != rank:
-                shm.attach(peer, seg)
-        gather("attached", "1")
-    finally:
-        shm.unlink()  # every peer mapped it (or the setup failed): nothing may outlive a crash in /dev/shm
-    return _GroupTransport("shm", shm)
 
 
 class _Unresolved:
@@ -167,6 +204,7 @@ class _Unresolved:
         self._owner, self._group, self._required, self._timeout = owner, group, required, timeout
         self.rank = group.rank()
         self.device = torch.device("cpu")
+        _post(group)
 
     def _resolve(self) -> Any:
         transport = _connect(self._group, self._required, self._timeout)
@@ -188,8 +226,8 @@ class ShmChannel(DistChannel):
     """A ``DistChannel`` over same-host shared memory (CPU stages); falls back to Gloo across hosts.
 
     ``required``: shared memory or an error (``transport="shm"``), instead of
-    Gloo when the ranks are not all on this host. ``timeout`` bounds the setup
-    at the first message. ``transport`` is ``None`` until then, then "shm" or "gloo".
+    Gloo when the ranks are not all on this host. ``timeout`` bounds the wait
+    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "gloo".
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
