@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -50,9 +51,16 @@ def worker(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
         StepRecord.decode(torch.tensor(record().encode(), dtype=torch.int64).tolist(), rank)
 
     fns = {"exchange": exchange, "ping_pong": ping_pong, "encode_decode": encode_decode}
+    return {k: t * 1e3 for k, t in interleaved_medians(fns, n, repeats).items()}
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], n: int, repeats: int, warmup: int = 20) -> dict[str, float]:
+    """Median seconds per call of each ``fn``: ``repeats`` rounds of ``n`` calls each, every rank starting together."""
+    import torch.distributed as dist
+
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
-        for _ in range(20):
+        for _ in range(warmup):
             fn()
     for _ in range(repeats):
         for k, fn in fns.items():
@@ -60,7 +68,7 @@ def worker(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
-            times[k].append((time.perf_counter() - t0) / n * 1e3)
+            times[k].append((time.perf_counter() - t0) / n)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -22,8 +22,10 @@ twin; torch's closest is ScheduleInterleavedZeroBubble (ZB-H1's I/W split and
 ordering, interleaved) given two stages per rank, which is what it is compared
 with.
 
-pipeline_ext and torch both move stage-to-stage messages over the same Gloo
-group (pipeline_ext through its C++ ProcessGroupChannel).
+torch moves stage-to-stage messages over the Gloo group; pipeline_ext runs
+once per transport in ``--transports`` (default both, as "ours gloo" over the
+same group through its C++ ProcessGroupChannel, and "ours shm" over same-host
+shared memory), in the same interleaved repeats.
 
     PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
     PYTHONPATH=. python benchmarks/bench_pipeline.py --models transformer --dims 256 --repeats 5 --steps 2
@@ -32,6 +34,7 @@ group (pipeline_ext through its C++ ProcessGroupChannel).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -140,6 +143,12 @@ def make_step(case_cls: Any, stage_cls: Any, modules: list[nn.Module], v: int, r
     return step
 
 
+def _ours(name: str, transport: str, stages: Any, m: int, loss_fn: Callable) -> Any:
+    import pipeline_ext as pe
+
+    return pe.PipelineSchedule(stages, name, m, loss_fn=loss_fn, transport=transport)
+
+
 def _rank_of(stage: int, v: int) -> int:
     return stage % WORLD  # looped placement; v = 1 is the identity
 
@@ -176,7 +185,8 @@ def timed(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def worker(rank: int, world: int, works: list[Workload], names: list[str], repeats: int, steps: int) -> list[dict]:
+def worker(rank: int, world: int, works: list[Workload], names: list[str], repeats: int, steps: int,
+           transports: list[str]) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.pipelining as tp
 
@@ -191,25 +201,26 @@ def worker(rank: int, world: int, works: list[Workload], names: list[str], repea
         seq_batch = sequential_step(work, x, y, 1) if rank == 0 else idle
         for name in names:
             case = CASES[name]
-            ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, work.stages(WORLD * case.v_ours),
-                             case.v_ours, rank, MICROBATCHES, x, y, work.loss)
+            ours = {t: make_step(functools.partial(_ours, name, t), pe.PipelineStage, work.stages(WORLD * case.v_ours),
+                                 case.v_ours, rank, MICROBATCHES, x, y, work.loss)
+                    for t in transports}
             theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage, work.stages(WORLD * case.v_torch),
                                case.v_torch, rank, MICROBATCHES, x, y, work.loss)
-            for fn in (seq, seq_batch, ours, theirs):  # warm-up: shapes, allocator, caches
+            fns = {"seq": seq, "seq_batch": seq_batch, **{f"ours {k}": f for k, f in ours.items()}, "torch": theirs}
+            for fn in fns.values():  # warm-up: shapes, allocator, caches
                 timed(fn, 2)
-            t = {"seq": [], "seq_batch": [], "ours": [], "torch": []}
+            t: dict[str, list[float]] = {k: [] for k in fns}
             for _ in range(repeats):
-                t["seq"].append(timed(seq, steps))
-                t["seq_batch"].append(timed(seq_batch, steps))
-                t["ours"].append(timed(ours, steps))
-                t["torch"].append(timed(theirs, steps))
+                for k, fn in fns.items():
+                    t[k].append(timed(fn, steps))
             bubble = S.simulate(S.build(name, WORLD, MICROBATCHES, stages_per_rank=case.v_ours),
                                 S.Costs(1.0, 1.0, 1.0)).bubble_rate
             med = {k: statistics.median(v) for k, v in t.items()}
             ideal = med["seq"] / WORLD * (1 + bubble)
-            rows.append({"model": work.model, "d": work.d, "schedule": name, "torch_class": case.torch_class, "bubble": bubble, **med,
-                         "eff_ours": ideal / med["ours"], "eff_torch": ideal / med["torch"],
-                         "ratio": med["torch"] / med["ours"]})
+            rows.append({"model": work.model, "d": work.d, "schedule": name, "torch_class": case.torch_class,
+                         "bubble": bubble, **med, "eff_torch": ideal / med["torch"], "ours": {
+                             k: {"ms": med[f"ours {k}"], "eff": ideal / med[f"ours {k}"],
+                                 "ratio": med["torch"] / med[f"ours {k}"]} for k in transports}})
             dist.barrier()
     return rows
 
@@ -320,11 +331,13 @@ def print_overhead(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':<11} {'d':>5} {'schedule':<17} {'torch class':<30} {'seq ms':>7} {'seq-1 ms':>8} {'ours ms':>8} {'torch ms':>9} "
-          f"{'eff ours':>8} {'eff torch':>9} {'ours/torch thrpt':>16}")
+    transports = list(rows[0]["ours"]) if rows else []
+    print(f"{'model':<11} {'d':>5} {'schedule':<17} {'torch class':<30} {'seq ms':>7} {'seq-1 ms':>8} {'torch ms':>9} "
+          f"{'eff torch':>9}" + "".join(f" {'ours ' + t + ' ms':>12} {'eff':>6} {'vs torch':>8}" for t in transports))
     for r in rows:
-        print(f"{r['model']:<11} {r['d']:>5} {r['schedule']:<17} {r['torch_class']:<30} {r['seq'] * 1e3:>7.2f} {r['seq_batch'] * 1e3:>8.2f} {r['ours'] * 1e3:>8.2f} "
-              f"{r['torch'] * 1e3:>9.2f} {r['eff_ours']:>8.3f} {r['eff_torch']:>9.3f} {r['ratio']:>15.2f}x")
+        print(f"{r['model']:<11} {r['d']:>5} {r['schedule']:<17} {r['torch_class']:<30} {r['seq'] * 1e3:>7.2f} "
+              f"{r['seq_batch'] * 1e3:>8.2f} {r['torch'] * 1e3:>9.2f} {r['eff_torch']:>9.3f}"
+              + "".join(f" {o['ms'] * 1e3:>12.2f} {o['eff']:>6.3f} {o['ratio']:>7.2f}x" for o in r["ours"].values()))
 
 
 def main() -> None:
@@ -335,6 +348,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--transports", nargs="+", default=["gloo", "shm"], choices=["gloo", "shm"],
+                    help="pipeline_ext's transports, each timed against torch in the same repeats")
     ap.add_argument("--overhead", action="store_true", help="per-action cost with no-op stages instead")
     ap.add_argument("--overhead-microbatches", type=int, default=32)
     args = ap.parse_args()
@@ -343,7 +358,7 @@ def main() -> None:
 
     if args.overhead:
         m = args.overhead_microbatches
-        print(f"no-op stages (x * w), {m} microbatches, {WORLD} ranks (Gloo), 1 thread/rank, torch {torch.__version__}; "
+        print(f"no-op stages (x * w), {m} microbatches, {WORLD} ranks (ours: transport auto), 1 thread/rank, torch {torch.__version__}; "
               f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
         out = spawn(overhead_worker, WORLD, args.schedules, m, args.repeats, args.steps, timeout=args.timeout)
         print_overhead(out[0][1])
@@ -354,9 +369,10 @@ def main() -> None:
     works = [Workload(model, d) for model in args.models for d in args.dims]
     for model in args.models:
         print(f"{model}: {Workload(model, 0).describe()}")
-    print(f"{MICROBATCHES} microbatches, {WORLD} ranks (Gloo), 1 thread/rank, torch {torch.__version__}; "
+    print(f"{MICROBATCHES} microbatches, {WORLD} ranks (torch: Gloo), 1 thread/rank, torch {torch.__version__}; "
           f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
-    out = spawn(worker, WORLD, works, args.schedules, args.repeats, args.steps, timeout=args.timeout, threads=1)
+    out = spawn(worker, WORLD, works, args.schedules, args.repeats, args.steps, args.transports,
+                timeout=args.timeout, threads=1)
     print_table(out[0][1])
 
 

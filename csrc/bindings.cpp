@@ -9,6 +9,7 @@
 #include "ops.h"
 #include "runtime/channel.h"
 #include "runtime/local_channel.h"
+#include "runtime/shm_channel.h"
 #include "runtime/stream.h"
 
 namespace py = pybind11;
@@ -133,7 +134,7 @@ void bind_streams(py::module_& m) {
         "Tell the caching allocator tensor is used on stream (no-op on CPU).");
 }
 
-// ---- runtime/channel.h, runtime/local_channel.h --------------------------------
+// ---- runtime/channel.h, runtime/local_channel.h, runtime/shm_channel.h --------------------------------
 void bind_channels(py::module_& m) {
   using namespace pipeline_ext;
   using release = py::call_guard<py::gil_scoped_release>;
@@ -170,6 +171,23 @@ void bind_channels(py::module_& m) {
            release(), "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
       .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
       .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
+
+  py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(
+      m, "ShmChannel", "ProcessGroupChannel's interface over same-host shared memory (pipeline_ext/runtime/shm.py).")
+      .def(py::init<int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("size"), py::arg("ring_bytes"),
+           py::arg("spin_us") = 20, py::arg("slice_ms") = 50)
+      .def_property_readonly("rank", &ShmChannel::rank)
+      .def_property_readonly("size", &ShmChannel::size)
+      .def_property_readonly("device", &ShmChannel::device)
+      .def_property_readonly("name", &ShmChannel::name)
+      .def("attach", &ShmChannel::attach, py::arg("peer"), py::arg("name"), release())
+      .def("unlink", &ShmChannel::unlink)
+      .def("unexpected", &ShmChannel::unexpected)
+      .def("send", &ShmChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
+           py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
+           release(), "Send as one message through the peer's ring; returns (Request, PackLayout).")
+      .def("recv", &ShmChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
+      .def("recv_layout", &ShmChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
 
   py::class_<LocalHub, std::shared_ptr<LocalHub>>(m, "LocalHub", "Mailboxes between in-process ranks.")
       .def(py::init<std::vector<at::Device>, int64_t, int64_t, bool>(), py::arg("devices"),

@@ -32,7 +32,6 @@ from torch.utils.hooks import RemovableHandle
 from pipeline_ext import schedules as S
 from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
-from pipeline_ext.runtime.channels import DistChannel
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
@@ -44,6 +43,7 @@ from pipeline_ext.runtime.protocol.agreement import (
     agree,
 )
 from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.shm import make_channel
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
 from pipeline_ext.skip.routes import SkipRoutes, declarations_digest, declared_skips, gather_routes
@@ -246,6 +246,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         trace: bool = False,
+        transport: Optional[str] = None,
     ) -> None:
         from pipeline_ext.tracer import as_stage  # torch-built stages (build_stage, pipe.build_stage) too
 
@@ -290,7 +291,8 @@ class PipelineSchedule:
         self.num_stages = num_stages
         self._device = device
         if not self.plan_only:
-            self._channel = DistChannel(self.group, device, num_stages=num_stages)
+            # transport: "auto" | "gloo" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (runtime/shm.py)
+            self._channel = make_channel(self.group, device, num_stages, transport, timeout)
             self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
                                             torch.device("cpu"), timeout,
                                             ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))

@@ -87,14 +87,14 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     finally:
         for p in procs:
             p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        killed = {r for r, p in enumerate(procs) if p.is_alive()}
+        for r in killed:
+            procs[r].kill()
+            procs[r].join(timeout=5)
     hung = []
     for r in sorted(set(range(world)) - set(out)):
         code = procs[r].exitcode
-        if not raise_errors and code is not None and code != -9:  # died on its own, not killed by us
+        if not raise_errors and code is not None and r not in killed:  # died on its own (a SIGKILL too), not killed by us
             out[r] = ("died", code)
         else:
             hung.append(r)

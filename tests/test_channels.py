@@ -1,4 +1,4 @@
-"""Channels: DistChannel over Gloo (2 spawned ranks) and LocalChannel across threads."""
+"""Channels: DistChannel over Gloo and over shared memory (2 spawned ranks), LocalChannel across threads."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,7 @@ from loopback_pg import Loopback
 from pipeline_ext.runtime import streams
 from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
 from pipeline_ext.runtime.protocol.plan import PlanCache
+from pipeline_ext.runtime.shm import ShmChannel, make_channel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,7 +33,10 @@ def _worker(rank: int, port: int, scenario: str, results) -> None:
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        out = SCENARIOS[scenario](rank, DistChannel(device="cpu", num_stages=2))
+        channel = make_channel(None, "cpu", 2)  # the transport of $PIPELINE_EXT_TRANSPORT (conftest.transport)
+        if isinstance(channel, ShmChannel):
+            channel.connect()  # set up now, as Gloo's pairs are at init_process_group
+        out = SCENARIOS[scenario](rank, channel)
     except BaseException:  # reported to the parent, which fails the test
         results.put((rank, "error", traceback.format_exc()))
         return
@@ -110,7 +114,7 @@ def _scenario_roundtrip(rank: int, channel: DistChannel) -> dict:
             )
             out[f"empty{step}"] = ch.recv(0, 5).wait(10.0, "recv empty")
         plans.commit(ch)
-    sub = PlanCache().step(DistChannel(group=dist.new_group([0, 1])), None)  # any group, peers are its ranks
+    sub = PlanCache().step(make_channel(dist.new_group([0, 1]), "cpu", None), None)  # any group, peers are its ranks
     if rank == 0:
         sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
     else:
@@ -163,6 +167,7 @@ SCENARIOS = {"roundtrip": _scenario_roundtrip, "timeout": _scenario_timeout, "de
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("transport")
 def test_dist_roundtrip_discovery_known_and_shape_change():
     res = _run("roundtrip")
     r0, r1 = res[0], res[1]
@@ -178,6 +183,7 @@ def test_dist_roundtrip_discovery_known_and_shape_change():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("transport")
 def test_dist_recv_times_out_naming_what():
     out = _run("timeout")[1]
     name, msg = out["error"]
@@ -187,6 +193,7 @@ def test_dist_recv_times_out_naming_what():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("transport")
 def test_dist_dead_peer_raises_instead_of_hanging():
     out = _run("dead_peer", expect_reports=1)[1]
     assert out["error"] is not None

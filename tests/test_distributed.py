@@ -100,6 +100,7 @@ def _matrix(rank: int, world: int, model: str) -> tuple[int, list[str]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model", ["mlp", "blocks", "tuple"])
+@pytest.mark.usefixtures("transport")
 def test_every_schedule_matches_unsplit_model(world, model):
     results = run_ranks(_matrix, world, model, timeout=200)
     ran = {r: v[1][0] for r, v in results.items()}
@@ -138,6 +139,7 @@ def _optimizer_steps(rank: int, world: int, name: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+@pytest.mark.usefixtures("transport")
 def test_three_optimizer_steps_match(name):
     _expect_no_mismatches(_optimizer_steps, 2, name)
 
@@ -280,6 +282,7 @@ def _eval_then_step(rank: int, world: int, model: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.usefixtures("transport")
 def test_eval_then_step_every_schedule():
     """eval() and step() with one batch shape are different plans: neither may reuse the other's layouts."""
     _expect_no_mismatches(_eval_then_step, 2, "blocks", timeout=150)

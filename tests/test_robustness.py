@@ -72,6 +72,7 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["raise", "exit", "stall"])
+@pytest.mark.usefixtures("transport")
 def test_multi_process_peer_failure_makes_others_raise_within_timeout(how):
     results = run_ranks(_peer_failure, 2, how, timeout=60, expect_errors=True)
     status, value = results[0]
@@ -262,6 +263,7 @@ def _two_runs(rank: int, world: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("transport")
 def test_multi_process_runs_are_bitwise_identical():
     results = run_ranks(_two_runs, 2, timeout=40)
     assert all(v for _, v in results.values())

@@ -128,6 +128,7 @@ def _catch_and_skip(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("transport")
 def test_catch_and_skip_loop_stays_in_step_and_exact():
     said = rank_values(_catch_and_skip, 2, timeout=90)
     assert not [s for v in said.values() for s in v if "gradients differ" in s], said
@@ -286,6 +287,7 @@ def _stopped_peer(rank: int, world: int) -> tuple[float, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("transport")
 def test_a_stopped_peer_during_the_discovery_step_is_named_within_the_timeout():
     results = run_ranks(_stopped_peer, 2, timeout=60, expect_errors=True)
     status, value = results[1]
@@ -389,10 +391,14 @@ def _messages_left_behind(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_messages_a_failed_step_left_behind_are_never_taken_for_a_later_steps():
+def test_messages_a_failed_step_left_behind_are_never_taken_for_a_later_steps(transport):
     said = rank_values(_messages_left_behind, 2)
     assert said[0][0] == said[1][0] == "0: exact", said
-    assert said[0][1].startswith("1: error: ValueError: boom in backward") and said[1][1].startswith("1: error"), said
+    assert said[0][1].startswith("1: error: ValueError: boom in backward"), said
+    # Gloo completes a send only once the receiver took it, so rank 1 fails waiting for its gradients to
+    # leave; shared memory buffers them in rank 0's inbox, so rank 1's step completes, exact (its side of
+    # the step did all its work), as when rank 0 fails after the last message (the test above)
+    assert said[1][1].startswith("1: error") if transport == "gloo" else said[1][1] == "1: exact", said
     # the step after: exact on both ranks, or an error on both; never accepted on one side only
     later = [said[0][2].split(":")[1].strip(), said[1][2].split(":")[1].strip()]
     assert later in (["exact", "exact"], ["error", "error"]), said

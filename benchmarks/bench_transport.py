@@ -1,0 +1,96 @@
+"""Message latency of the transports: a ping-pong between 2 ranks, side by side.
+
+Three ways to move one message of N bytes from rank 0 to rank 1 and back, in
+the same processes and interleaved repeats (the machine is shared and noisy;
+only numbers taken side by side mean anything):
+
+- ``torch gloo``: ``dist.send`` / ``dist.recv`` on the Gloo group (what
+  torch.distributed.pipelining does per message);
+- ``ours gloo``: pipeline_ext's ``DistChannel`` over the same group (C++
+  ProcessGroupChannel: the executor's path with ``transport="gloo"``);
+- ``ours shm``: the same channel interface over same-host shared memory
+  (``transport="shm"``, csrc/runtime/shm_channel.cpp).
+
+Each side posts its receive before the peer sends (as the executor does), the
+receiver waits, then answers. Printed: the median round trip in microseconds
+and its ratio to torch's (> 1: faster than torch).
+
+    PYTHONPATH=. python benchmarks/bench_transport.py [--sizes 4 65536 4194304] [--n 200] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+
+
+def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int) -> list[dict]:
+    import torch.distributed as dist
+    from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
+
+    from pipeline_ext._ext import _C
+    from pipeline_ext.runtime.shm import make_channel
+
+    peer = 1 - rank
+    gloo = make_channel(None, "cpu", 2, "gloo")
+    shm = make_channel(None, "cpu", 2, "shm")
+    shm.connect()
+    rows = []
+    for size in sizes:
+        buf = torch.ones(size, dtype=torch.uint8)
+        layout = _C.layout_of([buf])
+
+        def torch_pp() -> None:
+            if rank == 0:
+                dist.send(buf, peer, tag=1)
+                dist.recv(buf, peer, tag=2)
+            else:
+                dist.recv(buf, peer, tag=1)
+                dist.send(buf, peer, tag=2)
+
+        def ours(channel) -> Callable[[], None]:
+            def pp() -> None:
+                back = channel.recv(layout, peer, 2 - rank)  # posted ahead, as the executor does
+                if rank == 0:
+                    channel.send([buf], peer, 1)[0].wait(30.0, "ping")
+                    back.wait(30.0, "pong")
+                else:
+                    back.wait(30.0, "ping")
+                    channel.send([buf], peer, 2)[0].wait(30.0, "pong")
+            return pp
+
+        fns = {"torch gloo": torch_pp, "ours gloo": ours(gloo), "ours shm": ours(shm)}
+        rows.append({"bytes": size, **interleaved_medians(fns, n, repeats, warmup=10)})
+    return rows
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4, 64 << 10, 4 << 20], help="message bytes")
+    ap.add_argument("--n", type=int, default=200, help="round trips per timed repeat")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians are reported")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args()
+
+    from pipeline_ext.launch import spawn
+
+    print(f"ping-pong, 2 ranks, 1 thread/rank, torch {torch.__version__}; median round trip of "
+          f"{args.repeats} interleaved repeats x {args.n}")
+    out = spawn(worker, 2, args.sizes, args.n, args.repeats, timeout=args.timeout, threads=1)
+    print(f"{'message':>8} {'torch gloo us':>14} {'ours gloo us':>13} {'ours shm us':>12} "
+          f"{'torch/ours gloo':>16} {'torch/ours shm':>15}")
+    for r in out[0][1]:
+        t, g, s = r["torch gloo"], r["ours gloo"], r["ours shm"]
+        print(f"{_size(r['bytes']):>8} {t * 1e6:>14.1f} {g * 1e6:>13.1f} {s * 1e6:>12.1f} {t / g:>15.2f}x {t / s:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

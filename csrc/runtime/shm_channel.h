@@ -1,0 +1,84 @@
+// Same-host shared-memory transport for CPU ranks: ProcessGroupChannel's
+// interface (send / recv / recv_layout, matched by (peer, tag) like Gloo), with
+// the bytes going through POSIX shared memory instead of sockets.
+//
+// Why: a Gloo message costs the receiver an IO-thread and a condition-variable
+// wake-up (milliseconds on a loaded 2-core box); here the sender writes the
+// message into the receiver's inbox and rings its doorbell, a futex word the
+// receiver sleeps on after a short spin.
+//
+// Layout: every rank owns one segment, its inbox: a header (doorbell futex word,
+// owner pid) and one ring per peer (single producer: that peer; single consumer:
+// the owner). Every rank maps every other rank's inbox. A message travels as one
+// or more records [64-byte header | payload] in the sender's ring; the receiver
+// copies each record out (one memcpy) into the posted receive's buffer, or, when
+// no receive is posted yet for that tag, into a buffer of its own that a later
+// receive takes over (like MPI's unexpected messages). Draining always, whatever
+// the tag, is what keeps a full ring from deadlocking two ranks; a message larger
+// than the free space goes in chunks as the receiver frees it.
+//
+// Progress is made by whichever thread of the process is inside a call (send,
+// is_completed, wait): no background thread. A send that does not fit now stays
+// queued in the sender and is pushed by its later calls.
+//
+// Crashes: a segment's name is removed (shm_unlink) by the last peer that maps
+// it, so once every rank attached every other, a SIGKILL leaves nothing in
+// /dev/shm. A peer that exits is seen through a pidfd within one sleep slice.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/pack.h"
+#include "runtime/channel.h"
+
+namespace pipeline_ext {
+
+struct ShmState;  // mappings, per-peer queues, the lock (shm_channel.cpp)
+
+class ShmChannel {
+ public:
+  static constexpr int64_t kLayoutWords = ProcessGroupChannel::kLayoutWords;
+  static constexpr int kLayoutTagBit = ProcessGroupChannel::kLayoutTagBit;
+
+  // Creates this rank's inbox (one ring of ring_bytes per peer). spin_us: how
+  // long a wait spins before it sleeps on the futex; slice_ms: how often a
+  // sleeping wait checks that its peer is alive.
+  ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us = 20, int64_t slice_ms = 50);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  int rank() const;
+  int size() const;
+  at::Device device() const { return at::Device(at::kCPU); }
+  // This rank's inbox, for the peers' attach(); empty once unlinked.
+  std::string name() const;
+  // Maps `peer`'s inbox (published under `name`) and watches its process; the
+  // last of the owner's peers to attach removes the name.
+  void attach(int peer, const std::string& name);
+  // Removes this rank's inbox name from /dev/shm now (the mapping stays), e.g.
+  // when the group will not use shared memory; idempotent; the destructor does it too.
+  void unlink();
+
+  // Same contract as ProcessGroupChannel::send (CPU tensors only).
+  std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                                       const std::optional<PackLayout>& expected, bool with_layout,
+                                                       const std::optional<at::Tensor>& out = std::nullopt);
+  std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
+  std::shared_ptr<Request> recv_layout(int peer, int tag);
+
+  // Messages received that no receive has taken yet (a leak check for tests).
+  int64_t unexpected() const;
+
+ private:
+  void check_peer(int peer, int tag) const;
+  std::shared_ptr<ShmState> state_;
+};
+
+}  // namespace pipeline_ext

@@ -1,0 +1,248 @@
+"""The transport of a multi-process pipeline: Gloo/NCCL, or same-host shared memory for CPU ranks.
+
+Why a second transport: a Gloo message costs the receiver an IO-thread and a
+condition-variable wake-up, milliseconds per message on a loaded 2-core box,
+and 1F1B has two messages per microbatch on its critical path. Between
+processes of one host, C++ ``ShmChannel`` (csrc/runtime/shm_channel.h) writes
+the bytes into the receiver's inbox (a ring in POSIX shared memory) and wakes
+it through a futex after a short spin.
+
+:class:`ShmChannel` is a :class:`DistChannel` whose transport is decided at its
+first message: shared memory when every rank of the group is on this host
+(same hostname, boot, /dev/shm and pid namespace), Gloo otherwise. Each rank
+describes itself to every peer over the group when its first channel on that
+group is built (see ``_Setup``). The channel stays stateless and matches by (peer,
+tag) exactly like Gloo, so the executor and the communication plans
+(``protocol/plan.py``) use it unchanged. All channels of one process on one
+group share one transport, as they share the group's Gloo pairs.
+
+Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
+``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"gloo"`` (the process
+group, whatever the hosts; the only choice for GPU stages) or ``"shm"`` (shared
+memory, an error naming the hosts when the ranks are not all on this one).
+``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
+messages go in chunks) and must be equal on every rank.
+
+Crash safety: every inbox's name is removed from /dev/shm by the last peer
+that maps it (at the first message), so a SIGKILL leaves nothing behind; a
+peer whose process is gone is reported by the wait (through a pidfd) within
+50 ms, as Gloo reports a closed socket.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from pipeline_ext._ext import _C
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, DistChannel
+
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "make_channel", "requested_transport"]
+
+TRANSPORTS = ("auto", "gloo", "shm")
+TRANSPORT_ENV = "PIPELINE_EXT_TRANSPORT"
+RING_BYTES_ENV = "PIPELINE_EXT_SHM_RING_BYTES"
+SPIN_US_ENV = "PIPELINE_EXT_SHM_SPIN_US"
+DEFAULT_RING_BYTES = 8 << 20
+DEFAULT_SPIN_US = 20
+
+
+def requested_transport(transport: Optional[str]) -> str:
+    """The transport asked for: the argument, else ``$PIPELINE_EXT_TRANSPORT``, else ``"auto"``."""
+    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
+    choice = str(choice).strip().lower()
+    if choice not in TRANSPORTS:
+        source = "transport=" if transport is not None else f"${TRANSPORT_ENV}="
+        raise ValueError(f"{source}{choice!r}: the transport must be one of {', '.join(TRANSPORTS)}")
+    return choice
+
+
+def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.device], num_stages: Optional[int],
+                 transport: Optional[str] = None, timeout: float = 300.0) -> DistChannel:
+    """The channel of a pipeline's stages on ``device`` (see the module doc for ``transport``)."""
+    choice = requested_transport(transport)
+    device = torch.device(device)
+    if choice == "shm" and device.type != "cpu":
+        raise ValueError(f"transport='shm' moves CPU tensors; stages on {device} use the process group "
+                         "(transport='gloo' or 'auto')")
+    if choice == "gloo" or device.type != "cpu":
+        return DistChannel(group, device, num_stages=num_stages)
+    return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    try:
+        return default if raw is None else int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+
+
+def _host_id() -> str:
+    """Equal on two processes that can share /dev/shm and see each other's pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    shm = os.stat("/dev/shm") if os.path.isdir("/dev/shm") else None
+    pidns = os.stat("/proc/self/ns/pid").st_ino if os.path.exists("/proc/self/ns/pid") else 0
+    return f"{socket.gethostname()}|{boot}|{shm and (shm.st_dev, shm.st_ino)}|{pidns}"
+
+
+class _GroupTransport:
+    """What one process uses on one group: ``kind`` ("shm" or "gloo"), the C++ channel, and why."""
+
+    def __init__(self, kind: str, channel: Any, reason: str = "") -> None:
+        self.kind, self.channel, self.reason = kind, channel, reason
+
+
+#: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
+SETUP_TAG = 2**31 - 2
+_INFO_BYTES = 1024
+
+
+class _Setup:
+    """One group's transport setup: posted when its first channel is built, finished at its first message.
+
+    Posting creates this rank's inbox and sends (host, ring size, inbox name) to
+    every peer over the group itself (Gloo point to point, so every wait is
+    bounded; a store can be served by a frozen rank and wait past any timeout).
+    Finishing waits for the peers' messages, then maps their inboxes (shm) or
+    drops this rank's (Gloo). A peer that is already stuck in its first step
+    has sent its message when it built its channel, so the setup never waits on
+    a peer's main thread.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.ring_bytes = _int_env(RING_BYTES_ENV, DEFAULT_RING_BYTES)
+        self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
+        info = json.dumps({"host": _host_id(), "ring_bytes": self.ring_bytes, "segment": self.shm.name}).encode()
+        if len(info) > _INFO_BYTES:
+            raise ChannelError(f"transport setup: this rank's description takes {len(info)} bytes, more than {_INFO_BYTES}")
+        out = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
+        out[: len(info)] = torch.frombuffer(bytearray(info), dtype=torch.uint8)
+        self.inbox = {p: torch.zeros(_INFO_BYTES, dtype=torch.uint8) for p in range(self.size) if p != self.rank}
+        self.works: list[tuple[int, Any]] = []
+        self.failed: Optional[tuple[int, Exception]] = None  # raised by finish(): building a channel never fails
+        for peer, buf in self.inbox.items():
+            try:
+                self.works += [(peer, group.recv([buf], peer, SETUP_TAG)), (peer, group.send([out], peer, SETUP_TAG))]
+            except Exception as exc:  # noqa: BLE001 - a peer already gone: said at the first message
+                self.failed = (peer, exc)
+                break
+
+    def finish(self, timeout: float) -> _GroupTransport:
+        for peer, work in self.works:
+            if self.failed is not None:
+                break
+            try:
+                work.wait(timedelta(seconds=timeout))
+            except Exception as exc:  # noqa: BLE001 - Gloo's error types vary; the text says what happened
+                self.failed = (peer, exc)
+        if self.failed is not None:
+            peer, exc = self.failed
+            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s description "
+                                 f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
+        me = {"host": _host_id(), "ring_bytes": self.ring_bytes}
+        peers = {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
+        if any(e["host"] != me["host"] for e in peers.values()):
+            self.shm.unlink()
+            hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
+                            for e in [me, *peers.values()]})
+            return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
+                                   "hosts: " + ", ".join(hosts))
+        rings = sorted({self.ring_bytes, *(e["ring_bytes"] for e in peers.values())})
+        if len(rings) > 1:
+            self.shm.unlink()
+            raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
+        for peer, e in peers.items():
+            self.shm.attach(peer, e["segment"])
+        return _GroupTransport("shm", self.shm)
+
+
+_setups: dict[str, Union[_Setup, _GroupTransport]] = {}  # by group name: in flight, or decided
+_lock = threading.Lock()
+
+
+def _post(group: dist.ProcessGroup) -> None:
+    """Start the group's setup, once per process (every channel on a group shares its transport)."""
+    with _lock:
+        if group.group_name not in _setups:
+            _setups[group.group_name] = _Setup(group)
+
+
+def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _GroupTransport:
+    """The group's transport, finishing its setup if this is the first message: shm on one host, else Gloo."""
+    name = group.group_name
+    with _lock:
+        known = _setups[name]
+        if isinstance(known, _Setup):
+            try:
+                known = known.finish(timeout)
+            except BaseException:
+                known.shm.unlink()
+                raise
+            _setups[name] = known
+    if required and known.kind != "shm":
+        raise ChannelError(f"transport='shm': the ranks of group {name!r} are not all on this host "
+                           f"({known.reason}); use transport='auto' or 'gloo'")
+    return known
+
+
+class _Unresolved:
+    """Stands in for the C++ channel until the first message decides the transport."""
+
+    def __init__(self, owner: "ShmChannel", group: dist.ProcessGroup, required: bool, timeout: float) -> None:
+        self._owner, self._group, self._required, self._timeout = owner, group, required, timeout
+        self.rank = group.rank()
+        self.device = torch.device("cpu")
+        _post(group)
+
+    def _resolve(self) -> Any:
+        transport = _connect(self._group, self._required, self._timeout)
+        self._owner.transport = transport.kind
+        self._owner._pg = transport.channel
+        return transport.channel
+
+    def send(self, *args: Any) -> Any:
+        return self._resolve().send(*args)
+
+    def recv(self, *args: Any) -> Any:
+        return self._resolve().recv(*args)
+
+    def recv_layout(self, *args: Any) -> Any:
+        return self._resolve().recv_layout(*args)
+
+
+class ShmChannel(DistChannel):
+    """A ``DistChannel`` over same-host shared memory (CPU stages); falls back to Gloo across hosts.
+
+    ``required``: shared memory or an error (``transport="shm"``), instead of
+    Gloo when the ranks are not all on this host. ``timeout`` bounds the wait
+    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "gloo".
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
+                 required: bool = False, timeout: float = 300.0) -> None:
+        if group is None:
+            if not dist.is_initialized():
+                raise RuntimeError("ShmChannel: torch.distributed is not initialised (call init_process_group)")
+            group = dist.group.WORLD
+        self.num_stages = num_stages
+        self.transport: Optional[str] = None
+        self._pg = _Unresolved(self, group, required, timeout)
+
+    def connect(self) -> str:
+        """Decide the transport now (collective over the group, as the first message would); returns it."""
+        if isinstance(self._pg, _Unresolved):
+            self._pg._resolve()
+        assert self.transport is not None
+        return self.transport

@@ -1,0 +1,130 @@
+"""The same-host shared-memory transport (runtime/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
+
+Messages themselves are tested under both transports by test_channels.py,
+test_distributed.py, test_robustness.py and test_step_agreement.py (the
+``transport`` fixture in conftest.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_ext as pe
+from models import build, loss_fn, make_batch
+from mp_utils import run_ranks
+from pipeline_ext._ext import _C
+from pipeline_ext.runtime.shm import TRANSPORT_ENV, make_channel, requested_transport
+
+SEGMENT_PREFIX = "pipeline_ext_shm."
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    """Inbox names in /dev/shm created by these processes (other test runs may share the machine)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX) and int(n.split(".")[1]) in pids]
+
+
+def test_transport_argument_and_environment(monkeypatch):
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert requested_transport(None) == "auto"
+    monkeypatch.setenv(TRANSPORT_ENV, "SHM")
+    assert requested_transport(None) == "shm"
+    assert requested_transport("gloo") == "gloo"  # the argument wins over the environment
+    monkeypatch.setenv(TRANSPORT_ENV, "tcp")
+    with pytest.raises(ValueError, match=r"\$PIPELINE_EXT_TRANSPORT='tcp': the transport must be one of auto, gloo, shm"):
+        requested_transport(None)
+    with pytest.raises(ValueError, match="transport='shm' moves CPU tensors; stages on cuda:0"):
+        make_channel(None, "cuda:0", 2, "shm")
+
+
+def _choices(rank: int, world: int) -> dict:
+    """auto on one host is shared memory; with rank 1 pretending to be elsewhere, Gloo, and 'shm' an error."""
+    import torch.distributed as dist
+
+    import pipeline_ext.runtime.shm as shm
+
+    out = {"auto": make_channel(None, "cpu", 2, "auto").connect()}
+    if rank == 1:
+        shm._host_id = lambda: "elsewhere|boot|dev|ns"
+    group = dist.new_group([0, 1])
+    out["other_host"] = make_channel(group, "cpu", 2, "auto").connect()
+    try:
+        make_channel(group, "cpu", 2, "shm").connect()
+        out["forced"] = "no error"
+    except RuntimeError as exc:
+        out["forced"] = str(exc)
+    # Gloo underneath the fallback really moves the data
+    ch = make_channel(group, "cpu", 2, "auto")
+    if rank == 0:
+        handle, layout = ch.send([torch.arange(5.0)], 1, 3)
+        handle.wait(10.0, "send")
+    else:
+        layout = _C.layout_of([torch.zeros(5)])
+        out["data"] = ch.recv(layout, 0, 3).wait(10.0, "recv")[0].tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_auto_is_shared_memory_on_one_host_and_gloo_across_hosts():
+    res = {r: v for r, (_, v) in run_ranks(_choices, 2, timeout=50).items()}
+    for rank in (0, 1):
+        assert res[rank]["auto"] == "shm"
+        assert res[rank]["other_host"] == "gloo"
+        assert "transport='shm': the ranks of group" in res[rank]["forced"] and "not all on this host" in res[rank]["forced"]
+    assert res[1]["data"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+class KillAt(nn.Module):
+    """A Linear layer whose process SIGKILLs itself on one call (no cleanup of any kind runs)."""
+
+    def __init__(self, when: int) -> None:
+        super().__init__()
+        self.lin, self.when, self.calls = nn.Linear(16, 16), when, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.when:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
+
+
+def _killed_mid_step(rank: int, world: int, victim: int, pid_dir: str) -> tuple[list[str], str]:
+    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    torch.manual_seed(0)
+    modules = build("mlp", world)
+    if rank == victim:  # 4 microbatches a step: dies in the second step's third forward
+        modules[rank] = nn.Sequential(KillAt(when=7), modules[rank])
+    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    sched = pe.PipelineSchedule(stage, "1f1b", 4, loss_fn=loss_fn, timeout=20.0, transport="shm")
+    x, y = make_batch("mlp", 8)
+    sched.step(x) if rank == 0 else sched.step(target=y)
+    during = _segments_of({os.getpid()})  # the setup removed the names already
+    try:
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return during, f"{type(exc).__name__}: {exc}"
+    return during, "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkill_of_either_rank_leaves_nothing_in_dev_shm_and_is_named(victim, tmp_path):
+    results = run_ranks(_killed_mid_step, 2, victim, str(tmp_path), timeout=60, expect_errors=True)
+    survivor = 1 - victim
+    assert results[victim][0] == "died", results[victim]
+    status, (during, message) = results[survivor]
+    assert status == "ok", message
+    assert during == []
+    assert f"rank {victim} (pid" in message and "exited" in message, message
+    assert "ChannelTimeout" not in message and "timed out" not in message, message
+    pids = {int((tmp_path / str(r)).read_text()) for r in (0, 1)}
+    deadline = time.monotonic() + 5  # the survivor's process may still be exiting
+    while _segments_of(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _segments_of(pids) == []
