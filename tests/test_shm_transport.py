@@ -57,6 +57,16 @@ def _choices(rank: int, world: int) -> dict:
         out["forced"] = "no error"
     except RuntimeError as exc:
         out["forced"] = str(exc)
+    # an inbox that cannot be made on one rank (a small /dev/shm): every rank falls back to Gloo together
+    if rank == 1:
+        def no_room(*args):
+            raise _C.ChannelError("cannot allocate 16777216 bytes in /dev/shm: No space left on device")
+
+        shm._C = type("NoShm", (), {"ShmChannel": staticmethod(no_room),
+                                   "ProcessGroupChannel": _C.ProcessGroupChannel})
+    small = dist.new_group([0, 1])
+    out["no_room"] = make_channel(small, "cpu", 2, "auto").connect()
+    shm._C = _C
     # Gloo underneath the fallback really moves the data
     ch = make_channel(group, "cpu", 2, "auto")
     if rank == 0:
@@ -74,7 +84,8 @@ def test_auto_is_shared_memory_on_one_host_and_gloo_across_hosts():
     for rank in (0, 1):
         assert res[rank]["auto"] == "shm"
         assert res[rank]["other_host"] == "gloo"
-        assert "transport='shm': the ranks of group" in res[rank]["forced"] and "not all on this host" in res[rank]["forced"]
+        assert "transport='shm': group" in res[rank]["forced"] and "cannot use shared memory (hosts:" in res[rank]["forced"]
+        assert res[rank]["no_room"] == "gloo"
     assert res[1]["data"] == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 

@@ -123,8 +123,16 @@ class _Setup:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group, self.rank, self.size = group, group.rank(), group.size()
         self.ring_bytes = _int_env(RING_BYTES_ENV, DEFAULT_RING_BYTES)
-        self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
-        info = json.dumps({"host": _host_id(), "ring_bytes": self.ring_bytes, "segment": self.shm.name}).encode()
+        # An inbox that cannot be made (a small /dev/shm, as in containers) is told to the peers, so that
+        # every rank falls back to Gloo together ("auto") or names the reason ("shm").
+        self.shm: Optional[Any] = None
+        self.error = ""
+        try:
+            self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
+        except ChannelError as exc:
+            self.error = str(exc)[:400]
+        info = json.dumps({"host": _host_id(), "ring_bytes": self.ring_bytes,
+                           "segment": self.shm.name if self.shm is not None else "", "error": self.error}).encode()
         if len(info) > _INFO_BYTES:
             raise ChannelError(f"transport setup: this rank's description takes {len(info)} bytes, more than {_INFO_BYTES}")
         out = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
@@ -151,21 +159,33 @@ class _Setup:
             peer, exc = self.failed
             raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s description "
                                  f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
-        me = {"host": _host_id(), "ring_bytes": self.ring_bytes}
+        me = {"host": _host_id(), "ring_bytes": self.ring_bytes, "segment": "" if self.shm is None else "x",
+              "error": self.error}
         peers = {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
         if any(e["host"] != me["host"] for e in peers.values()):
-            self.shm.unlink()
+            self.drop()
             hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
                             for e in [me, *peers.values()]})
             return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
                                    "hosts: " + ", ".join(hosts))
+        unmade = {p: e.get("error", "") for p, e in [(self.rank, me), *peers.items()] if not e["segment"]}
+        if unmade:
+            self.drop()
+            said = "; ".join(f"rank {p}: {why}" for p, why in sorted(unmade.items()))
+            return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
+                                   f"no shared-memory inbox ({said})")
         rings = sorted({self.ring_bytes, *(e["ring_bytes"] for e in peers.values())})
         if len(rings) > 1:
-            self.shm.unlink()
+            self.drop()
             raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
         for peer, e in peers.items():
             self.shm.attach(peer, e["segment"])
         return _GroupTransport("shm", self.shm)
+
+    def drop(self) -> None:
+        """Remove this rank's inbox name (the transport is not shared memory after all, or setup failed)."""
+        if self.shm is not None:
+            self.shm.unlink()
 
 
 _setups: dict[str, Union[_Setup, _GroupTransport]] = {}  # by group name: in flight, or decided
@@ -188,12 +208,12 @@ def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _Group
             try:
                 known = known.finish(timeout)
             except BaseException:
-                known.shm.unlink()
+                known.drop()
                 raise
             _setups[name] = known
     if required and known.kind != "shm":
-        raise ChannelError(f"transport='shm': the ranks of group {name!r} are not all on this host "
-                           f"({known.reason}); use transport='auto' or 'gloo'")
+        raise ChannelError(f"transport='shm': group {name!r} cannot use shared memory ({known.reason}); "
+                           "use transport='auto' or 'gloo'")
     return known
 
 
