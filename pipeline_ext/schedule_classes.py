@@ -60,6 +60,7 @@ class PipelineScheduleSingle(PipelineSchedule):
         *,
         timeout: float = 300.0,
         trace: bool = False,
+        transport: Optional[str] = None,
     ) -> None:
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         if len(stages) != 1:
@@ -69,7 +70,8 @@ class PipelineScheduleSingle(PipelineSchedule):
             raise TypeError(f"{type(self).__name__} is a base class; use one of its schedules (e.g. Schedule1F1B)")
         super().__init__(stages, self.schedule_name, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace)
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace,
+                         transport=transport)
         self._stage = stages[0]
 
 
@@ -98,12 +100,14 @@ class PipelineScheduleMulti(PipelineSchedule):
         *,
         timeout: float = 300.0,
         trace: bool = False,
+        transport: Optional[str] = None,
     ) -> None:
         # Without a schedule_name (torch's way of writing a custom schedule: subclass, then assign
         # self.pipeline_order), nothing runs until the order is assigned.
         super().__init__(stages, self.schedule_name or None, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace)
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace,
+                         transport=transport)
         self._stages = list(self.stages.values())
         self._backward_requires_autograd = backward_requires_autograd
 
