@@ -350,12 +350,10 @@ class Executor:
         target = weight = None
         if runner.is_last and inputs.targets:
             target, weight = inputs.targets[m], inputs.loss_weights[m]
-        skips = self._skips_for(a.stage, st)
-        if skips is None:
-            outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight)
-        else:
-            outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight,
-                                  skips=self._skips_in(a.stage, m, st, gradient=False))
+        skipping = self._has_skips(a.stage, st)
+        extra = {"skips": self._skips_in(a.stage, m, st, gradient=False)} if skipping else {}
+        outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight, **extra)
+        if skipping:
             self._skips_out(a.stage, m, st, runner.take_stashed(m), gradient=False)
         if runner.is_last:
             return
@@ -369,11 +367,10 @@ class Executor:
         m = a.microbatch
         grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
         fn = runner.backward if a.kind == ActionKind.B else runner.backward_input
-        skips = self._skips_for(a.stage, st)
-        if skips is None:
-            grad_in = fn(m, grads)
-        else:
-            grad_in = fn(m, grads, skip_grads=self._skips_in(a.stage, m, st, gradient=True))
+        skipping = self._has_skips(a.stage, st)
+        extra = {"skip_grads": self._skips_in(a.stage, m, st, gradient=True)} if skipping else {}
+        grad_in = fn(m, grads, **extra)
+        if skipping:
             self._skips_out(a.stage, m, st, runner.take_skip_grads(m), gradient=True)
         if a.stage == 0:
             return
@@ -401,19 +398,17 @@ class Executor:
             st.grads[key] = list(tensors)
 
     # -- skips ---------------------------------------------------------------------------------
-    def _skips_for(self, stage: int, st: _StepState) -> Optional[SkipRoutes]:
-        """The routes, when ``stage`` has skips this step (settling the step's start first if need be)."""
+    def _has_skips(self, stage: int, st: _StepState) -> bool:
+        """Whether ``stage`` moves skips this step; its routes may need the step's start, so it is settled first."""
         if stage not in self._skip_stages:
-            return None
+            return False
         if self._messages is None:
             self._open_and_post(st)
         skips = self.skips
-        if skips is None or not (skips.sources(stage) or skips.destinations(stage)):
-            return None
-        return skips
+        return skips is not None and bool(skips.sources(stage) or skips.destinations(stage))
 
     def _skips_in(self, stage: int, m: int, st: _StepState, gradient: bool) -> dict[SkipKey, Optional[torch.Tensor]]:
-        """Before F: the skips popped on ``stage``; before B/I: the gradients of those it stashed."""
+        """Before F: the skips popped on ``stage``; before B/I: the gradients of those it stashed (step opened)."""
         assert self.skips is not None
         peers = self.skips.destinations(stage) if gradient else self.skips.sources(stage)
         values: dict[SkipKey, Optional[torch.Tensor]] = {}
@@ -422,8 +417,6 @@ class Executor:
             if self._local(peer):
                 values.update(self._take(st.skips, msg, msg))
                 continue
-            if self._messages is None:
-                self._open_and_post(st)
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
             tensors = self._start(msg, lambda: self._messages.recv(self._peer(msg), tag)).wait(self.timeout, self._what(msg))
             values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
@@ -440,8 +433,6 @@ class Executor:
                 st.skips[msg] = {k: values.get(k) for k in keys}
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
-            if self._messages is None:
-                self._open_and_post(st)
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
             st.sends.append((msg, self._start(msg, lambda: self._messages.send(tensors, self._peer(msg), tag))))
 
