@@ -20,7 +20,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from pipeline_ext._ext import _C
-from pipeline_ext.runtime.stage import Skips, StagePosition, as_output_tuple, is_differentiable
+from pipeline_ext.runtime.stage import Skips, StagePosition, as_output_tuple, detach_tree, is_differentiable
 from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import call_with_skips
 
@@ -108,7 +108,7 @@ class ConnectedRunner(StagePosition):
         if stashed:
             for k, v in stashed.items():
                 self.links[(k, mb)] = v
-            self._stashed[mb] = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in stashed.items()}
+            self._stashed[mb] = detach_tree(stashed)
         if self.is_last:
             self.outputs[mb] = out
             return ()

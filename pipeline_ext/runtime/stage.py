@@ -46,7 +46,7 @@ from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 
 Skips = dict[SkipKey, Optional[torch.Tensor]]
 
-__all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable"]
+__all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable", "detach_tree"]
 
 
 class StagePosition:
@@ -224,9 +224,9 @@ class StageRunner(StagePosition):
         grad_on = torch.is_grad_enabled()
         state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
         if stashed and state.recompute is None:  # a recomputation's stashes were sent already
-            self._stashed[mb] = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in stashed.items()}
+            self._stashed[mb] = detach_tree(stashed)
         if self.is_last:
-            self.outputs[mb] = _detach_tree(out)
+            self.outputs[mb] = detach_tree(out)
             if self.loss_fn is not None and target is not None:
                 loss = self.loss_fn(out, target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -303,12 +303,12 @@ class StageRunner(StagePosition):
 
     def _keep_skip_grads(self, mb: int, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> None:
         if state.skip_inputs:
-            self._skip_grads[mb] = {k: g if g is not None else torch.zeros_like(v)
-                                    for (k, v), g in zip(state.skip_inputs, grads)}
+            keys, leaves = zip(*state.skip_inputs)
+            self._skip_grads[mb] = dict(zip(keys, _zeros_where_none(leaves, grads)))
 
     def _grad_message(self, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
         """One gradient per floating-point input, zeros where autograd produced none."""
-        return [g if g is not None else torch.zeros_like(x) for x, g in zip(state.grad_inputs, grads)]
+        return _zeros_where_none(state.grad_inputs, grads)
 
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                  skip_grads: Optional[Skips] = None) -> list[torch.Tensor]:
@@ -379,6 +379,11 @@ class StageRunner(StagePosition):
             self.grad_sync.finish()
 
 
+def _zeros_where_none(leaves: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """The gradient of each leaf, zeros where autograd produced none (a message has one per leaf)."""
+    return [g if g is not None else torch.zeros_like(x) for x, g in zip(leaves, grads)]
+
+
 def _plain_call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return module(*args, **kwargs)
 
@@ -399,11 +404,12 @@ def _match_grads(
     return list(grads)
 
 
-def _detach_tree(out: Any) -> Any:
+def detach_tree(out: Any) -> Any:
+    """Tensors in (nested) tuples, lists and dicts, detached; anything else as is."""
     if isinstance(out, torch.Tensor):
         return out.detach()
     if isinstance(out, (tuple, list)):
-        return type(out)(_detach_tree(o) for o in out)
+        return type(out)(detach_tree(o) for o in out)
     if isinstance(out, dict):
-        return {k: _detach_tree(v) for k, v in out.items()}
+        return {k: detach_tree(v) for k, v in out.items()}
     return out
