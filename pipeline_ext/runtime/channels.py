@@ -80,14 +80,19 @@ class DistChannel:
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
                  num_stages: Optional[int] = None) -> None:
+        self._pg = _C.ProcessGroupChannel(self.resolve_group(group), torch.device(device))
+        self.num_stages = num_stages
+
+    @classmethod
+    def resolve_group(cls, group: Optional["torch.distributed.ProcessGroup"]) -> "torch.distributed.ProcessGroup":
+        """``group``, or the default (WORLD) group; an error naming the channel when there is none."""
         import torch.distributed as dist
 
-        if group is None:
-            if not dist.is_initialized():
-                raise RuntimeError("DistChannel: torch.distributed is not initialised (call init_process_group)")
-            group = dist.group.WORLD
-        self._pg = _C.ProcessGroupChannel(group, torch.device(device))
-        self.num_stages = num_stages
+        if group is not None:
+            return group
+        if not dist.is_initialized():
+            raise RuntimeError(f"{cls.__name__}: torch.distributed is not initialised (call init_process_group)")
+        return dist.group.WORLD
 
     @property
     def rank(self) -> int:

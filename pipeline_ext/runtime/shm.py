@@ -252,10 +252,7 @@ class ShmChannel(DistChannel):
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
                  required: bool = False, timeout: float = 300.0) -> None:
-        if group is None:
-            if not dist.is_initialized():
-                raise RuntimeError("ShmChannel: torch.distributed is not initialised (call init_process_group)")
-            group = dist.group.WORLD
+        group = self.resolve_group(group)
         self.num_stages = num_stages
         self.transport: Optional[str] = None
         self._pg = _Unresolved(self, group, required, timeout)
