@@ -325,9 +325,7 @@ class PipelineSchedule:
         S.validate(self.schedule)
         self._eval_executor: Optional[Executor] = None
         if not self.plan_only:
-            self._executor = Executor(self.schedule, self.rank, self._runners, self._channel, timeout=self.timeout,
-                                      skips=self._skip_routes)
-            self._executor.expect_skips(i for i, d in self._skip_decls.items() if d)
+            self._executor = self._new_executor(self.schedule)
         self._first_rank = self.schedule.stage_to_rank[0]
         self._last_rank = self.schedule.stage_to_rank[-1]
         self._schedule_key = stable_hash(repr((
@@ -536,10 +534,15 @@ class PipelineSchedule:
 
     def _forward_executor(self) -> Executor:
         if self._eval_executor is None:
-            self._eval_executor = Executor(S.forward_only(self.schedule), self.rank, self._runners, self._channel,
-                                           timeout=self.timeout, skips=self._skip_routes)
-            self._eval_executor.expect_skips(i for i, d in self._skip_decls.items() if d)
+            self._eval_executor = self._new_executor(S.forward_only(self.schedule))
         return self._eval_executor
+
+    def _new_executor(self, schedule: S.Schedule) -> Executor:
+        """An executor of ``schedule`` on this rank's stages, with the skip routes known so far."""
+        executor = Executor(schedule, self.rank, self._runners, self._channel, timeout=self.timeout,
+                            skips=self._skip_routes)
+        executor.expect_skips(i for i, d in self._skip_decls.items() if d)
+        return executor
 
     def _run(self, plan: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
              return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
