@@ -170,7 +170,15 @@ void bind_channels(py::module_& m) {
            py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
            release(), "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
       .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
-      .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
+      .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release())
+      .def("set_route", &ProcessGroupChannel::set_route, py::arg("peer"), py::arg("send_group"), py::arg("send_peer"),
+           py::arg("recv_group"), py::arg("recv_peer"),
+           "Messages to `peer` go over send_group (to its rank send_peer), from it over recv_group.")
+      .def_property_readonly("batches", &ProcessGroupChannel::batches)
+      .def_property_readonly("batch_depth", &ProcessGroupChannel::batch_depth)
+      .def("begin_batch", &ProcessGroupChannel::begin_batch)
+      .def("end_batch", &ProcessGroupChannel::end_batch, release(),
+           "Issue the operations since the outermost begin_batch (coalesced when `batches`).");
 
   py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(
       m, "ShmChannel", "ProcessGroupChannel's interface over same-host shared memory (pipeline_ext/runtime/shm.py).")

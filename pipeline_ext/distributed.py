@@ -35,6 +35,7 @@ from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_i
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
+from pipeline_ext.runtime.p2p_groups import DirectionGroups, matches_by_order
 from pipeline_ext.runtime.protocol.agreement import (
     PendingExchange,
     StepAgreement,
@@ -293,6 +294,8 @@ class PipelineSchedule:
         if not self.plan_only:
             # transport: "auto" | "gloo" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (runtime/shm.py)
             self._channel = make_channel(self.group, device, num_stages, transport, timeout)
+            # NCCL: each direction between two ranks on a group of its own (runtime/p2p_groups.py)
+            self._directions = DirectionGroups(self.group, device) if matches_by_order(self.group, device) else None
             self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
                                             torch.device("cpu"), timeout,
                                             ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
@@ -323,6 +326,8 @@ class PipelineSchedule:
                              f"but this rank was given stages {sorted(self.stages)}")
         self.schedule = S.lower(schedule)
         S.validate(self.schedule)
+        if not self.plan_only and self._directions is not None:
+            self._directions.route(self._channel, self.schedule.stage_to_rank)
         self._eval_executor: Optional[Executor] = None
         if not self.plan_only:
             self._executor = self._new_executor(self.schedule)
@@ -499,7 +504,7 @@ class PipelineSchedule:
             if executor is not None:
                 executor.set_skips(routes)
 
-    def _weights(self, sizes: Sequence[int], targets: Sequence[Any]) -> list[float]:
+    def _weights(self, sizes: Sequence[int], targets: Sequence[Any]) -> list[Union[float, torch.Tensor]]:
         """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""
         return loss_weights(self.loss_fn, sizes, targets, self.scale_grads)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import time
 
 import pytest
 import torch
@@ -192,3 +193,25 @@ def test_dist_channel_on_cuda_never_synchronises_known_steps(no_host_sync):
         assert b.device.type == "cuda" and torch.equal(a, b)
     # Device-side waits only: a timeout would make WorkNCCL::wait spin the host.
     assert pg.waits and all(t == datetime.timedelta(0) for t in pg.waits)
+
+
+def test_dist_channel_on_cuda_sends_and_receives_on_its_own_streams():
+    """Sends and receives are issued on the channel's two streams, never the compute stream, so a
+    receive posted while compute is busy does not queue behind it (NCCL fences its stream with the
+    current one); the consumer's stream waits for the data when it takes it."""
+    pg = Loopback()
+    channel = DistChannel(pg, "cuda:0", num_stages=2)
+    compute = torch.cuda.current_stream()
+    produced = torch.arange(1024, dtype=torch.float32, device="cuda") * 2  # on the compute stream
+    send, layout = channel.send([produced], 1, 0)
+    torch.cuda._sleep(2_000_000_000)  # the compute stream is busy for about a second
+    recv = channel.recv(layout, 1, 0)
+    send_stream, recv_stream = pg.streams
+    assert compute not in (send_stream, recv_stream) and send_stream != recv_stream
+    deadline = time.monotonic() + 0.5
+    while not recv_stream.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert recv_stream.query() and not compute.query(), "the receive waited for the compute stream"
+    got = recv.wait(10.0, "recv")[0]
+    send.wait(10.0, "send")
+    assert torch.equal(got, produced)  # read on the compute stream, after the receive's copy

@@ -21,6 +21,30 @@ bool looks_like_timeout(const std::string& message) {
   return message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
 }
 
+// Whether operations on `group` go in coalesced batches: CUDA tensors on a
+// backend that coalesces (NCCL). Python-defined groups have no backend to ask.
+bool coalesces(c10d::ProcessGroup& group, const at::Device& device) {
+  if (!device.is_cuda()) return false;
+  try {
+    return group.getBackend(device.type())->supportsCoalescing();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+// The works of one request. A batched operation has none until its batch is
+// issued (end_batch): the coalesced batch's work then stands for all of it.
+struct ProcessGroupChannel::Slot {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  bool issued = false;
+};
+
+namespace {
+
+using Slot = ProcessGroupChannel::Slot;
+
 // Requests over c10d works: completes when every work has, then `finish`
 // turns the buffers into the result (unpack for receives).
 //
@@ -32,14 +56,14 @@ bool looks_like_timeout(const std::string& message) {
 // group's own timeout (NCCL's watchdog) instead of ours.
 class WorkRequest : public Request {
  public:
-  WorkRequest(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<std::vector<at::Tensor>()> finish,
-              bool device_side)
-      : works_(std::move(works)), finish_(std::move(finish)), device_side_(device_side) {}
+  WorkRequest(std::shared_ptr<Slot> slot, std::function<std::vector<at::Tensor>()> finish, bool device_side)
+      : slot_(std::move(slot)), finish_(std::move(finish)), device_side_(device_side) {}
 
   // Gloo marks send/recv works completed only inside wait(), so for Gloo this
   // stays false until waited; NCCL and in-process works report real progress.
   bool is_completed() override {
-    for (auto& w : works_) {
+    if (!slot_->issued) return false;
+    for (auto& w : slot_->works) {
       if (!w->isCompleted()) return false;
     }
     return true;
@@ -47,9 +71,12 @@ class WorkRequest : public Request {
 
  protected:
   std::vector<at::Tensor> do_wait(Millis timeout, const std::string& what) override {
+    if (!slot_->issued) {
+      throw ChannelError(what + ": waited on inside its batch; end the batch (end_batch) before waiting");
+    }
     const auto start = Clock::now();
     const auto deadline = start + timeout;
-    for (auto& w : works_) {
+    for (auto& w : slot_->works) {
       bool done = false;
       try {
         done = device_side_ ? w->wait() : w->wait(remaining(deadline, timeout));
@@ -63,18 +90,57 @@ class WorkRequest : public Request {
       if (!done) throw_timeout(what, timeout);  // backends that report a timeout by returning false
     }
     auto result = finish_ ? finish_() : std::vector<at::Tensor>{};
-    works_.clear();  // drop the buffers the works hold as soon as we are done
+    slot_->works.clear();  // drop the buffers the works hold as soon as we are done
     return result;
   }
 
  private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::shared_ptr<Slot> slot_;
   std::function<std::vector<at::Tensor>()> finish_;
   bool device_side_;
 };
 
+// Ends the batch a scope began, also when the scope is left by an exception
+// (then quietly: the first error is the one worth reporting).
+class BatchScope {
+ public:
+  explicit BatchScope(ProcessGroupChannel& channel) : channel_(channel) { channel_.begin_batch(); }
+  ~BatchScope() {
+    if (open_) {
+      try {
+        channel_.end_batch();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  void close() {
+    open_ = false;
+    channel_.end_batch();
+  }
+
+ private:
+  ProcessGroupChannel& channel_;
+  bool open_ = true;
+};
+
 // Gloo dislikes zero-byte messages: every buffer on the wire has at least one byte.
 int64_t wire_bytes(int64_t nbytes) { return std::max<int64_t>(nbytes, 1); }
+
+using Op = std::function<c10::intrusive_ptr<c10d::Work>(c10d::ProcessGroup&, int)>;
+
+Op send_op(at::Tensor buffer, int tag) {
+  return [buffer, tag](c10d::ProcessGroup& group, int peer) {
+    std::vector<at::Tensor> one{buffer};
+    return group.send(one, peer, tag);
+  };
+}
+
+Op recv_op(at::Tensor buffer, int tag) {
+  return [buffer, tag](c10d::ProcessGroup& group, int peer) {
+    std::vector<at::Tensor> one{buffer};
+    return group.recv(one, peer, tag);
+  };
+}
 
 }  // namespace
 
@@ -94,12 +160,86 @@ std::vector<at::Tensor> Request::wait(int64_t timeout_ms, const std::string& wha
 ProcessGroupChannel::ProcessGroupChannel(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Device device)
     : group_(std::move(group)), device_(device) {
   TORCH_CHECK_VALUE(group_, "ProcessGroupChannel: the process group is None (is torch.distributed initialised?)");
+  coalesce_ = coalesces(*group_, device_);
+}
+
+void ProcessGroupChannel::make_streams() {
+  // On first use, not at construction: a channel for a CUDA device can be built (and inspected) anywhere.
+  if (!device_.is_cuda() || send_stream_) return;
+  send_stream_ = Stream::from_pool(device_);
+  recv_stream_ = Stream::from_pool(device_);
 }
 
 void ProcessGroupChannel::check_peer(int peer, int tag) const {
   TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), "ProcessGroupChannel: peer ", peer,
                     " is not another rank of this group (rank ", rank(), " of ", size(), ")");
   TORCH_CHECK_VALUE(tag >= 0 && tag < kLayoutTagBit, "ProcessGroupChannel: tag ", tag, " is outside [0, 2^30)");
+}
+
+void ProcessGroupChannel::set_route(int peer, c10::intrusive_ptr<c10d::ProcessGroup> send_group, int send_peer,
+                                    c10::intrusive_ptr<c10d::ProcessGroup> recv_group, int recv_peer) {
+  check_peer(peer, 0);
+  for (auto* g : {&send_group, &recv_group}) {
+    TORCH_CHECK_VALUE(*g, "ProcessGroupChannel.set_route: a group for peer ", peer, " is None");
+  }
+  TORCH_CHECK_VALUE(send_peer >= 0 && send_peer < send_group->getSize() && send_peer != send_group->getRank(),
+                    "ProcessGroupChannel.set_route: send_peer ", send_peer, " is not another rank of its group");
+  TORCH_CHECK_VALUE(recv_peer >= 0 && recv_peer < recv_group->getSize() && recv_peer != recv_group->getRank(),
+                    "ProcessGroupChannel.set_route: recv_peer ", recv_peer, " is not another rank of its group");
+  TORCH_CHECK_VALUE(coalesces(*send_group, device_) == coalesce_ && coalesces(*recv_group, device_) == coalesce_,
+                    "ProcessGroupChannel.set_route: the groups for peer ", peer,
+                    " must use the same backend as the channel's group");
+  TORCH_CHECK(batch_depth_ == 0, "ProcessGroupChannel.set_route: not inside a batch");
+  send_routes_[peer] = Route{std::move(send_group), send_peer};
+  recv_routes_[peer] = Route{std::move(recv_group), recv_peer};
+}
+
+const ProcessGroupChannel::Route& ProcessGroupChannel::route(const std::unordered_map<int, Route>& routes, int peer,
+                                                             Route& fallback) const {
+  auto it = routes.find(peer);
+  if (it != routes.end()) return it->second;
+  fallback = Route{group_, peer};
+  return fallback;
+}
+
+void ProcessGroupChannel::begin_batch() { ++batch_depth_; }
+
+void ProcessGroupChannel::end_batch() {
+  TORCH_CHECK(batch_depth_ > 0, "ProcessGroupChannel.end_batch: no batch is open");
+  if (--batch_depth_ == 0) flush();
+}
+
+void ProcessGroupChannel::issue(const Route& to, const Op& op, const std::shared_ptr<Slot>& slot) {
+  if (!coalesce_) {
+    slot->works.push_back(op(*to.group, to.peer));
+    slot->issued = true;
+    return;
+  }
+  // One coalescing run per group at a time: torch's coalescing state is per
+  // group but NCCL's group calls nest globally, so a run on another group
+  // would only launch with the outer one.
+  if (open_group_ != to.group.get()) {
+    flush();
+    to.group->startCoalescing(device_.type());
+    open_group_ = to.group.get();
+  }
+  op(*to.group, to.peer);  // inside a coalescing run the batch's work (end_batch) stands for the operation
+  open_slots_.push_back(slot);
+  if (batch_depth_ == 0) flush();
+}
+
+void ProcessGroupChannel::flush() {
+  if (open_group_ == nullptr) return;
+  c10d::ProcessGroup* group = open_group_;
+  auto slots = std::move(open_slots_);
+  open_slots_.clear();
+  open_group_ = nullptr;
+  auto work = group->endCoalescing(device_.type());
+  for (auto& slot : slots) {
+    if (slot->issued) continue;  // two operations of one request (a layout and its data) in one run
+    if (work) slot->works.push_back(work);
+    slot->issued = true;
+  }
 }
 
 at::Tensor ProcessGroupChannel::on_device(at::Tensor t) const {
@@ -122,6 +262,14 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
                        expected->repr() + ", got " + layout.repr() +
                        "); start a new step signature so the layout is exchanged again");
   }
+  std::vector<int64_t> words;
+  if (with_layout) {
+    words = layout.encode();
+    TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
+                      ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
+                      " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
+  }
+  // Packed on the current (compute) stream, where the tensors were produced.
   // One contiguous tensor already is its packed form (offset 0, same bytes): send its storage as is.
   at::Tensor packed;
   if (tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device_ && is_plain(tensors[0])) {
@@ -130,52 +278,85 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
     const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
     packed = pack(tensors, reuse ? out : std::nullopt).first;
   }
+  // The send stream waits for what the compute stream has queued so far (the
+  // tensors' producers), and nothing queued later.
+  make_streams();
+  std::optional<StreamGuard> on_send_stream;
+  if (send_stream_) {
+    Event ready;
+    ready.record(Stream::current(device_));
+    ready.block(*send_stream_);
+    on_send_stream.emplace(*send_stream_);
+  }
+  Route fallback;
+  const Route& to = route(send_routes_, peer, fallback);
   std::vector<at::Tensor> buffers;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  auto slot = std::make_shared<Slot>();
+  BatchScope batch(*this);  // the layout and its data: one launch
   if (with_layout) {
-    auto words = layout.encode();
-    TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
-                      ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
-                      " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
     // Pinned on a CUDA channel so the upload does not synchronise the host.
     at::Tensor msg = at::zeros({kLayoutWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(device_.is_cuda()));
     std::copy(words.begin(), words.end(), msg.mutable_data_ptr<int64_t>());
     buffers.push_back(on_device(msg));
-    std::vector<at::Tensor> one{buffers.back()};
-    works.push_back(group_->send(one, peer, tag | kLayoutTagBit));
+    issue(to, send_op(buffers.back(), tag | kLayoutTagBit), slot);
   }
   at::Tensor data = layout.nbytes > 0 ? on_device(packed)
                                       : at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device_));
   buffers.push_back(data);
-  std::vector<at::Tensor> one{data};
-  works.push_back(group_->send(one, peer, tag));
+  issue(to, send_op(data, tag), slot);
+  batch.close();
+  if (send_stream_) {
+    for (auto& b : buffers) record_stream(b, *send_stream_);
+  }
   // The buffers must outlive the works: the finisher owns them.
   auto request = std::make_shared<WorkRequest>(
-      std::move(works), [buffers]() { return std::vector<at::Tensor>{}; }, device_.is_cuda());
+      slot, [buffers]() { return std::vector<at::Tensor>{}; }, device_.is_cuda());
   return {request, layout};
 }
 
 std::shared_ptr<Request> ProcessGroupChannel::recv(const PackLayout& layout, int peer, int tag) {
   check_peer(peer, tag);
   layout.validate();
+  // Allocated and posted with the receive stream current: the communication
+  // is fenced after that stream (idle), not after compute queued before it.
+  make_streams();
+  std::optional<StreamGuard> on_recv_stream;
+  if (recv_stream_) on_recv_stream.emplace(*recv_stream_);
   at::Tensor buffer = at::empty({wire_bytes(layout.nbytes)}, at::TensorOptions().dtype(at::kByte).device(device_));
-  std::vector<at::Tensor> one{buffer};
-  auto work = group_->recv(one, peer, tag);
+  Route fallback;
+  auto slot = std::make_shared<Slot>();
+  issue(route(recv_routes_, peer, fallback), recv_op(buffer, tag), slot);
+  const at::Device device = device_;
   return std::make_shared<WorkRequest>(
-      std::vector<c10::intrusive_ptr<c10d::Work>>{work}, [buffer, layout]() { return unpack(buffer, layout); },
+      slot,
+      [buffer, layout, device]() {
+        // The views are used on the stream that waited (the consumer's): keep
+        // the memory from being reused before that stream is done with it.
+        if (device.is_cuda()) record_stream(buffer, Stream::current(device));
+        return unpack(buffer, layout);
+      },
       device_.is_cuda());
 }
 
 std::shared_ptr<Request> ProcessGroupChannel::recv_layout(int peer, int tag) {
   check_peer(peer, tag);
+  make_streams();
+  std::optional<StreamGuard> on_recv_stream;
+  if (recv_stream_) on_recv_stream.emplace(*recv_stream_);
   at::Tensor buffer = at::empty({kLayoutWords}, at::TensorOptions().dtype(at::kLong).device(device_));
-  std::vector<at::Tensor> one{buffer};
-  auto work = group_->recv(one, peer, tag | kLayoutTagBit);
+  Route fallback;
+  auto slot = std::make_shared<Slot>();
+  issue(route(recv_routes_, peer, fallback), recv_op(buffer, tag | kLayoutTagBit), slot);
   // The layout is read on the host (it sizes the data buffer): a discovery
   // step synchronises here once per message; known steps never do.
+  const at::Device device = device_;
   return std::make_shared<WorkRequest>(
-      std::vector<c10::intrusive_ptr<c10d::Work>>{work},
-      [buffer]() { return std::vector<at::Tensor>{buffer}; }, device_.is_cuda());
+      slot,
+      [buffer, device]() {
+        if (device.is_cuda()) record_stream(buffer, Stream::current(device));
+        return std::vector<at::Tensor>{buffer};
+      },
+      device_.is_cuda());
 }
 
 }  // namespace pipeline_ext

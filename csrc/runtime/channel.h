@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
+#include <functional>
+#include <unordered_map>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "kernels/pack.h"
+#include "runtime/stream.h"
 
 namespace pipeline_ext {
 
@@ -77,6 +80,30 @@ class CompletedRequest : public Request {
 // Multi-process channel over any c10d::ProcessGroup (Gloo on CPU, NCCL on GPU).
 // Several tensors to one peer travel as ONE packed message; receives land in a
 // buffer preallocated from the layout, and come back as views of it.
+//
+// On a CUDA device (NCCL) three things keep communication off the compute
+// stream's critical path and out of each other's way:
+// - Own streams. Sends are issued with the channel's send stream current
+//   (fenced after the compute stream at the moment of the send, so they wait
+//   for the tensor's producer and nothing later); receives with its receive
+//   stream current, so a receive posted early never waits for compute queued
+//   before it (NCCL fences its internal stream with the *current* stream).
+//   record_stream keeps every buffer alive for the streams that use it.
+// - Routes. With set_route(), the messages to a peer and from it go over two
+//   different process groups (two 2-rank groups per pair of ranks, see
+//   runtime/p2p_groups.py). NCCL runs all P2P of one communicator on one
+//   stream in issue order; a pipeline posts receives ahead, so a receive
+//   waiting there would block a later send to the same peer, on both ranks at
+//   once (a deadlock). One direction per communicator keeps each stream FIFO
+//   in the order both ends issue.
+// - Batches. On a backend that coalesces (NCCL), every operation is issued in
+//   a coalesced batch (torch's batch_isend_irecv): a batch of one when alone,
+//   or all operations between begin_batch() and end_batch() that go on the
+//   same group consecutively, as ONE launch. Always batching keeps both ends on
+//   the same NCCL communicator (torch picks a different one for batched and
+//   single P2P). Only operations that are waited on together belong in one
+//   batch: a batched receive completes when the whole batch has.
+// One thread issues on a channel at a time (a process's executor).
 class ProcessGroupChannel {
  public:
   // Layouts travel in a fixed-size int64 message so the receiver can post its
@@ -90,14 +117,23 @@ class ProcessGroupChannel {
   int size() const { return group_->getSize(); }
   const at::Device& device() const { return device_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+  // True when operations are issued in coalesced batches (a CUDA device on a backend that coalesces).
+  bool batches() const { return coalesce_; }
+
+  // Messages to `peer` (a rank of the channel's group) go over `send_group` to
+  // its rank `send_peer`; messages from `peer` come over `recv_group` from its
+  // rank `recv_peer`. Without a route, the channel's own group carries both.
+  void set_route(int peer, c10::intrusive_ptr<c10d::ProcessGroup> send_group, int send_peer,
+                 c10::intrusive_ptr<c10d::ProcessGroup> recv_group, int recv_peer);
 
   // Sends `tensors` to `peer` as one message. A single contiguous tensor on
   // the channel's device goes as itself (no copy); several are packed, into
   // `out` when given (a reused buffer, see pack()). If `expected` is given the
   // layout must equal it (checked before anything is sent). If `with_layout`,
-  // the layout goes first under tag | kLayoutTagBit. Returns the request (it
-  // keeps the buffers alive) and the layout that was sent. The channel keeps
-  // no state between calls: which layouts are known is the caller's business.
+  // the layout goes first under tag | kLayoutTagBit (in the same batch).
+  // Returns the request (it keeps the buffers alive) and the layout that was
+  // sent. The channel keeps no state between calls: which layouts are known is
+  // the caller's business.
   std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
                                                        const std::optional<PackLayout>& expected, bool with_layout,
                                                        const std::optional<at::Tensor>& out = std::nullopt);
@@ -107,12 +143,38 @@ class ProcessGroupChannel {
   // the zero-padded 1-D int64 message, for PackLayout::from_tensor.
   std::shared_ptr<Request> recv_layout(int peer, int tag);
 
+  // Operations until the matching end_batch() are coalesced (when batches());
+  // their requests can be waited on only after end_batch(). Nests: the
+  // outermost end_batch() issues. A no-op on backends that do not coalesce.
+  void begin_batch();
+  void end_batch();
+  int batch_depth() const { return batch_depth_; }
+
+  struct Route {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    int peer;
+  };
+  struct Slot;  // the works of one request, known once its batch is issued
+
  private:
   void check_peer(int peer, int tag) const;
   at::Tensor on_device(at::Tensor t) const;
+  const Route& route(const std::unordered_map<int, Route>& routes, int peer, Route& fallback) const;
+  // Issues `op` on `group` (inside the open batch, or in a batch of its own)
+  // and fills `slot` with its work once issued.
+  void issue(const Route& to, const std::function<c10::intrusive_ptr<c10d::Work>(c10d::ProcessGroup&, int)>& op,
+             const std::shared_ptr<Slot>& slot);
+  void make_streams();
+  void flush();  // end the coalescing run on the current group, handing its work to its slots
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device device_;
+  bool coalesce_ = false;
+  std::optional<Stream> send_stream_, recv_stream_;  // CUDA only
+  std::unordered_map<int, Route> send_routes_, recv_routes_;
+  int batch_depth_ = 0;
+  c10d::ProcessGroup* open_group_ = nullptr;  // the group a coalescing run is open on
+  std::vector<std::shared_ptr<Slot>> open_slots_;
 };
 
 }  // namespace pipeline_ext

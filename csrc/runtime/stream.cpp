@@ -37,6 +37,15 @@ Stream Stream::copy(const at::Device& device, CopyDirection direction) {
 #endif
 }
 
+Stream Stream::from_pool(const at::Device& device) {
+  if (!device.is_cuda()) return current(device);
+#ifdef WITH_CUDA
+  return Stream(cuda_impl::pool_stream(concrete(device).index()));
+#else
+  no_cuda(device);
+#endif
+}
+
 void Stream::wait(const Event& event) const { event.block(*this); }
 
 void Stream::synchronize() const {

@@ -25,6 +25,9 @@ class Stream {
   // The dedicated copy stream of `device` for `direction`, created once per
   // process so copies never queue behind compute.
   static Stream copy(const at::Device& device, CopyDirection direction);
+  // A stream of its own from the device's pool, for an owner that keeps it
+  // (a channel's send and receive streams); the current stream on CPU.
+  static Stream from_pool(const at::Device& device);
 
   explicit Stream(c10::Stream stream) : stream_(stream) {}
 
@@ -80,6 +83,7 @@ void record_stream(const at::Tensor& tensor, const Stream& stream);
 namespace cuda_impl {
 c10::Stream current_stream(c10::DeviceIndex index);
 c10::Stream copy_stream(c10::DeviceIndex index, CopyDirection direction);
+c10::Stream pool_stream(c10::DeviceIndex index);
 void set_current_stream(const c10::Stream& stream);
 void record_stream(const at::Tensor& tensor, const c10::Stream& stream);
 }  // namespace cuda_impl

@@ -27,6 +27,10 @@ c10::Stream copy_stream(c10::DeviceIndex index, CopyDirection direction) {
   return *slot;
 }
 
+c10::Stream pool_stream(c10::DeviceIndex index) {
+  return c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index).unwrap();
+}
+
 void set_current_stream(const c10::Stream& stream) {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream));
 }

@@ -18,8 +18,9 @@ naming what it waited for, or ``ChannelError`` when a peer failed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -125,6 +126,34 @@ class DistChannel:
     def recv_layout(self, peer: int, tag: int) -> ChannelHandle:
         """Post the receive of the layout sent with ``with_layout``; ``wait`` returns ``[words]``."""
         return ChannelHandle(self._pg.recv_layout(peer, tag))
+
+    def set_route(self, peer: int, send_group: "torch.distributed.ProcessGroup", send_peer: int,
+                  recv_group: "torch.distributed.ProcessGroup", recv_peer: int) -> None:
+        """Messages to ``peer`` go over ``send_group`` (to its rank ``send_peer``), from it over ``recv_group``.
+
+        NCCL pipelines route each direction over a group of its own (``runtime/p2p_groups.py``).
+        """
+        self._pg.set_route(peer, send_group, send_peer, recv_group, recv_peer)
+
+    @property
+    def batches(self) -> bool:
+        """True when operations are coalesced into batches (NCCL): see ``batch``."""
+        return self._pg.batches
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Sends and receives posted in the block go as one batch per group (torch's ``batch_isend_irecv``).
+
+        On NCCL they are issued when the block ends, in one launch; their
+        handles may be waited on only after it. Only operations that are waited
+        on together belong in one batch: a batched receive completes when the
+        whole batch has. Backends that do not coalesce (Gloo) issue at once.
+        """
+        self._pg.begin_batch()
+        try:
+            yield
+        finally:
+            self._pg.end_batch()
 
 
 class LocalChannel:

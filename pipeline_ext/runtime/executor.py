@@ -13,8 +13,9 @@ What it does per action (stage s, microbatch m):
 - B / I: backward with the gradient of the output (received, handed over, or
   the loss on the last stage); keep the input gradient for SEND_B or hand it to
   stage s-1 on this rank. W: the deferred weight-grad half.
-- SEND_*: start an asynchronous send; completed sends are reaped as the step
-  goes, so sent activations are freed once on the wire.
+- SEND_*: start an asynchronous send (back-to-back sends as one batch, see
+  ``DistChannel.batch``); completed sends are reaped as the step goes, so
+  sent activations are freed once on the wire.
 - RECV_*: receives are posted ahead of time (a bounded window, in list order,
   which keeps FIFO order per peer) and waited on here, right before use.
 
@@ -36,10 +37,12 @@ Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import (Any, Callable, ContextManager, Hashable, Mapping, NamedTuple, Optional, Protocol, Sequence,
+                    Union)
 
 import torch
 
@@ -52,6 +55,7 @@ from pipeline_ext.skip.tracker import SkipKey
 __all__ = ["Channel", "Handle", "Runner", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
 class PipelineTimeoutError(TimeoutError):
@@ -120,7 +124,7 @@ class StepInputs:
     args: Sequence[tuple[Any, ...]] = ()  # per microbatch, for stage 0
     kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0
     targets: Sequence[Any] = ()  # per microbatch, for the last stage
-    loss_weights: Sequence[float] = ()  # per microbatch, for the last stage
+    loss_weights: Sequence[Union[float, torch.Tensor]] = ()  # per microbatch, for the last stage
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,15 @@ class Executor:
             ActionKind.RECV_B: self._recv,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing
+        # waits on one of them alone. Receives are never batched: a batched receive completes when its
+        # whole batch has, and the window's receives are consumed one at a time, in between sends that
+        # the peer needs first (1F1B would deadlock).
+        is_send = [a.kind in _SENDS for a in self.actions] + [False]
+        self._send_run_starts = [is_send[i] and is_send[i + 1] and (i == 0 or not is_send[i - 1])
+                                 for i in range(len(self.actions))]
+        self._send_run_ends = [is_send[i] and not is_send[i + 1] and i > 0 and is_send[i - 1]
+                               for i in range(len(self.actions))]
         self.failed_action: Optional[Action] = None
         self.skips: Optional[SkipRoutes] = None
         self._skip_stages: frozenset[int] = frozenset()  # this rank's stages that stash or pop across stages
@@ -268,14 +281,20 @@ class Executor:
         self._start_of_step = start
         clock = time.perf_counter
         self.failed_action = None
+        sends = contextlib.ExitStack()  # an open batch of back-to-back sends
         try:
-            for action in self.actions:
+            for i, action in enumerate(self.actions):
                 if self._messages is None and action.kind in _MESSAGES:
                     self._open_and_post(st)
                 begin = clock()
                 try:
+                    if self._send_run_starts[i]:
+                        sends.enter_context(self._batch())
                     self._dispatch[action.kind](action, st, inputs)
+                    if self._send_run_ends[i]:
+                        sends.close()
                 except BaseException as exc:
+                    sends.close()
                     self._fail(action, exc)
                     raise
                 if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
@@ -323,6 +342,11 @@ class Executor:
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
             st.posted[a] = self._start(a, lambda: self._messages.recv(self._peer(a), self._tag(a)))
+
+    def _batch(self) -> ContextManager[None]:
+        """The step channel's batch (``StepMessages.batch``), or nothing for channels without batches."""
+        batch = getattr(self._messages, "batch", None)
+        return batch() if batch is not None else contextlib.nullcontext()
 
     def _start(self, a: Union[Action, _SkipMessage], post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""

@@ -22,7 +22,7 @@ each microbatch by its share of valid tokens, which makes the gradients (and
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,18 +33,23 @@ from pipeline_ext.microbatch import microbatch_weights
 __all__ = ["TokenMeanLoss", "loss_weights"]
 
 
-def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any], scale_grads: bool = True) -> list[float]:
+def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any],
+                 scale_grads: bool = True) -> list[Union[float, torch.Tensor]]:
     """Weight of each microbatch's loss in backward (used by the schedules and ``Pipe``).
 
     ``scale_grads=False``: 1 each (a plain sum, as torch). Else the loss
     function's own ``microbatch_weights(targets)`` when it has one and the
     targets are here (the last stage), else each microbatch's share of rows.
+    Weights given as a tensor come back as 0-d tensors (never read on the host).
     """
     if not scale_grads:
         return [1.0] * len(sizes)
     own = getattr(loss_fn, "microbatch_weights", None)
     if own is not None and targets:
-        weights = [float(w) for w in own(list(targets))]
+        given = own(list(targets))
+        # A tensor of weights stays one (0-d tensors, on its device): reading it into floats would make
+        # the host wait for the GPU at every step, before the first forward could be queued.
+        weights = list(given.unbind(0)) if isinstance(given, torch.Tensor) else [float(w) for w in given]
         if len(weights) != len(sizes):
             raise ValueError(f"{type(loss_fn).__name__}.microbatch_weights returned {len(weights)} weights "
                              f"for {len(sizes)} microbatches")
@@ -79,24 +84,31 @@ class TokenMeanLoss:
         self.ignore_index = ignore_index
         self.per_token = per_token
         self.dp_group = dp_group
-        #: the weights of the last step's microbatches (set by ``microbatch_weights``)
-        self.last_weights: list[float] = []
+        #: the weights of the last step's microbatches, a 1-D tensor on the targets' device (set by
+        #: ``microbatch_weights``)
+        self.last_weights: torch.Tensor = torch.zeros(0)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
         """Valid (unmasked) tokens in ``target``."""
         return (target != self.ignore_index).sum()
 
-    def microbatch_weights(self, targets: Sequence[torch.Tensor]) -> list[float]:
-        """Each microbatch's share of the batch's valid tokens (times the DP size, over the global batch)."""
+    def microbatch_weights(self, targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each microbatch's share of the batch's valid tokens (times the DP size, over the global batch).
+
+        A tensor on the targets' device, computed without reading anything on
+        the host: on GPU targets a ``.tolist()`` or a ``float(total)`` here
+        would stall every step until the GPU caught up.
+        """
         counts = torch.stack([self.count(t) for t in targets]).to(torch.float64)
         total = counts.sum()
         scale = 1
         if self.dp_group is not None:
             dist.all_reduce(total, group=self.dp_group)
             scale = dist.get_world_size(self.dp_group)
-        # a batch without valid tokens contributes nothing (the unsplit mean would be 0/0); raising here,
-        # after the ranks agreed on the step, would leave the other ranks waiting
-        self.last_weights = (counts * scale / total).tolist() if float(total) > 0 else [0.0] * len(targets)
+        # A batch without valid tokens contributes nothing (the unsplit mean would be 0/0): its counts are
+        # all 0, so dividing by max(total, 1) gives 0 weights. Raising here, after the ranks agreed on the
+        # step, would leave the other ranks waiting.
+        self.last_weights = (counts * scale / total.clamp(min=1)).to(torch.float32)
         return self.last_weights
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@ and must not wait behind an activation's layout.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict, deque
-from typing import Hashable, Optional, Sequence, Union
+from typing import ContextManager, Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -187,6 +188,11 @@ class StepMessages:
                 out = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
                 self.plan.send_buffers[key] = out
         return self.channel.send(tensors, peer, tag, expected=layout, out=out)[0]
+
+    def batch(self) -> ContextManager[None]:
+        """The channel's batch (``DistChannel.batch``), or nothing for channels that have none."""
+        batch = getattr(self.channel, "batch", None)
+        return batch() if batch is not None else contextlib.nullcontext()
 
     def recv(self, peer: int, tag: int) -> Union[ChannelHandle, _DiscoveryRecv]:
         """Post a receive now; its data is waited on (and unpacked) by ``handle.wait``."""
