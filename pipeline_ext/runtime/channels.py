@@ -138,7 +138,7 @@ class DistChannel:
     @property
     def batches(self) -> bool:
         """True when operations are coalesced into batches (NCCL): see ``batch``."""
-        return self._pg.batches
+        return getattr(self._pg, "batches", False)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -147,13 +147,18 @@ class DistChannel:
         On NCCL they are issued when the block ends, in one launch; their
         handles may be waited on only after it. Only operations that are waited
         on together belong in one batch: a batched receive completes when the
-        whole batch has. Backends that do not coalesce (Gloo) issue at once.
+        whole batch has. Backends that do not coalesce (Gloo) and transports
+        without batches (shared memory) issue at once.
         """
-        self._pg.begin_batch()
+        channel = self._pg  # the one the batch began on (a transport may be settled inside the block)
+        if not hasattr(channel, "begin_batch"):
+            yield
+            return
+        channel.begin_batch()
         try:
             yield
         finally:
-            self._pg.end_batch()
+            channel.end_batch()
 
 
 class LocalChannel:
