@@ -15,7 +15,13 @@ Each side posts its receive before the peer sends (as the executor does), the
 receiver waits, then answers. Printed: the median round trip in microseconds
 and its ratio to torch's (> 1: faster than torch).
 
-    PYTHONPATH=. python benchmarks/bench_transport.py [--sizes 4 65536 4194304] [--n 200] [--repeats 7]
+``--idle-ms X``: rank 1 waits X ms before it answers, as a pipeline stage
+computes before it sends, so rank 0 has gone to sleep when the answer comes;
+the printed round trip is then minus those X ms: what waking a sleeping
+receiver costs on top of the message (on a VM an idle vCPU halts, and waking
+it takes far longer than the spinning case).
+
+    PYTHONPATH=. python benchmarks/bench_transport.py [--sizes 4 65536 4194304] [--n 200] [--repeats 7] [--idle-ms 2]
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ from typing import Callable
 import torch
 
 
-def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int) -> list[dict]:
+def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s: float = 0.0) -> list[dict]:
+    import time
+
     import torch.distributed as dist
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
 
@@ -47,6 +55,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int) -> lis
                 dist.recv(buf, peer, tag=2)
             else:
                 dist.recv(buf, peer, tag=1)
+                time.sleep(idle_s)
                 dist.send(buf, peer, tag=2)
 
         def ours(channel) -> Callable[[], None]:
@@ -57,6 +66,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int) -> lis
                     back.wait(30.0, "pong")
                 else:
                     back.wait(30.0, "ping")
+                    time.sleep(idle_s)
                     channel.send([buf], peer, 2)[0].wait(30.0, "pong")
             return pp
 
@@ -78,17 +88,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="round trips per timed repeat")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians are reported")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="rank 1 waits this long before answering")
     args = ap.parse_args()
 
     from pipeline_ext.launch import spawn
 
+    idle = args.idle_ms / 1e3
     print(f"ping-pong, 2 ranks, 1 thread/rank, torch {torch.__version__}; median round trip of "
-          f"{args.repeats} interleaved repeats x {args.n}")
-    out = spawn(worker, 2, args.sizes, args.n, args.repeats, timeout=args.timeout, threads=1)
+          f"{args.repeats} interleaved repeats x {args.n}" + (f", minus rank 1's {args.idle_ms} ms idle" if idle else ""))
+    out = spawn(worker, 2, args.sizes, args.n, args.repeats, idle, timeout=args.timeout, threads=1)
     print(f"{'message':>8} {'torch gloo us':>14} {'ours gloo us':>13} {'ours shm us':>12} "
           f"{'torch/ours gloo':>16} {'torch/ours shm':>15}")
     for r in out[0][1]:
-        t, g, s = r["torch gloo"], r["ours gloo"], r["ours shm"]
+        t, g, s = (r[k] - idle for k in ("torch gloo", "ours gloo", "ours shm"))
         print(f"{_size(r['bytes']):>8} {t * 1e6:>14.1f} {g * 1e6:>13.1f} {s * 1e6:>12.1f} {t / g:>15.2f}x {t / s:>14.2f}x")
 
 
