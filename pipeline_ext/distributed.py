@@ -35,7 +35,7 @@ from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_i
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
-from pipeline_ext.runtime.p2p_groups import DirectionGroups, matches_by_order
+from pipeline_ext.runtime.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.runtime.protocol.agreement import (
     PendingExchange,
     StepAgreement,
@@ -224,12 +224,16 @@ def _host_group(group: Optional[dist.ProcessGroup], device: torch.device) -> Opt
     The records are read on the host to decide the step. Received into GPU
     memory (NCCL) that read would synchronise the host with the GPU at every
     step, stalling behind the forward just queued; over Gloo they stay in host
-    memory. Only this group's members create the twin.
+    memory. The twin is made with every rank of the default group
+    (``GroupMaker``), as torch's ``new_group`` requires: a group made by its
+    members alone (``use_local_synchronization``) is named after how many
+    groups each process already has, and two ranks with different histories
+    would wait for each other forever.
     """
     if device.type == "cpu":
         return group
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return GroupMaker("gloo").make([ranks])[ranks]
 
 
 class PipelineSchedule:
@@ -294,7 +298,7 @@ class PipelineSchedule:
         if not self.plan_only:
             # transport: "auto" | "gloo" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (runtime/shm.py)
             self._channel = make_channel(self.group, device, num_stages, transport, timeout)
-            # NCCL: each direction between two ranks on a group of its own (runtime/p2p_groups.py)
+            # NCCL: each direction between two ranks on a group of its own (runtime/groups.py)
             self._directions = DirectionGroups(self.group, device) if matches_by_order(self.group, device) else None
             self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
                                             torch.device("cpu"), timeout,

@@ -427,3 +427,22 @@ def _record_groups(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_gpu_pipelines_exchange_step_records_in_host_memory():
     no_complaints(_record_groups, 2, timeout=40)
+
+
+def _twin_after_one_more_group(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    import pipeline_ext as pe
+
+    if rank == 1:  # this rank made a group of its own earlier (any script may)
+        dist.new_group([1], use_local_synchronization=True)
+    gpu = pe.Schedule1F1B(pe.PipelineStage(build("mlp", world)[rank], rank, world, "cuda:0"), 4, loss_fn=loss_fn)
+    twin = gpu._agreement.group
+    return [] if dist.get_process_group_ranks(twin) == list(range(world)) else [f"twin group {twin}"]
+
+
+@pytest.mark.timeout(60)
+def test_the_gloo_twin_is_made_whatever_groups_a_rank_made_before():
+    """The twin was made by its members alone (use_local_synchronization), which torch names after how
+    many groups the process already has: with one more group on rank 1 both ranks waited forever."""
+    no_complaints(_twin_after_one_more_group, 2, timeout=40)

@@ -171,6 +171,19 @@ def _tied_four_ranks(rank: int, world: int) -> list[str]:
     return bad + _train_tied("1f1b", world, 1, _layout(world, 1))  # 4-stage pipeline: the tie is ranks {0, 3}
 
 
+def _tie_after_one_more_group(rank: int, world: int) -> list[str]:
+    # Rank 2 made a group of its own earlier (any script may): the tie's group over ranks {0, 2} must still
+    # be made, not wait forever for a differently named group (as with use_local_synchronization).
+    if rank == 2:
+        dist.new_group([2], use_local_synchronization=True)
+    return _train_tied("1f1b", world, 1, _layout(world, 1))
+
+
+@pytest.mark.timeout(120)
+def test_a_tie_over_part_of_the_pipeline_is_made_whatever_groups_a_rank_made_before():
+    no_complaints(_tie_after_one_more_group, 3, timeout=100)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tied_embeddings_clip_and_token_mean_match_unsplit_two_ranks():

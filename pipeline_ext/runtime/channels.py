@@ -131,7 +131,7 @@ class DistChannel:
                   recv_group: "torch.distributed.ProcessGroup", recv_peer: int) -> None:
         """Messages to ``peer`` go over ``send_group`` (to its rank ``send_peer``), from it over ``recv_group``.
 
-        NCCL pipelines route each direction over a group of its own (``runtime/p2p_groups.py``).
+        NCCL pipelines route each direction over a group of its own (``runtime/groups.py``).
         """
         self._pg.set_route(peer, send_group, send_peer, recv_group, recv_peer)
 

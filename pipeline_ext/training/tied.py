@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_ext.runtime.groups import GroupMaker
 from pipeline_ext.training.stages import LocalStages, local_stages, unwrap
 
 __all__ = ["TiedParameters", "tie_parameters", "ties_of"]
@@ -119,22 +120,23 @@ class TiedParameters:
         return tie
 
     def _make_groups(self) -> None:
-        """A process group per set of ranks (the pipeline group itself when a tie spans all of it)."""
+        """A process group per set of ranks (the pipeline group itself when a tie spans all of it).
+
+        Collective over the default group (``GroupMaker``): every rank builds its ties together.
+        """
         if not self._stages.distributed:
             return
         size = dist.get_world_size(self._stages.group)
-        made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
-        for tie in self.ties:  # same order on every rank (sorted by name)
+        mine = [tie for tie in self.ties if len(tie.ranks) >= 2 and self._stages.rank in tie.ranks]
+        # Groups of part of the pipeline are made with every rank of the default group (GroupMaker): made
+        # by their members alone, torch would name them after how many groups each process already has,
+        # and two ranks with different histories (say, two different ties) would wait for each other forever.
+        keys = {tuple(tie.ranks): tuple(self._stages.global_rank(r) for r in tie.ranks) for tie in mine}
+        made = GroupMaker().make(sorted({g for k, g in keys.items() if len(k) < size}))
+        whole = self._stages.group if self._stages.group is not None else dist.group.WORLD
+        for tie in mine:
             key = tuple(tie.ranks)
-            if len(key) < 2 or self._stages.rank not in key:
-                continue
-            if key not in made:
-                if len(key) == size:
-                    made[key] = self._stages.group if self._stages.group is not None else dist.group.WORLD
-                else:  # only the members take part in creating it
-                    made[key] = dist.new_group([self._stages.global_rank(r) for r in key],
-                                               use_local_synchronization=True)
-            tie.group = made[key]
+            tie.group = whole if len(key) == size else made[keys[key]]
 
     def _members(self):
         """Ties this rank takes part in, with their group (None: all copies are here)."""
