@@ -194,12 +194,9 @@ void ProcessGroupChannel::set_route(int peer, c10::intrusive_ptr<c10d::ProcessGr
   recv_routes_[peer] = Route{std::move(recv_group), recv_peer};
 }
 
-const ProcessGroupChannel::Route& ProcessGroupChannel::route(const std::unordered_map<int, Route>& routes, int peer,
-                                                             Route& fallback) const {
+ProcessGroupChannel::Route ProcessGroupChannel::route(const std::unordered_map<int, Route>& routes, int peer) const {
   auto it = routes.find(peer);
-  if (it != routes.end()) return it->second;
-  fallback = Route{group_, peer};
-  return fallback;
+  return it != routes.end() ? it->second : Route{group_, peer};
 }
 
 void ProcessGroupChannel::begin_batch() { ++batch_depth_; }
@@ -288,8 +285,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
     ready.block(*send_stream_);
     on_send_stream.emplace(*send_stream_);
   }
-  Route fallback;
-  const Route& to = route(send_routes_, peer, fallback);
+  const Route to = route(send_routes_, peer);
   std::vector<at::Tensor> buffers;
   auto slot = std::make_shared<Slot>();
   BatchScope batch(*this);  // the layout and its data: one launch
@@ -314,49 +310,41 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
   return {request, layout};
 }
 
-std::shared_ptr<Request> ProcessGroupChannel::recv(const PackLayout& layout, int peer, int tag) {
-  check_peer(peer, tag);
-  layout.validate();
+std::shared_ptr<Request> ProcessGroupChannel::post_recv(int peer, int tag, int64_t numel, at::ScalarType dtype,
+                                                        std::function<std::vector<at::Tensor>(at::Tensor)> finish) {
   // Allocated and posted with the receive stream current: the communication
   // is fenced after that stream (idle), not after compute queued before it.
   make_streams();
   std::optional<StreamGuard> on_recv_stream;
   if (recv_stream_) on_recv_stream.emplace(*recv_stream_);
-  at::Tensor buffer = at::empty({wire_bytes(layout.nbytes)}, at::TensorOptions().dtype(at::kByte).device(device_));
-  Route fallback;
+  at::Tensor buffer = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device_));
   auto slot = std::make_shared<Slot>();
-  issue(route(recv_routes_, peer, fallback), recv_op(buffer, tag), slot);
+  issue(route(recv_routes_, peer), recv_op(buffer, tag), slot);
   const at::Device device = device_;
   return std::make_shared<WorkRequest>(
       slot,
-      [buffer, layout, device]() {
-        // The views are used on the stream that waited (the consumer's): keep
+      [buffer, device, finish = std::move(finish)]() {
+        // The result is used on the stream that waited (the consumer's): keep
         // the memory from being reused before that stream is done with it.
         if (device.is_cuda()) record_stream(buffer, Stream::current(device));
-        return unpack(buffer, layout);
+        return finish(buffer);
       },
       device_.is_cuda());
 }
 
+std::shared_ptr<Request> ProcessGroupChannel::recv(const PackLayout& layout, int peer, int tag) {
+  check_peer(peer, tag);
+  layout.validate();
+  return post_recv(peer, tag, wire_bytes(layout.nbytes), at::kByte,
+                   [layout](at::Tensor buffer) { return unpack(buffer, layout); });
+}
+
 std::shared_ptr<Request> ProcessGroupChannel::recv_layout(int peer, int tag) {
   check_peer(peer, tag);
-  make_streams();
-  std::optional<StreamGuard> on_recv_stream;
-  if (recv_stream_) on_recv_stream.emplace(*recv_stream_);
-  at::Tensor buffer = at::empty({kLayoutWords}, at::TensorOptions().dtype(at::kLong).device(device_));
-  Route fallback;
-  auto slot = std::make_shared<Slot>();
-  issue(route(recv_routes_, peer, fallback), recv_op(buffer, tag | kLayoutTagBit), slot);
   // The layout is read on the host (it sizes the data buffer): a discovery
   // step synchronises here once per message; known steps never do.
-  const at::Device device = device_;
-  return std::make_shared<WorkRequest>(
-      slot,
-      [buffer, device]() {
-        if (device.is_cuda()) record_stream(buffer, Stream::current(device));
-        return std::vector<at::Tensor>{buffer};
-      },
-      device_.is_cuda());
+  return post_recv(peer, tag | kLayoutTagBit, kLayoutWords, at::kLong,
+                   [](at::Tensor buffer) { return std::vector<at::Tensor>{buffer}; });
 }
 
 }  // namespace pipeline_ext

@@ -159,7 +159,12 @@ class ProcessGroupChannel {
  private:
   void check_peer(int peer, int tag) const;
   at::Tensor on_device(at::Tensor t) const;
-  const Route& route(const std::unordered_map<int, Route>& routes, int peer, Route& fallback) const;
+  // The route to or from `peer` (the channel's own group when none was set).
+  Route route(const std::unordered_map<int, Route>& routes, int peer) const;
+  // Posts a receive into a fresh buffer of `numel` `dtype` on the receive
+  // stream; wait() hands `finish(buffer)` over, marked for the waiting stream.
+  std::shared_ptr<Request> post_recv(int peer, int tag, int64_t numel, at::ScalarType dtype,
+                                     std::function<std::vector<at::Tensor>(at::Tensor)> finish);
   // Issues `op` on `group` (inside the open batch, or in a batch of its own)
   // and fills `slot` with its work once issued.
   void issue(const Route& to, const std::function<c10::intrusive_ptr<c10d::Work>(c10d::ProcessGroup&, int)>& op,

@@ -25,7 +25,6 @@ and must not wait behind an activation's layout.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict, deque
 from typing import ContextManager, Hashable, Optional, Sequence, Union
@@ -190,9 +189,8 @@ class StepMessages:
         return self.channel.send(tensors, peer, tag, expected=layout, out=out)[0]
 
     def batch(self) -> ContextManager[None]:
-        """The channel's batch (``DistChannel.batch``), or nothing for channels that have none."""
-        batch = getattr(self.channel, "batch", None)
-        return batch() if batch is not None else contextlib.nullcontext()
+        """The channel's batch (``DistChannel.batch``)."""
+        return self.channel.batch()
 
     def recv(self, peer: int, tag: int) -> Union[ChannelHandle, _DiscoveryRecv]:
         """Post a receive now; its data is waited on (and unpacked) by ``handle.wait``."""
