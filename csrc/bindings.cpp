@@ -8,6 +8,7 @@
 #include "kernels/pack.h"
 #include "ops.h"
 #include "runtime/channel.h"
+#include "runtime/interrupt.h"
 #include "runtime/local_channel.h"
 #include "runtime/shm_channel.h"
 #include "runtime/stream.h"
@@ -158,6 +159,24 @@ void bind_channels(py::module_& m) {
       .def("wait", &Request::wait, py::arg("timeout_ms"), py::arg("what"), release(),
            "Block (GIL released) at most timeout_ms (< 0: no limit); returns received tensors.");
 
+  // runtime/interrupt.h: a wait ends for a signal whose Python handler raises (Ctrl-C). Handlers run on
+  // the main thread only, as Python runs them; a wait on another thread goes on.
+  const auto main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  set_interrupt_check([main_thread] {
+    if (PyThread_get_thread_ident() != main_thread) return;
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  });
+  m.def("interrupt_fd", &interrupt_fd,
+        "The write end of the signal watcher's pipe, for signal.set_wakeup_fd (starts the watcher).");
+  m.def(
+      "wait_work",
+      [](c10d::Work& work, int64_t timeout_ms, const std::string& what) {
+        wait_work(work, Millis(timeout_ms), std::chrono::steady_clock::now(), what);
+      },
+      py::arg("work"), py::arg("timeout_ms"), py::arg("what"), release(),
+      "Wait for a torch.distributed Work as the channels do: bounded, interruptible, named errors.");
+
   py::class_<ProcessGroupChannel, std::shared_ptr<ProcessGroupChannel>>(
       m, "ProcessGroupChannel", "Packed point-to-point messages over a torch.distributed ProcessGroup.")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("group"), py::arg("device"))
@@ -191,6 +210,8 @@ void bind_channels(py::module_& m) {
       .def("attach", &ShmChannel::attach, py::arg("peer"), py::arg("name"), release())
       .def("unlink", &ShmChannel::unlink)
       .def("unexpected", &ShmChannel::unexpected)
+      .def("begin_step", &ShmChannel::begin_step, py::arg("step"))
+      .def("discarded", &ShmChannel::discarded)
       .def("send", &ShmChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
            py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
            release(), "Send as one message through the peer's ring; returns (Request, PackLayout).")

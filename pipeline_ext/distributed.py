@@ -34,16 +34,18 @@ from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.runtime.custom_weight import DwBuilderRunner
 from pipeline_ext.runtime.data_parallel import gradient_sync_for
+from pipeline_ext.runtime.channels import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor, StepInputs, StepStart
 from pipeline_ext.runtime.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.runtime.protocol.agreement import (
+    TRANSPORT_CODES,
     PendingExchange,
     StepAgreement,
     StepAgreementError,
     StepRecord,
     agree,
 )
-from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.protocol.identity import GroupSteps, stable_hash
 from pipeline_ext.runtime.shm import make_channel
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 from pipeline_ext.runtime.trace import Tracer, TraceReport, gather_steps
@@ -218,6 +220,16 @@ def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
     return group
 
 
+def _group_timeout(group: Optional[dist.ProcessGroup]) -> float:
+    """The process group's own timeout, in seconds: what ``timeout=None`` means."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        backend = group._get_backend(torch.device("cpu" if dist.get_backend(group) == "gloo" else "cuda"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options: torch's default
+        return dist.default_pg_timeout.total_seconds()
+
+
 def _host_group(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[dist.ProcessGroup]:
     """The group the step records travel on: the stages' own on CPU, a Gloo twin of it for GPU stages.
 
@@ -249,7 +261,7 @@ class PipelineSchedule:
         kwargs_chunk_spec: Any = None,
         output_merge_spec: Any = None,
         scale_grads: bool = True,
-        timeout: float = 300.0,
+        timeout: Optional[float] = 300.0,
         trace: bool = False,
         transport: Optional[str] = None,
     ) -> None:
@@ -280,6 +292,9 @@ class PipelineSchedule:
         self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
+        timeout = check_timeout(timeout, "the process group's timeout")
+        if timeout is None and not self.plan_only:
+            timeout = _group_timeout(self.group)
         self.timeout = timeout
         self.stages = {} if self.plan_only else {s.stage_index: s for s in stages}
         if len(self.stages) != len(stages) and not self.plan_only:
@@ -303,7 +318,6 @@ class PipelineSchedule:
             self._agreement = StepAgreement(_host_group(self.group, device), self.rank, self.num_ranks,
                                             torch.device("cpu"), timeout,
                                             ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD))
-        self._step_no = 0
         self.schedule: Optional[S.Schedule] = None
         self._executor: Optional[Executor] = None
         self._tracer: Optional[Tracer] = None
@@ -437,11 +451,14 @@ class PipelineSchedule:
         accepted step does not wait here: the executor waits for the records
         right before the step's first message (``_start``).
         """
-        record = StepRecord(rank=self.rank, step=self._step_no, plan=plan, schedule=self.schedule.name,
+        # The group numbers the steps, whatever schedule runs them (GroupSteps): a message is never taken by
+        # another schedule's step, nor by a schedule built anew on the group.
+        step = GroupSteps.next(self._channel.group)
+        record = StepRecord(rank=self.rank, step=step, plan=plan, schedule=self.schedule.name,
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
-                            layouts=executor.plans.digest, skips=self._skip_digest)
-        self._step_no += 1
+                            layouts=executor.plans.digest, skips=self._skip_digest,
+                            transport=TRANSPORT_CODES[self._channel.requested])
         inputs = StepInputs()
         error: Optional[Exception] = None
         try:
@@ -564,6 +581,9 @@ class PipelineSchedule:
                                "_load_csv) on every rank before step()")
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
+        watch_signals()  # Ctrl-C ends this step's waits for peers at once
+        if losses is not None:
+            losses.clear()  # every call: it holds this step's losses, none when the step computes none or fails
         executor = self._executor if plan == _TRAIN else self._forward_executor()
         inputs, pending = self._post_agreement(plan, executor, args, kwargs, target)
         step_loss = self._loss_with(loss_kwargs)
@@ -589,7 +609,6 @@ class PipelineSchedule:
             return None
         last = self._runners[self._last_stage]
         if losses is not None and last.losses:
-            losses.clear()  # as in torch: the list holds this step's per-microbatch losses
             losses.extend(last.losses[m] for m in range(self.n_microbatches))
         chunks = [last.outputs[m] for m in range(self.n_microbatches)]
         last.outputs.clear()

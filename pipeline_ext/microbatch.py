@@ -201,24 +201,37 @@ def microbatch_sizes(
     n_microbatches: int,
     chunk_spec: tuple[_Spec, _Spec] | None = None,
 ) -> list[int]:
-    """Rows per microbatch, taken from the first tensor that is split.
+    """Rows per microbatch: the distribution ``split_args_kwargs`` uses, computed without touching any data.
 
-    This is the same distribution ``split_args_kwargs`` uses, computed without
-    touching any data.
+    Every tensor that is split must have the same number of rows along its
+    split dim: microbatch ``k`` of one input must line up with microbatch ``k``
+    of the others (the unsplit model would fail on inputs whose rows differ;
+    split, they would be paired silently). A tensor that is not per-row is
+    marked ``Replicate()`` in the chunk spec.
     """
     args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
+    found: list[tuple[str, int]] = []  # (which leaf, its rows)
     for what, values, spec in (("args", tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
         leaves = pytree.tree_leaves(values)
         for i, (x, s) in enumerate(zip(leaves, _flat_specs(values, spec, what))):
             if isinstance(x, torch.Tensor) and isinstance(s, TensorChunkSpec):
-                rows = _rows(x, s, f"{what} leaf {i}")
-                if n_microbatches > rows:
-                    raise ValueError(
-                        f"cannot split {what} leaf {i} with {rows} rows into {n_microbatches} microbatches: "
-                        f"n_microbatches must not exceed the batch size"
-                    )
-                return ops.even_sizes(rows, n_microbatches)
-    raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
+                found.append((f"{what} leaf {i}", _rows(x, s, f"{what} leaf {i}")))
+    if not found:
+        raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
+    (first, rows), *rest = found
+    differ = [f"{where} has {r}" for where, r in rest if r != rows]
+    if differ:
+        raise ValueError(
+            f"the inputs to split into microbatches have different numbers of rows: {first} has {rows}, "
+            f"{', '.join(differ)}; every split input needs the batch's rows along its chunk dim "
+            "(mark an input that is not per-row Replicate() in the chunk spec)"
+        )
+    if n_microbatches > rows:
+        raise ValueError(
+            f"cannot split {first} with {rows} rows into {n_microbatches} microbatches: "
+            f"n_microbatches must not exceed the batch size"
+        )
+    return ops.even_sizes(rows, n_microbatches)
 
 
 def microbatch_weights(sizes: Sequence[int]) -> list[float]:

@@ -41,7 +41,7 @@ from pipeline_ext.batchnorm import DeferredStats
 from pipeline_ext.checkpoint import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
 from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
 from pipeline_ext.partition import balance_by_params
-from pipeline_ext.runtime.channels import LocalHub
+from pipeline_ext.runtime.channels import LocalHub, check_timeout
 from pipeline_ext.runtime.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.stage import StageRunner
@@ -201,7 +201,9 @@ class Pipe(nn.Module):
             draws the numbers) or the model has dropout. ``False`` is refused
             with checkpointing.
         timeout: seconds a whole ``step()`` or ``pipe(x)`` may take; then it is
-            cancelled and raises ``PipelineTimeoutError``.
+            cancelled and raises ``PipelineTimeoutError`` (within ``timeout``:
+            its last 20 %, at most 5 s, let the workers stop). A positive,
+            finite number, or None for no limit.
         deferred_batch_norm: update BatchNorm running statistics once per
             call from the whole batch, not once per microbatch.
         unpack_tuples: spread a tuple returned by a layer into the next layer's
@@ -218,7 +220,7 @@ class Pipe(nn.Module):
         schedule: Union[str, S.Schedule] = "gpipe",
         checkpoint: str = "except_last",
         deterministic: Optional[bool] = None,
-        timeout: float = 300.0,
+        timeout: Optional[float] = 300.0,
         deferred_batch_norm: bool = False,
         unpack_tuples: bool = False,
     ) -> None:
@@ -234,7 +236,7 @@ class Pipe(nn.Module):
                 "which needs seeded generators; use checkpoint='never' to turn seeding off"
             )
         self.checkpoint = checkpoint
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout, "no limit")
         self.unpack_tuples = unpack_tuples
         self._deterministic = deterministic
         verify_skippables(module)  # every stash has its pop (torchgpipe checks this here too)
@@ -468,10 +470,10 @@ class Pipe(nn.Module):
 
     def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs) -> None:
         """Every rank's executor on its worker thread; the first failure cancels all of them and is raised."""
-        grace = min(self.timeout, 5.0)
-        # The step's deadline bounds everything and names every stuck rank; the channel waits' own
-        # timeouts are a backstop behind it.
-        wait_timeout = self.timeout + grace + 1.0
+        # The step's deadline bounds everything and names every stuck rank; its last `grace` seconds
+        # let the workers stop. The channel waits' own timeouts are a backstop behind it.
+        grace = 5.0 if self.timeout is None else min(0.2 * self.timeout, 5.0)
+        wait_timeout = None if self.timeout is None else self.timeout + 1.0
         hub = LocalHub(self.devices, send_timeout=wait_timeout)
         context = _Context.capture()
         token = CancelToken()

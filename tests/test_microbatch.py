@@ -11,6 +11,7 @@ from pipeline_ext.microbatch import (
     microbatch_sizes,
     microbatch_weights,
     split_args_kwargs,
+    split_step_inputs,
 )
 
 
@@ -97,6 +98,10 @@ def test_split_is_differentiable_for_inputs_that_require_grad():
         (lambda: split_args_kwargs((torch.randn(3),), {}, 1, chunk_spec=((TensorChunkSpec(2),), None)), "out of range"),
         (lambda: split_args_kwargs((torch.randn(3), torch.randn(3)), {}, 1, chunk_spec=((0,), None)), "does not match"),
         (lambda: microbatch_sizes((1, "a"), {}, 2), "no tensor"),
+        # inputs whose rows differ would be paired silently, microbatch by microbatch (the unsplit model raises)
+        (lambda: split_step_inputs((torch.randn(8, 2),), {"w": torch.randn(6, 2)}, 2, torch.device("cpu")),
+         r"different numbers of rows: args leaf 0 has 8, kwargs leaf 0 has 6"),
+        (lambda: microbatch_sizes((torch.randn(8), (torch.randn(8), torch.randn(7))), {}, 2), "args leaf 2 has 7"),
         (lambda: merge_chunks([]), "at least one"),
         (lambda: merge_chunks([(torch.ones(1),), [torch.ones(1)]]), "structure"),
     ],

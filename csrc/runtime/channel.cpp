@@ -3,19 +3,12 @@
 #include <functional>
 
 #include "kernels/copy.h"
+#include "runtime/interrupt.h"
 
 namespace pipeline_ext {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Time left until `deadline` (kWaitForever stays forever; never below 1 ms so
-// a c10d wait still polls once rather than meaning "no timeout").
-Millis remaining(Clock::time_point deadline, Millis total) {
-  if (total < Millis(0)) return kWaitForever;
-  auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-  return std::max(left, Millis(1));
-}
 
 bool looks_like_timeout(const std::string& message) {
   return message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
@@ -75,19 +68,12 @@ class WorkRequest : public Request {
       throw ChannelError(what + ": waited on inside its batch; end the batch (end_batch) before waiting");
     }
     const auto start = Clock::now();
-    const auto deadline = start + timeout;
     for (auto& w : slot_->works) {
-      bool done = false;
-      try {
-        done = device_side_ ? w->wait() : w->wait(remaining(deadline, timeout));
-      } catch (const std::exception& e) {
-        // Gloo's own clock may fire a hair early; a timeout is a timeout-shaped
-        // error near the deadline, anything else is the peer's failure.
-        const bool late = timeout >= Millis(0) && (Clock::now() - start) * 10 >= timeout * 9;
-        if (late && looks_like_timeout(e.what())) throw_timeout(what, timeout);
-        throw_failure(what, e.what());
+      if (device_side_) {
+        w->wait();  // the current stream waits for the communication's: returns at once
+      } else {
+        wait_work(*w, timeout, start, what);
       }
-      if (!done) throw_timeout(what, timeout);  // backends that report a timeout by returning false
     }
     auto result = finish_ ? finish_() : std::vector<at::Tensor>{};
     slot_->works.clear();  // drop the buffers the works hold as soon as we are done
@@ -149,6 +135,36 @@ void throw_timeout(const std::string& what, Millis timeout) {
 }
 
 void throw_failure(const std::string& what, const std::string& reason) { throw ChannelError(what + ": " + reason); }
+
+void wait_work(c10d::Work& work, Millis timeout, std::chrono::steady_clock::time_point start, const std::string& what) {
+  // Gloo's own clock may fire a hair early; a timeout is a timeout-shaped
+  // error near the deadline, anything else is the peer's failure.
+  auto failed = [&](const std::string& text) {
+    const bool late = timeout >= Millis(0) && (Clock::now() - start) * 10 >= timeout * 9;
+    if (late && looks_like_timeout(text)) throw_timeout(what, timeout);
+    throw_failure(what, text);
+  };
+  bool done = false;
+  try {
+    done = wait_interruptibly(work, timeout, start + timeout);
+  } catch (const ChannelError&) {
+    throw;
+  } catch (const c10::Error& e) {  // what backends throw; a signal handler's exception passes through
+    failed(e.what_without_backtrace());
+  } catch (const std::runtime_error& e) {
+    failed(e.what());
+  }
+  if (!done) throw_timeout(what, timeout);  // backends that report a timeout by returning false
+}
+
+void check_send_layout(const std::optional<PackLayout>& expected, const PackLayout& layout, int peer, int64_t tag) {
+  if (!expected || *expected == layout) return;
+  throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
+                     ": the tensors changed shape or dtype since the layout was exchanged (expected " +
+                     expected->repr() + ", got " + layout.repr() +
+                     "), while the step's inputs did not: a stage's output shapes must follow from its step's "
+                     "inputs (their shapes, dtypes and plain non-tensor values), not from tensor data");
+}
 
 std::vector<at::Tensor> Request::wait(int64_t timeout_ms, const std::string& what) {
   if (waited_.exchange(true)) {
@@ -253,12 +269,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
                                                                           const std::optional<at::Tensor>& out) {
   check_peer(peer, tag);
   PackLayout layout = layout_of(tensors);
-  if (expected && !(*expected == layout)) {
-    throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
-                       ": the tensors changed shape or dtype since the layout was exchanged (expected " +
-                       expected->repr() + ", got " + layout.repr() +
-                       "); start a new step signature so the layout is exchanged again");
-  }
+  check_send_layout(expected, layout, peer, tag);
   std::vector<int64_t> words;
   if (with_layout) {
     words = layout.encode();
@@ -266,15 +277,14 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
                       ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
                       " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
   }
-  // Packed on the current (compute) stream, where the tensors were produced.
-  // One contiguous tensor already is its packed form (offset 0, same bytes): send its storage as is.
-  at::Tensor packed;
-  if (tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device_ && is_plain(tensors[0])) {
-    packed = tensors[0].reshape({-1}).view(at::kByte);
-  } else {
-    const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
-    packed = pack(tensors, reuse ? out : std::nullopt).first;
-  }
+  // Packed on the current (compute) stream, where the tensors were produced,
+  // into a buffer only this send holds, also for one contiguous tensor: the
+  // backend reads the bytes later (Gloo once the peer posted its receive, NCCL
+  // on its own stream), and a stage may write the tensor it returned again in
+  // its next forward (a reused output buffer). The send owns its bytes when
+  // it returns.
+  const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
+  at::Tensor packed = pack(tensors, reuse ? out : std::nullopt).first;
   // The send stream waits for what the compute stream has queued so far (the
   // tensors' producers), and nothing queued later.
   make_streams();

@@ -41,6 +41,15 @@ class ChannelTimeout : public ChannelError {
 
 [[noreturn]] void throw_timeout(const std::string& what, std::chrono::milliseconds timeout);
 [[noreturn]] void throw_failure(const std::string& what, const std::string& reason);
+// Waits for one c10d work begun at `start`, bounded by `timeout` (< 0: none)
+// and ended early by a signal whose handler raises (runtime/interrupt.h); a
+// failure or a timeout is a ChannelError / ChannelTimeout naming `what`.
+void wait_work(c10d::Work& work, std::chrono::milliseconds timeout, std::chrono::steady_clock::time_point start,
+               const std::string& what);
+
+// A send's layout must equal the one its receiver preallocated (`expected`,
+// when given): checked before anything is sent, by every channel.
+void check_send_layout(const std::optional<PackLayout>& expected, const PackLayout& layout, int peer, int64_t tag);
 
 // Negative timeouts mean "wait forever".
 using Millis = std::chrono::milliseconds;
@@ -126,9 +135,9 @@ class ProcessGroupChannel {
   void set_route(int peer, c10::intrusive_ptr<c10d::ProcessGroup> send_group, int send_peer,
                  c10::intrusive_ptr<c10d::ProcessGroup> recv_group, int recv_peer);
 
-  // Sends `tensors` to `peer` as one message. A single contiguous tensor on
-  // the channel's device goes as itself (no copy); several are packed, into
-  // `out` when given (a reused buffer, see pack()). If `expected` is given the
+  // Sends `tensors` to `peer` as one message, packed (copied) into `out` when
+  // given (a reused buffer, see pack()) or a fresh buffer: the send owns its
+  // bytes when it returns, whatever the caller writes afterwards. If `expected` is given the
   // layout must equal it (checked before anything is sent). If `with_layout`,
   // the layout goes first under tag | kLayoutTagBit (in the same batch).
   // Returns the request (it keeps the buffers alive) and the layout that was

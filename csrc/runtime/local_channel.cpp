@@ -48,15 +48,18 @@ at::Tensor staged(const at::Tensor& t, const at::Device& dst) {
 LocalMessage transfer(const std::vector<at::Tensor>& tensors, const at::Device& src, const at::Device& dst,
                       bool copy_streams) {
   LocalMessage msg;
+  if (src == dst) {
+    // Handed over as a copy made now, on the producer's stream: a stage may
+    // write the tensor it returned again in its next forward (a reused output
+    // buffer) while the consumer is still reading it.
+    for (const auto& t : tensors) msg.tensors.push_back(t.detach().clone());
+    msg.ready.record(Stream::current(src));
+    return msg;
+  }
   // The producer's current stream may still be writing the tensors: everything
   // downstream is ordered after this event (no-op on CPU).
   Event produced;
   produced.record(Stream::current(src));
-  if (src == dst) {
-    for (const auto& t : tensors) msg.tensors.push_back(t.detach());
-    msg.ready = produced;
-    return msg;
-  }
   if (!copy_streams) {
     // ATen queues a cross-device copy on the current streams; nothing overlaps.
     for (const auto& t : tensors) msg.tensors.push_back(staged(t, dst).to(dst, /*non_blocking=*/true));

@@ -33,8 +33,9 @@ struct LocalMessage {
 // copy streams, after everything src's current stream has queued so far. The
 // result is allocated on dst's copy stream and may be read once `ready` fires:
 // a CUDA reader must wait for it on its stream and record_stream the tensors
-// there (see `consume`), a host reader must synchronize it. Same device: the
-// tensors themselves, ready after src's current stream. With
+// there (see `consume`), a host reader must synchronize it. Same device: a
+// copy made on src's current stream (the producer may write its tensors again
+// in its next forward), ready after it. With
 // `copy_streams=false` the copy is queued on the current streams instead.
 // Shared by LocalChannel (activations, forward) and Pipe's Boundary (gradients,
 // backward), so both directions follow one protocol.

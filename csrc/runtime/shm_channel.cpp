@@ -21,6 +21,7 @@
 #include <random>
 
 #include "kernels/copy.h"
+#include "runtime/interrupt.h"
 
 namespace pipeline_ext {
 namespace {
@@ -28,7 +29,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x31306d68735f6570ULL;  // "pe_shm01"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr int64_t kAlign = 64;
 constexpr int64_t kRecordHeader = 64;
 constexpr int64_t kPadTag = -1;
@@ -68,7 +69,8 @@ struct RecordHeader {
   int64_t total;         // bytes of the whole message
   int64_t offset;        // where this chunk goes in the message
   int64_t chunk;         // payload bytes in this record
-  int64_t reserved[3];
+  int64_t step;          // the sender's step when it sent the message (ShmChannel::begin_step)
+  int64_t reserved[2];
 };
 static_assert(sizeof(RecordHeader) == kRecordHeader);
 
@@ -119,8 +121,12 @@ struct Mapping {
   }
 };
 
+// Messages are matched by (step, tag): a tag alone repeats in every step.
+using Key = std::pair<int64_t, int64_t>;
+
 // A message arriving from a peer; `dst` is where its bytes land (nullptr: dropped).
 struct Message {
+  int64_t step = 0;
   int64_t tag = 0;
   int64_t total = 0;
   int64_t filled = 0;
@@ -131,6 +137,7 @@ struct Message {
 
 struct RecvOp {
   int peer = 0;
+  int64_t step = 0;
   int64_t tag = 0;
   bool is_layout = false;
   PackLayout layout;
@@ -141,9 +148,12 @@ struct RecvOp {
 };
 
 struct SendOp {
+  int64_t step = 0;
   int64_t tag = 0;
   at::Tensor source;  // keeps the bytes alive until they are in the ring
-  const uint8_t* src = nullptr;
+  bool borrowed = false;  // source is the caller's own tensor (it may write it again once send returns)
+  const uint8_t* src = nullptr;  // the bytes from offset `base` of the message on
+  int64_t base = 0;
   int64_t total = 0;
   int64_t sent = 0;
   bool started = false;
@@ -155,8 +165,8 @@ struct PeerState {
   int64_t pid = 0;
   int pidfd = -1;
   bool attached = false;
-  std::map<int64_t, std::deque<std::shared_ptr<RecvOp>>> posted;
-  std::map<int64_t, std::deque<std::shared_ptr<Message>>> unexpected;
+  std::map<Key, std::deque<std::shared_ptr<RecvOp>>> posted;
+  std::map<Key, std::deque<std::shared_ptr<Message>>> unexpected;
   std::shared_ptr<Message> current;  // a message whose later chunks are still coming
   std::deque<std::shared_ptr<SendOp>> pending;
 };
@@ -169,6 +179,10 @@ struct ShmState {
   int64_t ring_bytes = 0;
   std::chrono::microseconds spin{20};
   Millis slice{50};
+  // This rank's step on the group (begin_step): what sends are stamped with and
+  // receives match; a message of an earlier step is a failed step's leftover.
+  int64_t step = 0;
+  int64_t discarded = 0;  // leftovers dropped so far
   std::string name;
   bool linked = false;
   Mapping own;
@@ -227,10 +241,14 @@ struct ShmState {
       if (ps.current) throw ChannelError("shared-memory transport: rank " + std::to_string(peer) +
                                          " started a message before finishing the previous one (corrupt ring)");
       auto msg = std::make_shared<Message>();
+      msg->step = rec.step;
       msg->tag = rec.tag;
       msg->total = rec.total;
-      auto it = ps.posted.find(rec.tag);
-      if (it != ps.posted.end()) {
+      const Key key{rec.step, rec.tag};
+      auto it = ps.posted.find(key);
+      if (rec.step < step) {
+        ++discarded;  // a failed step's message, arriving late: its chunks are skipped (dst stays null)
+      } else if (it != ps.posted.end()) {
         auto op = it->second.front();
         it->second.pop_front();
         if (it->second.empty()) ps.posted.erase(it);
@@ -238,12 +256,12 @@ struct ShmState {
       } else {
         msg->buffer = at::empty({std::max<int64_t>(rec.total, 1)}, at::TensorOptions().dtype(at::kByte));
         msg->dst = static_cast<uint8_t*>(msg->buffer.data_ptr());
-        ps.unexpected[rec.tag].push_back(msg);
+        ps.unexpected[key].push_back(msg);
       }
       ps.current = msg;
     }
     auto& msg = ps.current;
-    if (!msg || msg->tag != rec.tag || rec.offset != msg->filled || rec.offset + rec.chunk > msg->total) {
+    if (!msg || msg->tag != rec.tag || msg->step != rec.step || rec.offset != msg->filled || rec.offset + rec.chunk > msg->total) {
       throw ChannelError("shared-memory transport: a chunk from rank " + std::to_string(peer) +
                          " does not continue its message (corrupt ring)");
     }
@@ -316,8 +334,9 @@ struct ShmState {
       rec.total = op.total;
       rec.offset = op.sent;
       rec.chunk = chunk;
+      rec.step = op.step;
       std::memcpy(data + pos, &rec, sizeof(rec));
-      if (chunk > 0) std::memcpy(data + pos + kRecordHeader, op.src + op.sent, static_cast<size_t>(chunk));
+      if (chunk > 0) std::memcpy(data + pos + kRecordHeader, op.src + (op.sent - op.base), static_cast<size_t>(chunk));
       head += static_cast<uint64_t>(rec.record_bytes);
       ctl->head.store(head, std::memory_order_release);
       ring_doorbell(ps.inbox.header());
@@ -343,7 +362,8 @@ struct ShmState {
 
   // Blocks until done() (checked under mu after progress) or the timeout; spins
   // for `spin`, then sleeps on this rank's doorbell in slices, checking between
-  // slices that `peer` is still alive.
+  // slices that `peer` is still alive and whether a signal came (a handler that
+  // raises, Ctrl-C's, ends the wait: runtime/interrupt.h).
   template <class Done>
   void wait_for(int peer, Done done, Millis timeout, const std::string& what) {
     const auto start = Clock::now();
@@ -351,6 +371,7 @@ struct ShmState {
     const auto spin_until = start + spin;
     auto next_check = start + slice;
     SegmentHeader* h = bell();
+    uint64_t signals = interrupt_count();
     while (true) {
       const uint32_t seq = h->doorbell.load(std::memory_order_acquire);
       {
@@ -358,6 +379,7 @@ struct ShmState {
         progress();
         if (done()) return;
       }
+      check_interrupts(signals);  // outside mu: the check takes the GIL
       auto now = Clock::now();
       if (now >= next_check) {
         next_check = now + slice;
@@ -388,9 +410,11 @@ struct ShmState {
     std::lock_guard<std::mutex> lock(mu);
     auto& ps = peers[op->peer];
     progress();
-    auto it = ps.unexpected.find(op->tag);
+    op->step = step;
+    const Key key{op->step, op->tag};
+    auto it = ps.unexpected.find(key);
     if (it == ps.unexpected.end()) {
-      ps.posted[op->tag].push_back(op);
+      ps.posted[key].push_back(op);
       return;
     }
     auto msg = it->second.front();
@@ -399,11 +423,40 @@ struct ShmState {
     bind(*op, msg, /*place=*/false);
   }
 
+  // Step `s` begins on this rank. Every step before it has ended here (done or
+  // failed), so their messages still waiting (a failed step's, taken by no
+  // receive) are dropped now, and any arriving later are skipped on arrival.
+  void begin_step(int64_t s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (s < step) {
+      throw ChannelError("shared-memory transport: step " + std::to_string(s) + " begun after step " +
+                         std::to_string(step) + " (step numbers on a group only go forward)");
+    }
+    progress();
+    step = s;
+    for (auto& ps : peers) {
+      for (auto it = ps.unexpected.begin(); it != ps.unexpected.end();) {
+        if (it->first.first >= s) {
+          ++it;
+          continue;
+        }
+        for (auto& msg : it->second) {
+          if (msg == ps.current) {  // still arriving: skip its remaining chunks
+            msg->dst = nullptr;
+            msg->buffer = at::Tensor();
+          }
+        }
+        discarded += static_cast<int64_t>(it->second.size());
+        it = ps.unexpected.erase(it);
+      }
+    }
+  }
+
   // A receive that will never be waited on leaves the queue, so a later message with its tag is not swallowed.
   void cancel(const std::shared_ptr<RecvOp>& op) {
     std::lock_guard<std::mutex> lock(mu);
     auto& posted = peers[op->peer].posted;
-    auto it = posted.find(op->tag);
+    auto it = posted.find(Key{op->step, op->tag});
     if (it == posted.end()) return;
     auto& q = it->second;
     q.erase(std::remove(q.begin(), q.end(), op), q.end());
@@ -584,6 +637,13 @@ void ShmChannel::attach(int peer, const std::string& name) {
   ps.attached = true;
 }
 
+void ShmChannel::begin_step(int64_t step) { state_->begin_step(step); }
+
+int64_t ShmChannel::discarded() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->discarded;
+}
+
 int64_t ShmChannel::unexpected() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   int64_t n = 0;
@@ -612,12 +672,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vect
     throw ChannelError("send to rank " + std::to_string(peer) + ": the shared-memory transport moves CPU tensors, got " +
                        tensors.front().device().str());
   }
-  if (expected && !(*expected == layout)) {
-    throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
-                       ": the tensors changed shape or dtype since the layout was exchanged (expected " +
-                       expected->repr() + ", got " + layout.repr() +
-                       "); start a new step signature so the layout is exchanged again");
-  }
+  check_send_layout(expected, layout, peer, tag);
   std::vector<std::shared_ptr<SendOp>> ops;
   if (with_layout) {
     auto words = layout.encode();
@@ -628,20 +683,34 @@ std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vect
     ops.push_back(send_op(msg, tag | kLayoutTagBit, static_cast<int64_t>(words.size()) * 8));
   }
   at::Tensor bytes;
+  bool borrowed = false;
   if (layout.nbytes == 0) {
     bytes = at::Tensor();
   } else if (tensors.size() == 1 && is_plain(tensors[0])) {
     bytes = tensors[0].reshape({-1}).view(at::kByte);  // already its packed form: copied into the ring as is
+    borrowed = true;
   } else {
     const bool reuse = out && out->device().is_cpu();
     bytes = pack(tensors, reuse ? out : std::nullopt).first;
   }
   ops.push_back(send_op(bytes, tag, layout.nbytes));
+  ops.back()->borrowed = borrowed;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
+    for (auto& op : ops) op->step = state_->step;
     auto& pending = state_->peers[peer].pending;
     pending.insert(pending.end(), ops.begin(), ops.end());
     state_->progress();
+    // The send owns its bytes when it returns: what of the caller's tensor is
+    // not in the ring yet (a message larger than the free space) is copied now,
+    // so a stage that writes the same tensor again cannot change what is sent.
+    for (auto& op : ops) {
+      if (!op->borrowed || op->done()) continue;
+      op->source = op->source.slice(0, op->sent, op->total).clone();
+      op->src = static_cast<const uint8_t*>(op->source.const_data_ptr());
+      op->base = op->sent;
+      op->borrowed = false;
+    }
   }
   return {std::make_shared<ShmSendRequest>(state_, peer, std::move(ops)), layout};
 }

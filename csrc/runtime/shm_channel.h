@@ -73,8 +73,16 @@ class ShmChannel {
   std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
   std::shared_ptr<Request> recv_layout(int peer, int tag);
 
+  // This rank begins step `step` on the group (steps only go forward). Sends
+  // are stamped with it and receives match (step, tag), so a message is only
+  // ever taken by the step that sent it; messages of earlier steps (a failed
+  // step's leftovers) are dropped, now and when they arrive later.
+  void begin_step(int64_t step);
+
   // Messages received that no receive has taken yet (a leak check for tests).
   int64_t unexpected() const;
+  // Leftovers of earlier steps dropped so far.
+  int64_t discarded() const;
 
  private:
   void check_peer(int peer, int tag) const;

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+import signal
+import threading
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -32,6 +34,8 @@ __all__ = [
     "ChannelTimeout",
     "ChannelHandle",
     "DistChannel",
+    "check_timeout",
+    "watch_signals",
     "LocalHub",
     "LocalChannel",
     "describe_tag",
@@ -41,6 +45,42 @@ __all__ = [
 ChannelError = _C.ChannelError
 ChannelTimeout = _C.ChannelTimeout
 Device = Union[str, torch.device]
+
+
+def check_timeout(timeout: Any, none_means: str) -> Optional[float]:
+    """``timeout`` as seconds: a positive, finite number, or None (``none_means`` says what None does).
+
+    Checked where the user passes it (construction), so a bad value is named
+    once instead of failing every step later (inf or nan overflow the
+    milliseconds, 0 makes Gloo fall back to its own timeout, -1 reads as "timed
+    out after -1 s").
+    """
+    if timeout is None:
+        return None
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive, finite number of seconds (or None: {none_means}), "
+                         f"got {timeout!r}")
+    return float(timeout)
+
+
+def watch_signals() -> None:
+    """Let a signal end a wait for a peer: Ctrl-C then reaches a waiting rank at once, not after ``timeout``.
+
+    Hands the C++ signal watcher's pipe to ``signal.set_wakeup_fd`` (see
+    csrc/runtime/interrupt.h). Only from the main thread, and only when no one
+    else (an asyncio event loop) owns the wakeup fd: theirs is kept, and a
+    wait then ends at its timeout as before. Cheap enough to call every step.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    fd = _C.interrupt_fd()
+    try:
+        old = signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter
+        return
+    if old not in (-1, fd):
+        signal.set_wakeup_fd(old)
 
 
 def _ms(timeout: Optional[float]) -> int:
@@ -78,10 +118,13 @@ class DistChannel:
 
     #: the executor must go through a communication plan (layouts) with this channel
     needs_layouts = True
+    #: the transport asked for (``PipelineSchedule(transport=)``): the process group itself
+    requested = "gloo"
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
                  num_stages: Optional[int] = None) -> None:
-        self._pg = _C.ProcessGroupChannel(self.resolve_group(group), torch.device(device))
+        self.group = self.resolve_group(group)
+        self._pg = _C.ProcessGroupChannel(self.group, torch.device(device))
         self.num_stages = num_stages
 
     @classmethod
@@ -102,6 +145,15 @@ class DistChannel:
     @property
     def device(self) -> torch.device:
         return self._pg.device
+
+    def begin_step(self, step: int) -> None:
+        """Step ``step`` (the group's number, ``GroupSteps``) starts its messages on this rank.
+
+        Nothing to do over a process group: Gloo delivers a send only into a
+        receive posted with its tag, and a send nobody receives fails on its
+        sender; NCCL matches by order. Shared memory drops earlier steps'
+        leftovers here (``ShmChannel``).
+        """
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, expected: Optional["_C.PackLayout"] = None,
              with_layout: bool = False, out: Optional[torch.Tensor] = None) -> tuple[ChannelHandle, "_C.PackLayout"]:

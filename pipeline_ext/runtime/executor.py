@@ -324,6 +324,7 @@ class Executor:
         if self.plans is None:
             self._messages = self.channel
         else:
+            self.channel.begin_step(agreed.step)
             self._messages = self.plans.step(self.channel, agreed.signature, agreed.rediscover)
 
     def _open_and_post(self, st: _StepState) -> None:

@@ -34,14 +34,13 @@ import json
 import os
 import socket
 import threading
-from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from pipeline_ext._ext import _C
-from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, DistChannel
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, DistChannel, _ms
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "make_channel", "requested_transport"]
 
@@ -152,8 +151,8 @@ class _Setup:
             if self.failed is not None:
                 break
             try:
-                work.wait(timedelta(seconds=timeout))
-            except Exception as exc:  # noqa: BLE001 - Gloo's error types vary; the text says what happened
+                _C.wait_work(work, _ms(timeout), f"rank {self.rank}: waiting for rank {peer}'s transport description")
+            except ChannelError as exc:
                 self.failed = (peer, exc)
         if self.failed is not None:
             peer, exc = self.failed
@@ -252,10 +251,17 @@ class ShmChannel(DistChannel):
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
                  required: bool = False, timeout: float = 300.0) -> None:
-        group = self.resolve_group(group)
+        self.group = self.resolve_group(group)
         self.num_stages = num_stages
         self.transport: Optional[str] = None
-        self._pg = _Unresolved(self, group, required, timeout)
+        self.requested = "shm" if required else "auto"
+        self._pg = _Unresolved(self, self.group, required, timeout)
+
+    def begin_step(self, step: int) -> None:
+        """Settle the transport (as the step's first message would); on shared memory, drop what earlier
+        steps left in the inbox: a message is only ever taken by the step that sent it."""
+        if self.connect() == "shm":
+            self._pg.begin_step(step)
 
     def connect(self) -> str:
         """Decide the transport now (collective over the group, as the first message would); returns it."""

@@ -20,11 +20,12 @@ step's. So the first failure, wherever it happens, *cancels the step*:
   owner refuse new work until it has returned.
 
 ``timeout`` bounds the whole step, measured in the caller: a stage that stalls
-makes the step raise ``PipelineTimeoutError`` after about ``timeout`` seconds
-(plus the grace period), not when the stall ends.
+makes the step raise ``PipelineTimeoutError`` within ``timeout`` seconds (the
+grace period is its last part), not when the stall ends.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -155,13 +156,16 @@ def run_step_threads(
     jobs: Sequence[Callable[[], None]],
     activities: Sequence[Activity],
     token: CancelToken,
-    timeout: float,
+    timeout: Optional[float],
     on_cancel: Callable[[str], None],
     on_failure: Callable[[StepOutcome], Optional[str]],
     grace: float,
     name: str = "pipe-rank",
 ) -> None:
     """Run ``jobs[r]`` on daemon thread r and wait; on any failure cancel all of them and raise.
+
+    The call returns or raises within ``timeout`` seconds (None: no limit):
+    the workers are cancelled ``grace`` seconds before it, so that they can stop.
 
     ``on_failure(outcome)`` runs after the workers stopped (or were abandoned),
     before the exception reaches the caller; a string it returns is added to the
@@ -188,7 +192,7 @@ def run_step_threads(
             done.put((rank, None))
 
     threads = [threading.Thread(target=body, args=(r,), name=f"{name}-{r}", daemon=True) for r in range(len(jobs))]
-    deadline = time.monotonic() + timeout
+    deadline = math.inf if timeout is None else time.monotonic() + max(0.0, timeout - grace)
     running: set[int] = set()
     errors: list[tuple[int, BaseException]] = []
     raised: Optional[BaseException] = None

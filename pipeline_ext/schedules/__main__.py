@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pipeline_ext.schedules.builtin import available, build
 from pipeline_ext.schedules.ir import ScheduleError
@@ -19,6 +19,31 @@ from pipeline_ext.schedules.lowering import lower
 from pipeline_ext.schedules.render import LEGEND, render_ascii, render_png, to_chrome_trace
 from pipeline_ext.schedules.simulate import Costs, SimResult, simulate
 from pipeline_ext.schedules.validate import validate
+
+# Bounds of the command line: a simulation is O(ranks x stages x microbatches), so larger values would run
+# for minutes before printing anything.
+MAX_RANKS, MAX_MICROBATCHES, MAX_STAGES_PER_RANK = 1024, 4096, 64
+
+
+def _count(most: int) -> "Callable[[str], int]":
+    """An argparse type: an integer from 1 to ``most`` (a huge value would run for minutes, not fail)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{value} is not between 1 and {most}")
+        return value
+    return parse
+
+
+def _costs(text: str) -> Costs:
+    """An argparse type: four finite, non-negative costs."""
+    try:
+        return Costs.parse(text)
+    except ScheduleError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _costs_text(costs: Costs) -> str:
@@ -78,15 +103,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (devices)")
-        p.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
-        p.add_argument("--costs", type=Costs.parse, default=Costs(), metavar="F,B,W,C",
+        p.add_argument("--ranks", "-p", type=_count(MAX_RANKS), required=True, help="pipeline ranks (devices)")
+        p.add_argument("--microbatches", "-m", type=_count(MAX_MICROBATCHES), required=True,
+                       help="microbatches per step")
+        p.add_argument("--costs", type=_costs, default=Costs(), metavar="F,B,W,C",
                        help="per-stage cost of F, B (input grad), W (weight grad) and one transfer; default 1,1,1,0")
 
     s = sub.add_parser("show", help="timeline, bubble rate and peak memory of one schedule")
     s.add_argument("name", choices=available())
     common(s)
-    s.add_argument("--stages-per-rank", "-v", type=int, default=None, help="for interleaved/looped schedules")
+    s.add_argument("--stages-per-rank", "-v", type=_count(MAX_STAGES_PER_RANK), default=None,
+                   help="for interleaved/looped schedules")
     s.add_argument("--png", help="also draw the timeline to this PNG file (needs matplotlib)")
     s.add_argument("--trace", help="also write a Chrome trace (open in Perfetto)")
     s.set_defaults(func=show)

@@ -55,6 +55,9 @@ COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
 # Longest spellings first so that "SEND_F" is never read as "SEND_" + "F".
 _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]+)")
+#: Largest stage, microbatch or rank count a schedule may name: far beyond any real pipeline (a step's
+#: message tags hold 2^19 messages), small enough that a typo cannot make validation run out of memory.
+MAX_INDEX = 1 << 16
 
 
 class Action(NamedTuple):
@@ -80,7 +83,10 @@ class Action(NamedTuple):
                 f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} with kind one of "
                 f"{', '.join(k.value for k in ActionKind)} (e.g. 2F0, 1I3, 0SEND_F5)"
             )
-        return cls(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+        stage, microbatch = int(match.group(1)), int(match.group(3))
+        if max(stage, microbatch) >= MAX_INDEX:
+            raise ScheduleError(f"action {text.strip()!r}: stage and microbatch indices must be below {MAX_INDEX}")
+        return cls(stage, ActionKind(match.group(2)), microbatch)
 
     @property
     def is_compute(self) -> bool:
@@ -193,6 +199,8 @@ def _header_ints(meta: dict[str, str], key: str) -> list[int]:
         raise ScheduleError(f"header {key}={meta[key]!r} is not a comma-separated list of integers") from None
     if any(v < 0 for v in values):
         raise ScheduleError(f"header {key}={meta[key]!r} has a negative value")
+    if len(values) > MAX_INDEX or any(v > MAX_INDEX for v in values):
+        raise ScheduleError(f"header {key}={meta[key][:40]!r}: values and lengths must be at most {MAX_INDEX}")
     return values
 
 

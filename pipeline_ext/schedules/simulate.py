@@ -16,6 +16,7 @@ time c, charged on the dependency, matters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
 
@@ -47,6 +48,8 @@ class Costs:
             values = []
         if len(values) != 4:
             raise ScheduleError(f"costs must be four numbers f,b,w,c (got {text!r})")
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ScheduleError(f"costs must be finite and non-negative (got {text!r})")
         return cls(*values)
 
     def per_stage_of(self, stages_per_rank: int) -> "Costs":

@@ -26,6 +26,8 @@ word   meaning
 13     digest of the skip connections this rank's stages declare (0: none);
        when any is set, the ranks exchange the declarations once
        (``PipelineSchedule``, ``pipeline_ext.skip``)
+14     the transport this rank asked for (``TRANSPORT_CODES``): ranks that
+       would set up different transports wait for each other forever
 16-19  schedule name (ASCII)
 20-35  the rejecting rank's reason (UTF-8, truncated)
 =====  ==================================================================
@@ -44,7 +46,6 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -53,7 +54,8 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pipeline_ext.ops import even_sizes
-from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout
+from pipeline_ext._ext import _C
+from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, _ms
 from pipeline_ext.runtime.protocol.identity import stable_hash
 
 __all__ = ["AGREEMENT_TAG", "Agreement", "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError",
@@ -71,6 +73,9 @@ _CLOSED = (" (if an earlier step timed out, the backend closed this connection f
 _NOTHING_MOVED = ("no message was sent and no gradient accumulated on any rank (a forward already run "
                   "on this rank was discarded)")
 PLANS = {1: "a training step", 2: "a forward-only step (eval(), or step() without a loss_fn)"}
+#: word 14 of a record: "gloo" is the process group itself (NCCL for GPU stages), whatever the hosts
+TRANSPORT_CODES = {"gloo": 1, "auto": 2, "shm": 3}
+_TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
 
 
 class StepAgreementError(RuntimeError):
@@ -99,12 +104,13 @@ class StepRecord:
     target_rows: int = -1
     layouts: int = 0  # PlanCache.digest of the plan this step runs: which layouts this rank has cached
     skips: int = 0  # digest of this rank's skip declarations (0: none)
+    transport: int = 0  # TRANSPORT_CODES of the transport this rank asked for
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
-        words[:14] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
+        words[:15] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
                       int(bool(self.rejected)), int(self.has_loss), self.signature, self.rows, self.target_rows,
-                      self.layouts, self.rank, self.skips]
+                      self.layouts, self.rank, self.skips, self.transport]
         words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
         words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
         return words
@@ -120,7 +126,7 @@ class StepRecord:
         return cls(rank=w[12], step=w[1], plan=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
                    schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
-                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11], skips=w[13])
+                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11], skips=w[13], transport=w[14])
 
 
 def _text_words(text: str, span: tuple[int, int]) -> list[int]:
@@ -154,10 +160,18 @@ def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
         said = ", ".join(f"rank {r.rank} is at step {r.step}" for r in records)
         return (f"the ranks are out of step: {said}. Every rank must call step()/eval() the same number of times "
                 "(a failed step raises on every rank: catch it on every rank)")
+    if differ(lambda r: r.transport):
+        said = ", ".join(f"rank {r.rank} asked for transport={_TRANSPORT_NAMES.get(r.transport, '?')!r}"
+                         for r in records)
+        return (f"the ranks ask for different transports: {said}. Pass the same transport= (or set the same "
+                "$PIPELINE_EXT_TRANSPORT) on every rank")
     if differ(lambda r: (r.schedule_key, r.n_microbatches, r.num_stages)):
+        # Two schedules of one name and size (hand-written ones) differ in their actions: say which is whose.
+        same_words = not differ(lambda r: (r.schedule, r.n_microbatches, r.num_stages))
         return "the ranks run different schedules: " + ", ".join(
             f"rank {r.rank} runs {r.schedule} with {r.n_microbatches} microbatches over {r.num_stages} stages"
-            for r in records)
+            + (f" (actions digest {r.schedule_key:016x})" if same_words else "")
+            for r in records) + (" (same name and sizes, different actions or stage placement)" if same_words else "")
     if differ(lambda r: r.has_loss):  # before the plan: a missing loss_fn is what makes step() forward-only
         said = ", ".join(f"rank {r.rank} {'has a' if r.has_loss else 'has no'} loss_fn" for r in records)
         return (f"the ranks disagree on the loss: {said}. Pass the same loss_fn on every rank "
@@ -216,7 +230,8 @@ class StepAgreement:
         return self._ranks[pipeline_rank]
 
     def signature(self, args: Sequence[Any], kwargs: dict, sizes: Sequence[int], chunk_spec: Any) -> int:
-        """A 62-bit hash of the batch's pytree structure, shapes and dtypes, the split and the chunk spec.
+        """A 62-bit hash of the batch's pytree structure, shapes and dtypes, the values of its plain non-tensor
+        leaves (numbers, strings, booleans, None), the split and the chunk spec.
 
         The microbatches' shapes follow from these, so hashing the whole batch
         once stands for hashing every microbatch. Cached per distinct key.
@@ -260,19 +275,17 @@ class StepAgreement:
             raise ChannelError(f"{self._what(peer, step, 'exchanging')}: {exc}{_CLOSED}") from exc
 
     def _wait(self, work: Any, peer: int, step: int, doing: str) -> None:
+        """Wait as the channels do (bounded, ended by Ctrl-C: ``wait_work``), with what to check in the error."""
         what = self._what(peer, step, doing)
         try:
-            done = work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            text = str(exc)
-            if "imed out" in text or "imeout" in text:
-                raise ChannelTimeout(
-                    f"{what}: timed out after {self.timeout:g} s (is rank {peer} calling step()/eval() on the "
-                    f"same schedule? After a Gloo timeout the group is closed: create a new process group)"
-                ) from exc
-            raise ChannelError(f"{what}: rank {peer} failed or is gone: {text}{_CLOSED}") from exc
-        if done is False:
-            raise ChannelTimeout(f"{what}: timed out after {self.timeout:g} s")
+            _C.wait_work(work, _ms(self.timeout), what)
+        except ChannelTimeout as exc:
+            raise ChannelTimeout(
+                f"{exc} (is rank {peer} calling step()/eval() on the same schedule? After a Gloo timeout the group "
+                "is closed: create a new process group)"
+            ) from None
+        except ChannelError as exc:
+            raise ChannelError(f"{exc} (rank {peer} failed or is gone){_CLOSED}") from None
 
 
 class PendingExchange:
@@ -297,5 +310,14 @@ class PendingExchange:
         return self._records
 
 
+#: non-tensor leaves that count by value in a step signature: a stage's output shapes may depend on them
+#: (``width=64``, ``causal=True``, ``mode="train"``), so a new value is a new signature (its layouts exchanged again)
+_BY_VALUE = (bool, int, float, str, bytes, type(None))
+
+
 def _leaf_key(x: Any) -> Any:
-    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    if isinstance(x, _BY_VALUE):
+        return (type(x).__name__, x)
+    return type(x).__name__

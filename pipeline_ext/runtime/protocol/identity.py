@@ -5,20 +5,37 @@ sending_stage) * 2 + direction`` (0: activation, 1: gradient), the same on
 sender and receiver. Skip connections (``pipeline_ext.skip``) have their own
 lane, bit 19 set: ``((microbatch * num_stages + from_stage) * num_stages +
 to_stage) * 2 + direction``, from and to being the stashing and the popping
-stage whatever the direction. Bits 20-29 carry the step number modulo 1024, so a message
-a failed step left behind (sent, never received) can never be taken for this
-step's: it would need 1024 more steps to match again. Bit 30 marks a layout
-message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the step
+stage whatever the direction. Bits 20-29 carry the step number modulo 1024. Bit 30 marks a
+layout message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the step
 agreement's tag.
+
+Step numbers belong to the process group, not to a schedule (:class:`GroupSteps`):
+every schedule built on a group (a training and an eval schedule, a schedule
+built anew after a failure) draws its steps from one counter, so two steps on a
+group never share a number, and every rank draws the same numbers as long as
+every rank calls the same steps. On the wire:
+
+- Shared memory stamps every message with the full step number and drops, at
+  the start of each step, whatever an earlier step left in the inbox (a failed
+  step's sends nobody received), and anything of an earlier step that arrives
+  later: a message is only ever taken by the step that sent it
+  (``ShmChannel::begin_step``).
+- Gloo completes a send only into a posted receive, and a send nobody receives
+  times out on its sender, which closes the connection: a failed step's message
+  is never delivered to another step. The step bits of the tag keep steps
+  apart besides.
+- NCCL matches by order on one communicator per direction (``runtime/groups.py``).
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+import itertools
+import weakref
+from typing import Any, Optional
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "describe_tag", "check_tag_space",
+__all__ = ["GroupSteps", "STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "describe_tag", "check_tag_space",
            "stable_hash"]
 
 STEP_SHIFT = 20
@@ -91,3 +108,21 @@ def stable_hash(text: str) -> int:
     schedules, plan caches.
     """
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+class GroupSteps:
+    """The step numbers of one process group in this process: every schedule on the group draws from it.
+
+    Keyed by the group object (weakly): a group destroyed and made again, even
+    under the same name, starts a new count, as it gets a new transport.
+    """
+
+    _counters: "weakref.WeakKeyDictionary[Any, itertools.count]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def next(cls, group: Any) -> int:
+        """The number of the next step on ``group`` (0, 1, 2, ...; every call, failed steps included)."""
+        counter = cls._counters.get(group)
+        if counter is None:
+            counter = cls._counters[group] = itertools.count()
+        return next(counter)
