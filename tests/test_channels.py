@@ -306,9 +306,10 @@ def test_host_channel_waits_with_the_callers_timeout():
     assert pg.waits and all(0 < t.total_seconds() <= 5.0 for t in pg.waits)
 
 
-def test_known_steps_reuse_one_pack_buffer_and_send_a_single_tensor_as_itself():
-    """No needless copies: several tensors are packed into the plan's reused buffer, one contiguous
-    tensor travels without a pack copy (the loopback group hands over exactly what was sent)."""
+def test_known_steps_reuse_one_pack_buffer_and_a_send_owns_its_bytes():
+    """Several tensors are packed into the plan's reused buffer; one contiguous tensor is copied too,
+    into a buffer of the send's own: the backend reads it later, and the stage may write the tensor
+    it returned again (a reused output buffer) as soon as the send returned."""
     pg = Loopback()
     channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
     buffers = []
@@ -323,7 +324,7 @@ def test_known_steps_reuse_one_pack_buffer_and_send_a_single_tensor_as_itself():
         plans.commit(messages)
         assert torch.equal(got_pair[0], pair[0]) and torch.equal(got_pair[1], pair[1])
         assert torch.equal(got_single[0], single)
-        assert pg.sent[-1].data_ptr() == single.data_ptr()  # the tensor itself went on the wire
+        assert pg.sent[-1].data_ptr() != single.data_ptr()  # a copy went on the wire, not the caller's tensor
         buffers.append(plans.step(channel, 3).plan.send_buffers.get(("send", 1, 0)))
     assert buffers[0] is None  # discovery packs afresh; known steps reuse one buffer
     assert buffers[1] is not None and buffers[1] is buffers[2]

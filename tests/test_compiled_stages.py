@@ -353,3 +353,28 @@ def test_split_backend_i_computes_no_weight_grad_and_w_completes_it():
     ref(x2).backward(g)
     for p, q in zip(body.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_split_backend_is_exact_when_a_new_batch_size_recompiles():
+    """A new batch size recompiles the stage (dynamic shapes), and the recompiled backward is built
+    lazily at the first backward, outside split_backend's compile: it must still not donate buffers
+    (W re-enters the node), or ZB-H1's I fails with torch's "compiled with non-empty donated buffers"."""
+    import pipeline_ext as pe
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)]
+    ref = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(nn.Sequential(*layers).state_dict())
+    compiled = torch.compile(nn.Sequential(layers[1], layers[2]), backend=pe.split_backend)
+    pipe = pe.Pipe(nn.Sequential(layers[0], compiled), balance=[1, 1], devices=["cpu", "cpu"], chunks=2,
+                   schedule="zb_h1", checkpoint="never")
+    for n in (8, 12, 6):
+        x, y = torch.randn(n, 16), torch.randn(n, 4)
+        pipe.zero_grad()
+        ref.zero_grad()
+        loss = pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

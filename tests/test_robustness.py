@@ -120,6 +120,38 @@ def test_shape_change_without_input_change_names_stages_and_shapes():
 
 
 # -- bad input, before any communication ---------------------------------------------------------
+_BAD_TIMEOUTS = [float("inf"), float("nan"), 0, -1, True, "5"]
+
+
+@pytest.mark.parametrize("bad", _BAD_TIMEOUTS, ids=repr)
+def test_pipe_refuses_a_timeout_that_is_not_a_positive_finite_number(bad):
+    with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds \(or None: no limit\)"):
+        pe.Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), balance=[1, 1], devices=["cpu", "cpu"], timeout=bad)
+    assert pe.Pipe(nn.Sequential(nn.Linear(4, 4)), devices=["cpu"], timeout=None).timeout is None
+
+
+def _timeouts_checked(rank: int, world: int) -> list[str]:
+    said = []
+    for bad in _BAD_TIMEOUTS:
+        try:
+            pe.Schedule1F1B(pe.PipelineStage(nn.Linear(16, 16), rank, world, "cpu"), 2, loss_fn=loss_fn, timeout=bad)
+            said.append(f"timeout={bad!r} accepted")
+        except ValueError as exc:
+            if "timeout must be a positive, finite number of seconds (or None: the process group's" not in str(exc):
+                said.append(str(exc))
+    sched = pe.Schedule1F1B(pe.PipelineStage(nn.Linear(16, 16), rank, world, "cpu"), 2, loss_fn=loss_fn, timeout=None)
+    if sched.timeout != 60.0:  # mp_utils makes the group with a 60 s timeout
+        said.append(f"timeout=None gave {sched.timeout}, not the group's 60 s")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_schedules_refuse_a_bad_timeout_at_construction_and_none_is_the_groups():
+    said = run_ranks(_timeouts_checked, 2, timeout=40)
+    assert {r: v for r, (_, v) in said.items()} == {0: [], 1: []}, said
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

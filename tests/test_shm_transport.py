@@ -62,7 +62,7 @@ def _choices(rank: int, world: int) -> dict:
         def no_room(*args):
             raise _C.ChannelError("cannot allocate 16777216 bytes in /dev/shm: No space left on device")
 
-        shm._C = type("NoShm", (), {"ShmChannel": staticmethod(no_room),
+        shm._C = type("NoShm", (), {"ShmChannel": staticmethod(no_room), "wait_work": staticmethod(_C.wait_work),
                                    "ProcessGroupChannel": _C.ProcessGroupChannel})
     small = dist.new_group([0, 1])
     out["no_room"] = make_channel(small, "cpu", 2, "auto").connect()

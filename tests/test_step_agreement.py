@@ -58,6 +58,20 @@ def test_a_rejection_names_the_rank_and_its_reason_on_every_rank():
         agree([_record(0), _record(1, target_rows=6)], 0, 1)
 
 
+def test_two_hand_written_schedules_are_told_apart():
+    """Same name and sizes, different actions: each rank's schedule is named by its digest."""
+    records = [_record(0, schedule="custom", schedule_key=0x1234), _record(1, schedule="custom", schedule_key=0x5678)]
+    with pytest.raises(StepAgreementError, match=r"rank 0 runs custom .*digest 0000000000001234.*rank 1 runs custom "
+                                                 r".*digest 0000000000005678.*different actions or stage placement"):
+        agree(records, 0, 1)
+
+
+def test_ranks_on_different_transports_are_named():
+    with pytest.raises(StepAgreementError, match=r"rank 0 asked for transport='shm', rank 1 asked for "
+                                                 r"transport='gloo'.*same transport="):
+        agree([_record(0, transport=3), _record(1, transport=1)], 0, 1)
+
+
 def test_agreement_gives_every_rank_the_same_step():
     a = agree([_record(0), _record(1)], 0, 1)
     assert (a.step, a.signature, a.sizes, a.discovery) == (3, 99, [2, 2, 2, 2], False)
@@ -446,3 +460,101 @@ def test_the_gloo_twin_is_made_whatever_groups_a_rank_made_before():
     """The twin was made by its members alone (use_local_synchronization), which torch names after how
     many groups the process already has: with one more group on rank 1 both ranks waited forever."""
     no_complaints(_twin_after_one_more_group, 2, timeout=40)
+
+
+def _transport_per_rank(rank: int, world: int) -> str:
+    """One rank asks for Gloo, the other for shared memory (by argument, as a config slip would)."""
+    modules = build("mlp", world)
+    import pipeline_ext as pe
+
+    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 2, loss_fn=loss_fn, timeout=TIMEOUT, transport="gloo" if rank == 0 else "shm")
+    x, y = make_batch("mlp", 4)
+    try:
+        _call(sched, rank, x, y)
+    except StepAgreementError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_ranks_on_different_transports_fail_at_the_first_step_naming_both():
+    said = rank_values(_transport_per_rank, 2, timeout=40)
+    for message in said.values():
+        assert "rank 0 asked for transport='gloo', rank 1 asked for transport='shm'" in message, said
+
+
+class _Widen(torch.nn.Module):
+    """Stage 0 whose output width follows an int argument: ``width`` copies of its features."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, width: int = 1):
+        return torch.cat([self.inner(x)] * width, dim=1)
+
+
+class _Narrow(torch.nn.Module):
+    """Stage 1: averages the copies back, whatever their number."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return self.inner(h.view(h.shape[0], -1, 16).mean(dim=1))
+
+
+def _int_argument_changes_shapes(rank: int, world: int) -> list[str]:
+    import pipeline_ext as pe
+
+    modules, ref = build("mlp", world), build("mlp", world)
+    module = _Widen(modules[0]) if rank == 0 else _Narrow(modules[1])
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, rank, world, "cpu"), 2, loss_fn=loss_fn, timeout=TIMEOUT)
+    said = []
+    for i, width in enumerate([1, 2, 1, 3]):
+        x, y = make_batch("mlp", 4, seed=i)
+        for mod in modules + ref:
+            mod.zero_grad(set_to_none=True)
+        sched.step(*((x,) if rank == 0 else ()), **({"width": width} if rank == 0 else {"target": y}))
+        loss_fn(_Narrow(ref[1])(_Widen(ref[0])(x, width)), y).backward()
+        if not _exact(modules, ref, rank):
+            said.append(f"width {width}: WRONG gradients")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_int_argument_that_changes_output_shapes_starts_a_new_signature():
+    """Plain non-tensor arguments count by value in the step signature: a new width is a new plan."""
+    said = rank_values(_int_argument_changes_shapes, 2, timeout=40)
+    assert said == {0: [], 1: []}, said
+
+
+def _losses_cleared(rank: int, world: int) -> list[str]:
+    modules = build("mlp", world)
+    sched = _schedule(rank, world, modules, m=2)
+    x, y = make_batch("mlp", 4)
+    losses = ["stale"]
+    _call(sched, rank, x, y) if rank == 0 else sched.step(target=y, losses=losses)
+    said = [] if rank == 0 or len(losses) == 2 else [f"after a step: {losses}"]
+    sched.eval(*((x,) if rank == 0 else ()), **({} if rank == 0 else {"losses": losses}))  # no target: no loss
+    if rank == 1 and losses:
+        said.append(f"after eval() without target: {losses}")
+    losses[:] = ["stale"]
+    try:  # rejected: the batch is smaller than the microbatch count
+        sched.step(*((x[:1],) if rank == 0 else ()), **({} if rank == 0 else {"target": y[:1], "losses": losses}))
+    except (ValueError, StepAgreementError):
+        pass
+    if rank == 1 and losses:
+        said.append(f"after a rejected step: {losses}")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_losses_hold_only_this_calls_losses():
+    said = rank_values(_losses_cleared, 2, timeout=40)
+    assert said == {0: [], 1: []}, said

@@ -5,8 +5,8 @@ The executor only knows the ``Channel``/``Handle`` protocols (``send`` and
 this module gives it two implementations over the C++ runtime:
 
 - ``DistChannel`` over a torch.distributed ProcessGroup (one process per rank).
-  It keeps no state: it moves one message per call (several tensors packed
-  into ONE buffer, a single contiguous tensor as itself) and posts receives
+  It keeps no state: it moves one message per call (packed into ONE buffer
+  the send owns, so the caller may write its tensors again) and posts receives
   into buffers of a layout it is given. Which layouts are known is the step's
   communication plan (``runtime/protocol/plan.py``, owned by the executor);
   the executor talks to a ``DistChannel`` through that plan's ``StepMessages``.
@@ -120,6 +120,8 @@ class DistChannel:
     needs_layouts = True
     #: the transport asked for (``PipelineSchedule(transport=)``): the process group itself
     requested = "gloo"
+    #: a message of one tensor is packed too (into the plan's reused buffer when given)
+    packs_single = True
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
                  num_stages: Optional[int] = None) -> None:

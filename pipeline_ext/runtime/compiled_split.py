@@ -55,7 +55,16 @@ def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner
+
+    # No donated buffers, whenever the backward is compiled. A recompile for new shapes (dynamic) compiles
+    # its backward lazily, at the first backward, outside the config patch of split_backend; AOTAutograd
+    # then refuses a backward that retains its graph (W re-enters the node) unless this graph's metadata
+    # says it donates nothing.
+    context = TracingContext.try_get()
+    if context is not None and getattr(context, "fw_metadata", None) is not None:
+        context.fw_metadata.bw_donated_idxs = []
 
     if kwargs.get("is_backward"):
         return SplitBackward(gm, example_inputs, kwargs)

@@ -257,6 +257,11 @@ class ShmChannel(DistChannel):
         self.requested = "shm" if required else "auto"
         self._pg = _Unresolved(self, self.group, required, timeout)
 
+    @property
+    def packs_single(self) -> bool:  # type: ignore[override]
+        """On shared memory one tensor is copied into the ring as it is: no pack buffer for it."""
+        return self.transport != "shm"
+
     def begin_step(self, step: int) -> None:
         """Settle the transport (as the step's first message would); on shared memory, drop what earlier
         steps left in the inbox: a message is only ever taken by the step that sent it."""

@@ -45,8 +45,9 @@ DEFAULT_MAX_PLANS = 64
 class CommPlan:
     """Every message of one step signature on this rank: ``(direction, peer, message) -> layout``.
 
-    ``send_buffers`` are the reused pack buffers of messages of several tensors
-    (a single contiguous tensor is sent as itself). A buffer is reused only
+    ``send_buffers`` are the reused pack buffers of the messages the channel
+    packs (``DistChannel.packs_single``: on shared memory a single contiguous
+    tensor is copied into the ring directly). A buffer is reused only
     after the previous step's send of it completed (the executor waits for
     every send before a step ends); a failed step drops them (see ``drop_buffers``).
     """
@@ -181,7 +182,7 @@ class StepMessages:
             return handle
         layout = self._layout(key)
         out = None
-        if len(tensors) > 1:
+        if len(tensors) > 1 or (tensors and self.channel.packs_single):
             out = self.plan.send_buffers.get(key)
             if out is None:
                 out = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
