@@ -79,6 +79,18 @@ def test_cli_show_costs_and_errors():
     assert "1f1b needs n_microbatches >= num_ranks (got n_microbatches=2, num_ranks=4)" in out.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (("--ranks", "99999999999999999999", "-m", "4"), "argument --ranks/-p: 99999999999999999999 is not between 1 and 1024"),
+    (("--ranks", "4", "-m", "0"), "argument --microbatches/-m: 0 is not between 1 and 4096"),
+    (("--ranks", "4", "-m", "8", "--costs", "inf,1,1,0"), "costs must be finite and non-negative"),
+    (("--ranks", "4", "-m", "8", "--costs", "1,-1,1,0"), "costs must be finite and non-negative"),
+])
+def test_cli_bounds_its_numbers_and_says_which(args, said):
+    """A huge rank count ran for minutes and an infinite cost ended in a traceback: both are refused."""
+    out = cli("compare", *args)
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_cli_compare():
     out = cli("compare", "--ranks", "4", "--microbatches", "8")
     assert out.returncode == 0, out.stderr

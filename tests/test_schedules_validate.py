@@ -119,3 +119,14 @@ def test_lower_is_idempotent_and_single_rank_needs_no_messages():
     assert lower(low) == low
     solo = build("zbv", 1, 3)
     assert lower(solo) == solo and not lower(solo).lowered
+
+
+@pytest.mark.parametrize("text, said", [
+    ("1000000000F0", "stage and microbatch indices must be below 65536"),
+    ("0F1000000000", "stage and microbatch indices must be below 65536"),
+    ("# schedule n_microbatches=1000000000\n0F0", "values and lengths must be at most 65536"),
+])
+def test_schedule_text_with_huge_numbers_is_a_schedule_error(text, said):
+    """Stage index 1e9 made validation run out of memory; now it is named at parsing."""
+    with pytest.raises(ScheduleError, match=said):
+        Schedule.from_text(text)
