@@ -208,7 +208,7 @@ void bind_channels(py::module_& m) {
       .def_property_readonly("device", &ShmChannel::device)
       .def_property_readonly("name", &ShmChannel::name)
       .def("attach", &ShmChannel::attach, py::arg("peer"), py::arg("name"), release())
-      .def("unlink", &ShmChannel::unlink)
+      .def("withdraw", &ShmChannel::withdraw)
       .def("unexpected", &ShmChannel::unexpected)
       .def("begin_step", &ShmChannel::begin_step, py::arg("step"))
       .def("discarded", &ShmChannel::discarded)

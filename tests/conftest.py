@@ -1,6 +1,8 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pipeline_ext.runtime.shm import TRANSPORT_ENV
@@ -15,3 +17,16 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """
     monkeypatch.setenv(TRANSPORT_ENV, request.param)
     return request.param
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pipeline_ext")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def dev_shm_left_as_found():
+    """The whole suite (crashes, kills and timeouts included) leaves nothing of ours in /dev/shm."""
+    before = _shm_names()
+    yield
+    left = _shm_names() - before
+    assert not left, f"the test session left {sorted(left)} in /dev/shm"

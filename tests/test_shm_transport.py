@@ -103,18 +103,21 @@ class KillAt(nn.Module):
         return self.lin(x)
 
 
-def _killed_mid_step(rank: int, world: int, victim: int, pid_dir: str) -> tuple[list[str], str]:
+def _killed(rank: int, world: int, victim: int, pid_dir: str, when: str) -> tuple[list[str], str]:
     with open(os.path.join(pid_dir, str(rank)), "w") as f:
         f.write(str(os.getpid()))
     torch.manual_seed(0)
     modules = build("mlp", world)
-    if rank == victim:  # 4 microbatches a step: dies in the second step's third forward
+    if rank == victim and when == "mid-step":  # 4 microbatches a step: dies in the second step's third forward
         modules[rank] = nn.Sequential(KillAt(when=7), modules[rank])
     stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
     sched = pe.PipelineSchedule(stage, "1f1b", 4, loss_fn=loss_fn, timeout=20.0, transport="shm")
+    during = _segments_of({os.getpid()})  # inboxes have no name, ever
+    if rank == victim and when == "before-first-step":  # its inbox exists, no peer has mapped it yet
+        os.kill(os.getpid(), signal.SIGKILL)
     x, y = make_batch("mlp", 8)
-    sched.step(x) if rank == 0 else sched.step(target=y)
-    during = _segments_of({os.getpid()})  # the setup removed the names already
+    if when == "mid-step":
+        sched.step(x) if rank == 0 else sched.step(target=y)
     try:
         sched.step(x) if rank == 0 else sched.step(target=y)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
@@ -124,16 +127,20 @@ def _killed_mid_step(rank: int, world: int, victim: int, pid_dir: str) -> tuple[
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("when", ["mid-step", "before-first-step"])
 @pytest.mark.parametrize("victim", [0, 1])
-def test_sigkill_of_either_rank_leaves_nothing_in_dev_shm_and_is_named(victim, tmp_path):
-    results = run_ranks(_killed_mid_step, 2, victim, str(tmp_path), timeout=60, expect_errors=True)
+def test_sigkill_of_either_rank_leaves_nothing_in_dev_shm_and_is_named(victim, when, tmp_path):
+    results = run_ranks(_killed, 2, victim, str(tmp_path), when, timeout=60, expect_errors=True)
     survivor = 1 - victim
     assert results[victim][0] == "died", results[victim]
     status, (during, message) = results[survivor]
     assert status == "ok", message
     assert during == []
-    assert f"rank {victim} (pid" in message and "exited" in message, message
-    assert "ChannelTimeout" not in message and "timed out" not in message, message
+    if when == "mid-step":
+        assert f"rank {victim} (pid" in message and "exited" in message, message
+        assert "ChannelTimeout" not in message and "timed out" not in message, message
+    else:  # the survivor's step record finds the connection to it closed, at once
+        assert f"with rank {victim}" in message and message.startswith("ChannelError"), message
     pids = {int((tmp_path / str(r)).read_text()) for r in (0, 1)}
     deadline = time.monotonic() + 5  # the survivor's process may still be exiting
     while _segments_of(pids) and time.monotonic() < deadline:

@@ -255,7 +255,7 @@ def test_a_peer_that_never_comes_is_named_within_the_timeout(how):
     assert elapsed < 3.0 + 5, (elapsed, message)
     assert "rank 1" in message and "step 0 with rank 0" in message, message
     if how == "stall":
-        assert "ChannelTimeout" in message and "timed out after 3 s" in message, message
+        assert "ChannelTimeout" in message and "timed out after 3000 ms" in message, message
 
 
 class _StopInForward(torch.nn.Module):
@@ -529,8 +529,7 @@ def _int_argument_changes_shapes(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_an_int_argument_that_changes_output_shapes_starts_a_new_signature():
     """Plain non-tensor arguments count by value in the step signature: a new width is a new plan."""
-    said = rank_values(_int_argument_changes_shapes, 2, timeout=40)
-    assert said == {0: [], 1: []}, said
+    no_complaints(_int_argument_changes_shapes, 2, timeout=40)
 
 
 def _losses_cleared(rank: int, world: int) -> list[str]:
@@ -556,5 +555,4 @@ def _losses_cleared(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_losses_hold_only_this_calls_losses():
-    said = rank_values(_losses_cleared, 2, timeout=40)
-    assert said == {0: [], 1: []}, said
+    no_complaints(_losses_cleared, 2, timeout=40)

@@ -60,7 +60,7 @@ struct SegmentHeader {
   // space freed in a ring the owner writes to); the owner sleeps on it (futex).
   alignas(64) std::atomic<uint32_t> doorbell;
   alignas(64) std::atomic<uint32_t> sleepers;  // owner threads asleep (or about to be) on the doorbell
-  alignas(64) std::atomic<uint32_t> attached;  // peers that mapped this segment; the last one removes its name
+  alignas(64) std::atomic<uint32_t> attached;  // peers that mapped this segment
 };
 
 struct RecordHeader {
@@ -183,14 +183,14 @@ struct ShmState {
   // receives match; a message of an earlier step is a failed step's leftover.
   int64_t step = 0;
   int64_t discarded = 0;  // leftovers dropped so far
-  std::string name;
-  bool linked = false;
+  std::string name;  // where peers open the segment: /proc/<pid>/fd/<fd>
+  int fd = -1;       // the segment's descriptor (memfd), open while peers may still attach
   Mapping own;
   std::vector<PeerState> peers;
   std::mutex mu;
 
   ~ShmState() {
-    if (linked) shm_unlink(name.c_str());
+    if (fd >= 0) close(fd);
     own.unmap();
     for (auto& p : peers) {
       p.inbox.unmap();
@@ -552,23 +552,22 @@ ShmChannel::ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us, 
   s.spin = std::chrono::microseconds(spin_us);
   s.slice = Millis(slice_ms);
   s.peers.resize(size);
-  std::random_device rd;
-  s.name = "/pipeline_ext_shm." + std::to_string(getpid()) + "." + std::to_string(rd()) + std::to_string(rd());
-  const int fd = shm_open(s.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw ChannelError("shared-memory transport: cannot create " + s.name + ": " + errno_text());
-  s.linked = true;
+  // An anonymous file (memfd): it has no name anywhere, so it cannot outlive its last user, whatever
+  // the exit (SIGKILL included). Peers reach it through /proc/<pid>/fd while this rank lives.
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, "pipeline_ext_shm", MFD_CLOEXEC));
+  if (fd < 0) throw ChannelError("shared-memory transport: cannot create an inbox (memfd_create): " + errno_text());
+  s.fd = fd;
+  s.name = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
   const size_t bytes = Mapping::total_bytes(size, ring_bytes);
-  // Allocated now (not sparse): a full /dev/shm is an error here, not a SIGBUS in a later write.
+  // Allocated now (not sparse): no room is an error here, not a SIGBUS in a later write.
   const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (err != 0) {
-    close(fd);
-    throw ChannelError("shared-memory transport: cannot allocate " + std::to_string(bytes) + " bytes in /dev/shm for " +
-                       s.name + ": " + std::strerror(err) + " (set PIPELINE_EXT_TRANSPORT=gloo, or a smaller "
+    throw ChannelError("shared-memory transport: cannot allocate " + std::to_string(bytes) + " bytes of shared "
+                       "memory for an inbox: " + std::strerror(err) + " (set PIPELINE_EXT_TRANSPORT=gloo, or a smaller "
                        "PIPELINE_EXT_SHM_RING_BYTES)");
   }
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) throw ChannelError("shared-memory transport: cannot map " + s.name + ": " + errno_text());
+  if (base == MAP_FAILED) throw ChannelError("shared-memory transport: cannot map the inbox: " + errno_text());
   s.own.base = base;
   s.own.bytes = bytes;
   auto* h = new (base) SegmentHeader();
@@ -581,30 +580,30 @@ ShmChannel::ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us, 
   for (int p = 0; p < size; ++p) new (s.own.ring(p)) RingControl();
 }
 
-ShmChannel::~ShmChannel() { unlink(); }
+ShmChannel::~ShmChannel() { withdraw(); }
 
 int ShmChannel::rank() const { return state_->rank; }
 int ShmChannel::size() const { return state_->size; }
 
 std::string ShmChannel::name() const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->linked ? state_->name : std::string();
+  return state_->fd >= 0 ? state_->name : std::string();
 }
 
-void ShmChannel::unlink() {
+void ShmChannel::withdraw() {
   std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->linked) shm_unlink(state_->name.c_str());
-  state_->linked = false;
+  if (state_->fd >= 0) close(state_->fd);
+  state_->fd = -1;
 }
 
 void ShmChannel::attach(int peer, const std::string& name) {
   auto& s = *state_;
   TORCH_CHECK_VALUE(peer >= 0 && peer < s.size && peer != s.rank, "ShmChannel.attach: ", peer,
                     " is not another rank of ", s.size);
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  const int fd = open(name.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
-    throw ChannelError("shared-memory transport: cannot open rank " + std::to_string(peer) + "'s segment " + name +
-                       ": " + errno_text() + " (is that rank on this host, with the same /dev/shm?)");
+    throw ChannelError("shared-memory transport: cannot open rank " + std::to_string(peer) + "'s inbox " + name +
+                       ": " + errno_text() + " (has that rank exited? is it on this host, in this pid namespace?)");
   }
   struct stat st {};
   const bool ok = fstat(fd, &st) == 0;
@@ -625,8 +624,7 @@ void ShmChannel::attach(int peer, const std::string& name) {
     throw ChannelError("shared-memory transport: " + name + " is not rank " + std::to_string(peer) +
                        "'s segment of this group (other version or ring size?)");
   }
-  // The last peer to map it removes the name: from now on a crash of anyone leaves nothing in /dev/shm.
-  if (m.header()->attached.fetch_add(1) + 1 == static_cast<uint32_t>(s.size - 1)) shm_unlink(name.c_str());
+  m.header()->attached.fetch_add(1);
   std::lock_guard<std::mutex> lock(s.mu);
   auto& ps = s.peers[peer];
   ps.inbox.unmap();

@@ -21,9 +21,11 @@
 // is_completed, wait): no background thread. A send that does not fit now stays
 // queued in the sender and is pushed by its later calls.
 //
-// Crashes: a segment's name is removed (shm_unlink) by the last peer that maps
-// it, so once every rank attached every other, a SIGKILL leaves nothing in
-// /dev/shm. A peer that exits is seen through a pidfd within one sleep slice.
+// Crashes: an inbox is an anonymous file (memfd_create) that peers open through
+// /proc/<owner pid>/fd/<fd>: it has no name in /dev/shm or anywhere, so it is
+// freed with its last mapping whatever the exit (SIGKILL before or after the
+// first step included). A peer that exits is seen through a pidfd within one
+// sleep slice.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -57,14 +59,13 @@ class ShmChannel {
   int rank() const;
   int size() const;
   at::Device device() const { return at::Device(at::kCPU); }
-  // This rank's inbox, for the peers' attach(); empty once unlinked.
+  // Where the peers open this rank's inbox (attach()); empty once withdrawn.
   std::string name() const;
-  // Maps `peer`'s inbox (published under `name`) and watches its process; the
-  // last of the owner's peers to attach removes the name.
+  // Maps `peer`'s inbox (opened at `name`) and watches its process.
   void attach(int peer, const std::string& name);
-  // Removes this rank's inbox name from /dev/shm now (the mapping stays), e.g.
+  // Closes the descriptor peers open the inbox through (the mapping stays), e.g.
   // when the group will not use shared memory; idempotent; the destructor does it too.
-  void unlink();
+  void withdraw();
 
   // Same contract as ProcessGroupChannel::send (CPU tensors only).
   std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,

@@ -23,10 +23,11 @@ memory, an error naming the hosts when the ranks are not all on this one).
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
 
-Crash safety: every inbox's name is removed from /dev/shm by the last peer
-that maps it (at the first message), so a SIGKILL leaves nothing behind; a
-peer whose process is gone is reported by the wait (through a pidfd) within
-50 ms, as Gloo reports a closed socket.
+Crash safety: an inbox is an anonymous file (``memfd_create``) that the peers
+open through ``/proc/<pid>/fd``: nothing is ever named in /dev/shm, so no exit
+(an exception, ``os._exit``, SIGKILL, before or after the first step) leaves
+anything behind; a peer whose process is gone is reported by the wait
+(through a pidfd) within 50 ms, as Gloo reports a closed socket.
 """
 from __future__ import annotations
 
@@ -182,9 +183,9 @@ class _Setup:
         return _GroupTransport("shm", self.shm)
 
     def drop(self) -> None:
-        """Remove this rank's inbox name (the transport is not shared memory after all, or setup failed)."""
+        """Withdraw this rank's inbox (the transport is not shared memory after all, or setup failed)."""
         if self.shm is not None:
-            self.shm.unlink()
+            self.shm.withdraw()
 
 
 _setups: dict[str, Union[_Setup, _GroupTransport]] = {}  # by group name: in flight, or decided
