@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -30,3 +31,16 @@ def dev_shm_left_as_found():
     yield
     left = _shm_names() - before
     assert not left, f"the test session left {sorted(left)} in /dev/shm"
+
+
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C (SIGINT, or ``_thread.interrupt_main``) raises KeyboardInterrupt during the test.
+
+    A test must not depend on how it was started: a background job of a
+    non-interactive script inherits SIGINT *ignored*, and ``interrupt_main``
+    then does nothing.
+    """
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

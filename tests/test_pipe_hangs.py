@@ -103,9 +103,11 @@ def test_ctrl_c_with_a_stuck_worker_does_not_hold_up_interpreter_exit():
     worker, and the process exits although that worker (timeout=600) never returns."""
     script = textwrap.dedent(
         """
-        import _thread, threading, torch
+        import _thread, signal, threading, torch
         from torch import nn
         import pipeline_ext as pe
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a background job of a script
 
         class Stuck(nn.Module):
             def forward(self, x):

@@ -171,6 +171,7 @@ def _reference_grads(x, y):
     return _grads(ref)
 
 
+@pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("main_thread", [False, True])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_ctrl_c_cancels_the_step_and_a_retry_equals_the_unsplit_model(main_thread, schedule):
