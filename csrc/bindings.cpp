@@ -187,7 +187,8 @@ void bind_channels(py::module_& m) {
       .def_readonly_static("LAYOUT_TAG_BIT", &ProcessGroupChannel::kLayoutTagBit)
       .def("send", &ProcessGroupChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
            py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
-           release(), "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
+           py::arg("owned") = false, release(),
+           "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
       .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
       .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release())
       .def("set_route", &ProcessGroupChannel::set_route, py::arg("peer"), py::arg("send_group"), py::arg("send_peer"),
@@ -214,7 +215,7 @@ void bind_channels(py::module_& m) {
       .def("discarded", &ShmChannel::discarded)
       .def("send", &ShmChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
            py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
-           release(), "Send as one message through the peer's ring; returns (Request, PackLayout).")
+           py::arg("owned") = false, release(), "Send as one message through the peer's ring; returns (Request, PackLayout).")
       .def("recv", &ShmChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
       .def("recv_layout", &ShmChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
 
@@ -241,7 +242,8 @@ void bind_channels(py::module_& m) {
   py::class_<LocalChannel, std::shared_ptr<LocalChannel>>(m, "LocalChannel", "One rank's view of a LocalHub.")
       .def(py::init<std::shared_ptr<LocalHub>, int>(), py::arg("hub"), py::arg("rank"))
       .def_property_readonly("rank", &LocalChannel::rank)
-      .def("send", &LocalChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"), release())
+      .def("send", &LocalChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"), py::arg("owned") = false,
+           release())
       .def("recv", &LocalChannel::recv, py::arg("peer"), py::arg("tag"), release());
 }
 

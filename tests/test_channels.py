@@ -325,6 +325,10 @@ def test_known_steps_reuse_one_pack_buffer_and_a_send_owns_its_bytes():
         assert torch.equal(got_pair[0], pair[0]) and torch.equal(got_pair[1], pair[1])
         assert torch.equal(got_single[0], single)
         assert pg.sent[-1].data_ptr() != single.data_ptr()  # a copy went on the wire, not the caller's tensor
+        grad = torch.full((5,), float(step))  # the pipeline's own (a gradient autograd made): sent as itself
+        messages.send([grad], 1, 4, owned=True)
+        assert pg.sent[-1].data_ptr() == grad.data_ptr()
+        messages.recv(1, 4).wait(5.0, "grad")
         buffers.append(plans.step(channel, 3).plan.send_buffers.get(("send", 1, 0)))
     assert buffers[0] is None  # discovery packs afresh; known steps reuse one buffer
     assert buffers[1] is not None and buffers[1] is buffers[2]

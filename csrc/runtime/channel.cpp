@@ -266,7 +266,8 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
                                                                           int peer, int tag,
                                                                           const std::optional<PackLayout>& expected,
                                                                           bool with_layout,
-                                                                          const std::optional<at::Tensor>& out) {
+                                                                          const std::optional<at::Tensor>& out,
+                                                                          bool owned) {
   check_peer(peer, tag);
   PackLayout layout = layout_of(tensors);
   check_send_layout(expected, layout, peer, tag);
@@ -282,9 +283,15 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
   // backend reads the bytes later (Gloo once the peer posted its receive, NCCL
   // on its own stream), and a stage may write the tensor it returned again in
   // its next forward (a reused output buffer). The send owns its bytes when
-  // it returns.
-  const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
-  at::Tensor packed = pack(tensors, reuse ? out : std::nullopt).first;
+  // it returns. Tensors the pipeline owns (gradients) go as they are when one
+  // contiguous tensor already is its packed form.
+  at::Tensor packed;
+  if (owned && tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device_ && is_plain(tensors[0])) {
+    packed = tensors[0].reshape({-1}).view(at::kByte);
+  } else {
+    const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
+    packed = pack(tensors, reuse ? out : std::nullopt).first;
+  }
   // The send stream waits for what the compute stream has queued so far (the
   // tensors' producers), and nothing queued later.
   make_streams();

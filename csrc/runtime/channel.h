@@ -137,7 +137,10 @@ class ProcessGroupChannel {
 
   // Sends `tensors` to `peer` as one message, packed (copied) into `out` when
   // given (a reused buffer, see pack()) or a fresh buffer: the send owns its
-  // bytes when it returns, whatever the caller writes afterwards. If `expected` is given the
+  // bytes when it returns, whatever the caller writes afterwards. `owned`
+  // tensors are the pipeline's own (autograd's gradients: no one else can
+  // write them): a single contiguous one on the channel's device is sent as
+  // itself, without the copy. If `expected` is given the
   // layout must equal it (checked before anything is sent). If `with_layout`,
   // the layout goes first under tag | kLayoutTagBit (in the same batch).
   // Returns the request (it keeps the buffers alive) and the layout that was
@@ -145,7 +148,8 @@ class ProcessGroupChannel {
   // the caller's business.
   std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
                                                        const std::optional<PackLayout>& expected, bool with_layout,
-                                                       const std::optional<at::Tensor>& out = std::nullopt);
+                                                       const std::optional<at::Tensor>& out = std::nullopt,
+                                                       bool owned = false);
   // Posts a receive of a message packed as `layout`; wait() unpacks it.
   std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
   // Posts the receive of the layout sent with with_layout=true; wait() returns

@@ -46,13 +46,13 @@ at::Tensor staged(const at::Tensor& t, const at::Device& dst) {
 }  // namespace
 
 LocalMessage transfer(const std::vector<at::Tensor>& tensors, const at::Device& src, const at::Device& dst,
-                      bool copy_streams) {
+                      bool copy_streams, bool owned) {
   LocalMessage msg;
   if (src == dst) {
     // Handed over as a copy made now, on the producer's stream: a stage may
     // write the tensor it returned again in its next forward (a reused output
     // buffer) while the consumer is still reading it.
-    for (const auto& t : tensors) msg.tensors.push_back(t.detach().clone());
+    for (const auto& t : tensors) msg.tensors.push_back(owned ? t.detach() : t.detach().clone());
     msg.ready.record(Stream::current(src));
     return msg;
   }
@@ -187,9 +187,9 @@ LocalChannel::LocalChannel(std::shared_ptr<LocalHub> hub, int rank) : hub_(std::
   hub_->device(rank_);  // validates the rank
 }
 
-std::shared_ptr<Request> LocalChannel::send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag) {
+std::shared_ptr<Request> LocalChannel::send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag, bool owned) {
   TORCH_CHECK_VALUE(peer != rank_, "LocalChannel: rank ", rank_, " cannot send to itself");
-  hub_->put(rank_, peer, tag, transfer(tensors, hub_->device(rank_), hub_->device(peer), hub_->copy_streams()));
+  hub_->put(rank_, peer, tag, transfer(tensors, hub_->device(rank_), hub_->device(peer), hub_->copy_streams(), owned));
   return std::make_shared<CompletedRequest>();
 }
 

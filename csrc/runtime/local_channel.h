@@ -35,12 +35,13 @@ struct LocalMessage {
 // a CUDA reader must wait for it on its stream and record_stream the tensors
 // there (see `consume`), a host reader must synchronize it. Same device: a
 // copy made on src's current stream (the producer may write its tensors again
-// in its next forward), ready after it. With
+// in its next forward), ready after it; `owned` tensors (the pipeline's own,
+// e.g. autograd's gradients, which no one else writes) are handed over as they are. With
 // `copy_streams=false` the copy is queued on the current streams instead.
 // Shared by LocalChannel (activations, forward) and Pipe's Boundary (gradients,
 // backward), so both directions follow one protocol.
 LocalMessage transfer(const std::vector<at::Tensor>& tensors, const at::Device& src, const at::Device& dst,
-                      bool copy_streams = true);
+                      bool copy_streams = true, bool owned = false);
 
 // The reader's half of `transfer` on `device`: its current stream (or the
 // host, for CPU) waits for `message.ready`, and the caching allocator learns
@@ -98,7 +99,7 @@ class LocalChannel {
   const std::shared_ptr<LocalHub>& hub() const { return hub_; }
 
   // Hands `tensors` (detached) to `peer`; the request is complete at once.
-  std::shared_ptr<Request> send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag);
+  std::shared_ptr<Request> send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag, bool owned = false);
   // A request whose wait blocks until the message from `peer` under `tag` arrives.
   std::shared_ptr<Request> recv(int peer, int64_t tag);
 

@@ -663,7 +663,7 @@ void ShmChannel::check_peer(int peer, int tag) const {
 std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vector<at::Tensor>& tensors, int peer,
                                                                  int tag, const std::optional<PackLayout>& expected,
                                                                  bool with_layout,
-                                                                 const std::optional<at::Tensor>& out) {
+                                                                 const std::optional<at::Tensor>& out, bool owned) {
   check_peer(peer, tag);
   PackLayout layout = layout_of(tensors);
   if (!tensors.empty() && !tensors.front().device().is_cpu()) {
@@ -686,7 +686,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vect
     bytes = at::Tensor();
   } else if (tensors.size() == 1 && is_plain(tensors[0])) {
     bytes = tensors[0].reshape({-1}).view(at::kByte);  // already its packed form: copied into the ring as is
-    borrowed = true;
+    borrowed = !owned;
   } else {
     const bool reuse = out && out->device().is_cpu();
     bytes = pack(tensors, reuse ? out : std::nullopt).first;

@@ -70,7 +70,8 @@ class ShmChannel {
   // Same contract as ProcessGroupChannel::send (CPU tensors only).
   std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
                                                        const std::optional<PackLayout>& expected, bool with_layout,
-                                                       const std::optional<at::Tensor>& out = std::nullopt);
+                                                       const std::optional<at::Tensor>& out = std::nullopt,
+                                                       bool owned = false);
   std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
   std::shared_ptr<Request> recv_layout(int peer, int tag);
 

@@ -158,15 +158,18 @@ class DistChannel:
         """
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, expected: Optional["_C.PackLayout"] = None,
-             with_layout: bool = False, out: Optional[torch.Tensor] = None) -> tuple[ChannelHandle, "_C.PackLayout"]:
+             with_layout: bool = False, out: Optional[torch.Tensor] = None,
+             owned: bool = False) -> tuple[ChannelHandle, "_C.PackLayout"]:
         """Send ``tensors`` as one message now; with ``with_layout`` its layout goes first.
 
         ``expected``: the layout the receiver preallocated; a mismatch fails
         before anything is sent. ``out``: a reused pack buffer. The handle keeps
-        the buffers alive until the send completes.
+        the buffers alive until the send completes. The send owns its bytes
+        when it returns (a copy), except for ``owned`` tensors: the pipeline's
+        own (autograd's gradients), which no one else can write.
         """
         try:
-            request, layout = self._pg.send(list(tensors), peer, tag, expected, with_layout, out)
+            request, layout = self._pg.send(list(tensors), peer, tag, expected, with_layout, out, owned)
         except ChannelError as exc:
             raise ChannelError(
                 f"rank {self.rank}: {describe_tag(tag, self.num_stages)} to rank {peer}: {exc}"
@@ -223,9 +226,10 @@ class LocalChannel:
         self.rank = rank
         self._channel = _C.LocalChannel(hub._hub, rank)
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> ChannelHandle:
-        """Hand tensors (detached) to ``peer``; blocks only while the hub's bound is full."""
-        return ChannelHandle(self._channel.send(list(tensors), peer, tag))
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
+        """Hand tensors (detached; copies on the same device unless ``owned``) to ``peer``; blocks only
+        while the hub's bound is full."""
+        return ChannelHandle(self._channel.send(list(tensors), peer, tag, owned))
 
     def recv(self, peer: int, tag: int) -> ChannelHandle:
         """A handle whose ``wait`` blocks (GIL released) until ``peer``'s message arrives."""

@@ -112,7 +112,10 @@ class Runner(Protocol):
 class Channel(Protocol):
     """Moves lists of tensors between ranks, matched by (peer, tag)."""
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle: ...
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> Handle:
+        """Sends ``tensors``; the send owns its bytes when it returns, unless they are ``owned``: the
+        pipeline's own (gradients autograd computed), which no one else can write."""
+        ...
 
     def recv(self, peer: int, tag: int) -> Handle: ...
 
@@ -409,7 +412,10 @@ class Executor:
 
     def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         tensors = self._take(st.to_send, a, a)
-        st.sends.append((a, self._start(a, lambda: self._messages.send(tensors, self._peer(a), self._tag(a)))))
+        # An activation is whatever the user's module returned (it may write it again: a reused output
+        # buffer), so it is copied; an input gradient is autograd's, sent as it is.
+        owned = a.kind == ActionKind.SEND_B
+        st.sends.append((a, self._start(a, lambda: self._messages.send(tensors, self._peer(a), self._tag(a), owned))))
 
     def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
         handle = st.posted.pop(a, None)
@@ -459,7 +465,7 @@ class Executor:
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
-            st.sends.append((msg, self._start(msg, lambda: self._messages.send(tensors, self._peer(msg), tag))))
+            st.sends.append((msg, self._start(msg, lambda: self._messages.send(tensors, self._peer(msg), tag, gradient))))
 
     def _take(self, d: dict, key: Any, a: Any) -> Any:
         try:

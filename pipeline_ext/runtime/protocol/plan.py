@@ -174,10 +174,10 @@ class StepMessages:
                 "a known step must exchange the same messages as its discovery step"
             ) from None
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> ChannelHandle:
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
         key = self._key("send", peer, tag)
         if not self.known:
-            handle, layout = self.channel.send(tensors, peer, tag, with_layout=True)
+            handle, layout = self.channel.send(tensors, peer, tag, with_layout=True, owned=owned)
             self.plan.layouts[key] = layout
             return handle
         layout = self._layout(key)
@@ -187,7 +187,7 @@ class StepMessages:
             if out is None:
                 out = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
                 self.plan.send_buffers[key] = out
-        return self.channel.send(tensors, peer, tag, expected=layout, out=out)[0]
+        return self.channel.send(tensors, peer, tag, expected=layout, out=out, owned=owned)[0]
 
     def batch(self) -> ContextManager[None]:
         """The channel's batch (``DistChannel.batch``)."""
