@@ -110,9 +110,9 @@ def test_back_to_back_sends_go_in_one_batch_and_receives_never(monkeypatch):
             depth[self.rank] -= 1
             events[self.rank].append("close")
 
-    def recording_send(self, tensors, peer, tag):
+    def recording_send(self, tensors, peer, tag, owned=False):
         events[self.rank].append("send in batch" if depth[self.rank] else "send")
-        return send(self, tensors, peer, tag)
+        return send(self, tensors, peer, tag, owned)
 
     def recording_recv(self, peer, tag):
         events[self.rank].append("recv in batch" if depth[self.rank] else "recv")
