@@ -16,7 +16,7 @@ from torch import nn
 
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch
-from mp_utils import run_ranks
+from mp_utils import no_complaints, run_ranks
 from pipeline_ext._ext import _C
 from pipeline_ext.runtime.shm import TRANSPORT_ENV, make_channel, requested_transport
 
@@ -146,3 +146,37 @@ def test_sigkill_of_either_rank_leaves_nothing_in_dev_shm_and_is_named(victim, w
     while _segments_of(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _segments_of(pids) == []
+
+
+def _train(rank: int, world: int, seed: int) -> bool:
+    """Two 1F1B steps over shared memory on the default group; whether the gradients are the unsplit model's."""
+    modules, ref = build("mlp", world), build("mlp", world)
+    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=20.0, transport="shm")
+    for i in range(2):
+        x, y = make_batch("mlp", 8, seed=seed + i)
+        sched.step(x) if rank == 0 else sched.step(target=y)
+        loss_fn(nn.Sequential(*ref)(x), y).backward()
+    return all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+               for p, q in zip(modules[rank].parameters(), ref[rank].parameters()))
+
+
+def _reinit(rank: int, world: int, store: str) -> list[str]:
+    """Train, destroy the default group, make it again (same name), train again: the new group gets a
+    transport and step numbers of its own."""
+    import torch.distributed as dist
+
+    said = [] if _train(rank, world, 0) else ["first group: WRONG gradients"]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        said += [] if _train(rank, world, 2) else ["second group: WRONG gradients"]
+    except Exception as exc:  # noqa: BLE001 - what went wrong is the complaint
+        said.append(f"second group: {type(exc).__name__}: {exc}")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_default_group_made_again_gets_a_transport_of_its_own(tmp_path):
+    no_complaints(_reinit, 2, str(tmp_path / "store"), timeout=50)

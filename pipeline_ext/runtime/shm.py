@@ -35,6 +35,7 @@ import json
 import os
 import socket
 import threading
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -188,31 +189,32 @@ class _Setup:
             self.shm.withdraw()
 
 
-_setups: dict[str, Union[_Setup, _GroupTransport]] = {}  # by group name: in flight, or decided
+# By group object (weakly), in flight or decided: a group destroyed and made again under the same name gets
+# a transport of its own, as it gets step numbers of its own (protocol/identity.GroupSteps).
+_setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTransport]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def _post(group: dist.ProcessGroup) -> None:
     """Start the group's setup, once per process (every channel on a group shares its transport)."""
     with _lock:
-        if group.group_name not in _setups:
-            _setups[group.group_name] = _Setup(group)
+        if group not in _setups:
+            _setups[group] = _Setup(group)
 
 
 def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _GroupTransport:
     """The group's transport, finishing its setup if this is the first message: shm on one host, else Gloo."""
-    name = group.group_name
     with _lock:
-        known = _setups[name]
+        known = _setups[group]
         if isinstance(known, _Setup):
             try:
                 known = known.finish(timeout)
             except BaseException:
                 known.drop()
                 raise
-            _setups[name] = known
+            _setups[group] = known
     if required and known.kind != "shm":
-        raise ChannelError(f"transport='shm': group {name!r} cannot use shared memory ({known.reason}); "
+        raise ChannelError(f"transport='shm': group {group.group_name!r} cannot use shared memory ({known.reason}); "
                            "use transport='auto' or 'gloo'")
     return known
 
