@@ -60,7 +60,6 @@ struct SegmentHeader {
   // space freed in a ring the owner writes to); the owner sleeps on it (futex).
   alignas(64) std::atomic<uint32_t> doorbell;
   alignas(64) std::atomic<uint32_t> sleepers;  // owner threads asleep (or about to be) on the doorbell
-  alignas(64) std::atomic<uint32_t> attached;  // peers that mapped this segment
 };
 
 struct RecordHeader {
@@ -624,7 +623,6 @@ void ShmChannel::attach(int peer, const std::string& name) {
     throw ChannelError("shared-memory transport: " + name + " is not rank " + std::to_string(peer) +
                        "'s segment of this group (other version or ring size?)");
   }
-  m.header()->attached.fetch_add(1);
   std::lock_guard<std::mutex> lock(s.mu);
   auto& ps = s.peers[peer];
   ps.inbox.unmap();
