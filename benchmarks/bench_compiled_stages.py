@@ -2,7 +2,7 @@
 
 Does ``torch.compile`` on the stages pay inside a pipeline, and what happens
 to the zero-bubble schedule when it does? The model is the demo's GPT
-(``pipeline_ext.demo_model``: token embedding, pre-norm causal self-attention
+(``pipeline_ext.demo.model``: token embedding, pre-norm causal self-attention
 and MLP blocks, LM head), cut into two stages on two Gloo ranks (127.0.0.1, one
 intra-op thread each). Every stage runs as
 
@@ -73,7 +73,7 @@ def make_run(schedule: str, stages: str, module: nn.Module, rank: int, args: arg
              batch: tuple[torch.Tensor, torch.Tensor]) -> Run:
     """A training step of ``module`` (this rank's stage) under ``schedule``; grads cleared at each step."""
     import pipeline_ext as pe
-    from pipeline_ext.demo_model import lm_loss
+    from pipeline_ext.demo.model import lm_loss
 
     stage = pe.PipelineStage(module, rank, WORLD, "cpu")
     sched = pe.PipelineSchedule(stage, schedule, args.microbatches, loss_fn=lm_loss, timeout=args.timeout)
@@ -136,7 +136,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """This rank's part: first steps checked, then interleaved repeats, timed and traced (rows on rank 0)."""
     from bench_pipeline import timed  # benchmarks/ is on sys.path when run as a script
 
-    from pipeline_ext.demo_model import GPTConfig, gpt_stages, synthetic_batch
+    from pipeline_ext.demo.model import GPTConfig, gpt_stages, synthetic_batch
 
     torch._dynamo.config.cache_size_limit = 64  # one stage class, compiled by two backends
     cfg = GPTConfig(seq_len=args.seq, d_model=args.d, heads=args.heads, layers=args.layers)
@@ -179,7 +179,7 @@ def print_table(rows: list[dict], checks: dict[tuple[str, str], dict[str, float]
 
 
 def main() -> None:
-    from pipeline_ext.launch import spawn
+    from pipeline_ext.dist.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=128, help="model width")
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--summaries", action="store_true", help="also print each variant's trace summary (F/I/W costs)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a rank may wait on its peer (compiles)")
     args = ap.parse_args()
-    print(f"GPT (demo_model) {args.layers} blocks, d={args.d}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
+    print(f"GPT (demo/model.py) {args.layers} blocks, d={args.d}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
           f"{args.microbatches} microbatches, {WORLD} ranks (Gloo), 1 thread/rank, torch {torch.__version__}; "
           f"medians of {args.repeats} interleaved repeats x {args.steps} steps, bubble: median over the same steps")
     out = spawn(worker, WORLD, args, timeout=3600, pg_timeout=args.timeout, threads=1)

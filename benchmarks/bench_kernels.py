@@ -1,4 +1,4 @@
-"""Microbenchmark of pipeline_ext.ops against the torch way of doing the same.
+"""Microbenchmark of pipeline_ext.runtime.ops against the torch way of doing the same.
 
 Why: the kernels exist to make microbatch split/merge and multi-tensor messages
 cheaper than ``torch.tensor_split(...)+.contiguous()``, ``torch.cat`` and

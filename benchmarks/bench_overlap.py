@@ -38,7 +38,7 @@ from torch import nn
 
 import pipeline_ext as pe
 from pipeline_ext import pipe as pipe_module
-from pipeline_ext.runtime.channels import LocalHub
+from pipeline_ext.runtime.local import LocalHub
 from pipeline_ext.runtime.trace import profiler_events
 
 GPU = torch.device("cuda:0")

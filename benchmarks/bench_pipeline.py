@@ -3,7 +3,7 @@
 Two ranks on Gloo (127.0.0.1), one intra-op thread each. Two workloads
 (``--models``): the MLP of issue 6, 8 x (Linear(d, d) + ReLU), batch 64, 8
 microbatches, MSE loss; and a transformer stack closer to what people
-pipeline: ``pipeline_ext.demo_model``'s GPT (token embedding, 8 pre-norm
+pipeline: ``pipeline_ext.demo.model``'s GPT (token embedding, 8 pre-norm
 causal self-attention + MLP blocks, LM head, cross-entropy), sequence 128,
 batch 16, 8 microbatches, d = ``--dims``.
 For every schedule both libraries run in the same processes, alternating, in
@@ -87,7 +87,7 @@ class Workload:
     def stages(self, num_stages: int) -> list[nn.Module]:
         if self.model == "mlp":
             return mlp_stages(self.d, num_stages)
-        from pipeline_ext.demo_model import gpt_stages
+        from pipeline_ext.demo.model import gpt_stages
 
         return gpt_stages(self._gpt(), num_stages)
 
@@ -95,7 +95,7 @@ class Workload:
         if self.model == "mlp":
             g = torch.Generator().manual_seed(self.d)
             return torch.randn(BATCH, self.d, generator=g), torch.randn(BATCH, self.d, generator=g)
-        from pipeline_ext.demo_model import synthetic_batch
+        from pipeline_ext.demo.model import synthetic_batch
 
         return synthetic_batch(self._gpt(), SEQ_BATCH, step=0)
 
@@ -103,19 +103,19 @@ class Workload:
     def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         if self.model == "mlp":
             return loss_fn
-        from pipeline_ext.demo_model import lm_loss
+        from pipeline_ext.demo.model import lm_loss
 
         return lm_loss
 
     def _gpt(self) -> Any:
-        from pipeline_ext.demo_model import GPTConfig
+        from pipeline_ext.demo.model import GPTConfig
 
         return GPTConfig(vocab=256, seq_len=SEQ, d_model=self.d, heads=HEADS, layers=BLOCKS)
 
     def describe(self) -> str:
         if self.model == "mlp":
             return f"MLP {LAYERS} x Linear(d,d)+ReLU, batch {BATCH}"
-        return f"GPT {BLOCKS} blocks (demo_model), seq {SEQ}, {HEADS} heads, batch {SEQ_BATCH}"
+        return f"GPT {BLOCKS} blocks (demo/model.py), seq {SEQ}, {HEADS} heads, batch {SEQ_BATCH}"
 
 
 def make_step(case_cls: Any, stage_cls: Any, modules: list[nn.Module], v: int, rank: int, m: int,
@@ -354,7 +354,7 @@ def main() -> None:
     ap.add_argument("--overhead-microbatches", type=int, default=32)
     args = ap.parse_args()
 
-    from pipeline_ext.launch import spawn
+    from pipeline_ext.dist.launch import spawn
 
     if args.overhead:
         m = args.overhead_microbatches

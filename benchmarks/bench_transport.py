@@ -37,8 +37,8 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s
     import torch.distributed as dist
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
 
-    from pipeline_ext._ext import _C
-    from pipeline_ext.runtime.shm import make_channel
+    from pipeline_ext.runtime._ext import _C
+    from pipeline_ext.dist.shm import make_channel
 
     peer = 1 - rank
     gloo = make_channel(None, "cpu", 2, "gloo")
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=0.0, help="rank 1 waits this long before answering")
     args = ap.parse_args()
 
-    from pipeline_ext.launch import spawn
+    from pipeline_ext.dist.launch import spawn
 
     idle = args.idle_ms / 1e3
     print(f"ping-pong, 2 ranks, 1 thread/rank, torch {torch.__version__}; median round trip of "

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from benchmarks.bench_pipeline import loss_fn, mlp_stages
-from pipeline_ext.launch import spawn
+from pipeline_ext.dist.launch import spawn
 
 MICROBATCHES, BATCH, STEPS = 8, 64, 10
 

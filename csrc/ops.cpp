@@ -103,7 +103,7 @@ void register_device_kernels(torch::Library& m) {
 // The fake kernels live in this Python module: C++ callers tracing an op (e.g.
 // under torch.export) make torch import it.
 TORCH_LIBRARY(pipeline_ext, m) {
-  m.set_python_module("pipeline_ext.ops");
+  m.set_python_module("pipeline_ext.runtime.ops");
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
   // No default argument values: the dispatcher drops arguments equal to their
   // default before register_autograd's Python kernel sees them, and torch 2.13's

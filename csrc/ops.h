@@ -2,7 +2,7 @@
 // extension-cpp layout): ops.cpp holds the schemas (TORCH_LIBRARY), the CPU
 // kernels and the composite unpack; ops_cuda.cpp registers the same kernels for
 // CUDA. Their fake (meta) kernels and autograd formulas are registered from
-// Python, in pipeline_ext/ops.py, with torch.library.register_fake and
+// Python, in pipeline_ext/runtime/ops.py, with torch.library.register_fake and
 // torch.library.register_autograd.
 //
 // Every kernel is device-generic: its byte moving is a CopyPlan, which runs as
@@ -23,7 +23,7 @@ namespace pipeline_ext {
 // m.impl(...) of every op that has a backend kernel, for the key of `m`.
 void register_device_kernels(torch::Library& m);
 
-// Eager entry points (bound by bindings.cpp, used by pipeline_ext.ops outside
+// Eager entry points (bound by bindings.cpp, used by pipeline_ext.runtime.ops outside
 // torch.compile). Calling torch.ops.pipeline_ext.* from Python costs a few
 // microseconds of argument parsing, and the Python kernel that
 // torch.library.register_autograd installs at the Autograd key runs on every

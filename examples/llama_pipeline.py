@@ -228,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = {k: getattr(args, k) for k in ("pp", "schedule", "size", "batch", "seq", "microbatches", "steps", "lr",
                                          "clip", "check")}
     if args.spawn:
-        from pipeline_ext.launch import spawn
+        from pipeline_ext.dist.launch import spawn
 
         results = spawn(train, args.spawn, cfg, timeout=3600, threads=1)
         _report({r: v for r, (_, v) in results.items()})

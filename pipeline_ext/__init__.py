@@ -16,46 +16,46 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "PipelineStage": "pipeline_ext.distributed",
-    "PipelineSchedule": "pipeline_ext.distributed",
-    "PipeliningMetadataError": "pipeline_ext.distributed",
-    "PipeliningShapeError": "pipeline_ext.distributed",
-    "PipelineScheduleSingle": "pipeline_ext.schedule_classes",
-    "PipelineScheduleMulti": "pipeline_ext.schedule_classes",
-    "ScheduleGPipe": "pipeline_ext.schedule_classes",
-    "Schedule1F1B": "pipeline_ext.schedule_classes",
-    "ScheduleInterleaved1F1B": "pipeline_ext.schedule_classes",
-    "ScheduleInterleavedZeroBubble": "pipeline_ext.schedule_classes",
-    "ScheduleLoopedBFS": "pipeline_ext.schedule_classes",
-    "ScheduleZBH1": "pipeline_ext.schedule_classes",
-    "ScheduleZBH2": "pipeline_ext.schedule_classes",
-    "ScheduleZBV": "pipeline_ext.schedule_classes",
-    "ScheduleZBVZeroBubble": "pipeline_ext.schedule_classes",
-    "ScheduleDualPipeV": "pipeline_ext.schedule_classes",
-    "_ScheduleForwardOnly": "pipeline_ext.schedule_classes",
-    "_PipelineScheduleRuntime": "pipeline_ext.schedule_classes",
-    "get_schedule_class": "pipeline_ext.schedule_classes",
-    "TensorChunkSpec": "pipeline_ext.microbatch",
-    "pipeline": "pipeline_ext.tracer",
-    "SplitPoint": "pipeline_ext.tracer",
-    "pipe_split": "pipeline_ext.tracer",
-    "build_stage": "pipeline_ext.tracer",
-    "split_args_kwargs_into_chunks": "pipeline_ext.microbatch",
-    "merge_chunks": "pipeline_ext.microbatch",
-    "StepAgreementError": "pipeline_ext.runtime.protocol.agreement",
-    "StepRejectedError": "pipeline_ext.runtime.protocol.agreement",
-    "UnsupportedWrapperError": "pipeline_ext.runtime.data_parallel",
+    "PipelineStage": "pipeline_ext.pipelining.stage",
+    "PipelineSchedule": "pipeline_ext.pipelining.schedule",
+    "PipeliningMetadataError": "pipeline_ext.pipelining.stage",
+    "PipeliningShapeError": "pipeline_ext.pipelining.stage",
+    "PipelineScheduleSingle": "pipeline_ext.pipelining.schedule_classes",
+    "PipelineScheduleMulti": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleGPipe": "pipeline_ext.pipelining.schedule_classes",
+    "Schedule1F1B": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleInterleaved1F1B": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleInterleavedZeroBubble": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleLoopedBFS": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleZBH1": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleZBH2": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleZBV": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleZBVZeroBubble": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleDualPipeV": "pipeline_ext.pipelining.schedule_classes",
+    "_ScheduleForwardOnly": "pipeline_ext.pipelining.schedule_classes",
+    "_PipelineScheduleRuntime": "pipeline_ext.pipelining.schedule_classes",
+    "get_schedule_class": "pipeline_ext.pipelining.schedule_classes",
+    "TensorChunkSpec": "pipeline_ext.runtime.microbatch",
+    "pipeline": "pipeline_ext.pipelining.model_split",
+    "SplitPoint": "pipeline_ext.pipelining.model_split",
+    "pipe_split": "pipeline_ext.pipelining.model_split",
+    "build_stage": "pipeline_ext.pipelining.model_split",
+    "split_args_kwargs_into_chunks": "pipeline_ext.runtime.microbatch",
+    "merge_chunks": "pipeline_ext.runtime.microbatch",
+    "StepAgreementError": "pipeline_ext.dist.agreement",
+    "StepRejectedError": "pipeline_ext.dist.agreement",
+    "UnsupportedWrapperError": "pipeline_ext.dist.data_parallel",
     "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
     "split_backend": "pipeline_ext.runtime.compiled_split",
-    "pipeline_mesh": "pipeline_ext.mesh",
-    "pipeline_layout": "pipeline_ext.mesh",
-    "PipelineLayout": "pipeline_ext.mesh",
+    "pipeline_mesh": "pipeline_ext.pipelining.mesh",
+    "pipeline_layout": "pipeline_ext.pipelining.mesh",
+    "PipelineLayout": "pipeline_ext.pipelining.mesh",
     "Pipe": "pipeline_ext.pipe",
-    "balance_by_params": "pipeline_ext.partition",
-    "balance_by_time": "pipeline_ext.partition",
-    "balance_by_size": "pipeline_ext.partition",
-    "is_checkpointing": "pipeline_ext.checkpoint",
-    "is_recomputing": "pipeline_ext.checkpoint",
+    "balance_by_params": "pipeline_ext.pipe.partition",
+    "balance_by_time": "pipeline_ext.pipe.partition",
+    "balance_by_size": "pipeline_ext.pipe.partition",
+    "is_checkpointing": "pipeline_ext.pipe.recompute",
+    "is_recomputing": "pipeline_ext.pipe.recompute",
     "tie_parameters": "pipeline_ext.training.tied",
     "TiedParameters": "pipeline_ext.training.tied",
     "clip_grad_norm_": "pipeline_ext.training.clip",
@@ -63,7 +63,18 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
 }
-_SUBMODULES = {"skip", "tracer", "schedule_classes", "ops", "schedules", "microbatch", "runtime", "distributed", "pipe", "partition", "checkpoint", "training", "mesh"}
+#: subpackages, and the modules users reach as ``pipeline_ext.<name>`` (``from pipeline_ext import ops``)
+_SUBMODULES = {
+    "schedules": "pipeline_ext.schedules",
+    "skip": "pipeline_ext.skip",
+    "runtime": "pipeline_ext.runtime",
+    "dist": "pipeline_ext.dist",
+    "pipelining": "pipeline_ext.pipelining",
+    "pipe": "pipeline_ext.pipe",
+    "training": "pipeline_ext.training",
+    "ops": "pipeline_ext.runtime.ops",
+    "microbatch": "pipeline_ext.runtime.microbatch",
+}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 
@@ -72,7 +83,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f"pipeline_ext.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     else:
         raise AttributeError(f"module 'pipeline_ext' has no attribute {name!r}")
     globals()[name] = value

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from pipeline_ext.runtime.shm import TRANSPORT_ENV
+from pipeline_ext.dist.shm import TRANSPORT_ENV
 
 
 @pytest.fixture(params=["gloo", "shm"])

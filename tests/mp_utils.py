@@ -1,6 +1,6 @@
 """Run a test function on N ranks (processes) over Gloo on 127.0.0.1, with a hard timeout.
 
-A thin test-side face of ``pipeline_ext.launch.spawn`` (which the demo and the
+A thin test-side face of ``pipeline_ext.dist.launch.spawn`` (which the demo and the
 benchmarks use too): multi-process tests must never hang CI, so every rank has
 a process-group timeout, the whole run has a wall-clock timeout after which
 every rank still alive is killed, and a rank's exception fails the test with
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pipeline_ext.launch import RankError, free_port, spawn
+from pipeline_ext.dist.launch import RankError, free_port, spawn
 
 __all__ = ["free_port", "run_ranks", "rank_values", "no_complaints"]
 

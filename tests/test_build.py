@@ -28,7 +28,7 @@ def test_extension_uses_the_shared_libstdcxx():
     import subprocess
     import sys
 
-    from pipeline_ext._ext import _C
+    from pipeline_ext.runtime._ext import _C
 
     if not sys.platform.startswith("linux") or shutil.which("ldd") is None:
         return  # the check reads ELF dependencies; other platforms link their own way

@@ -14,9 +14,11 @@ import torch.multiprocessing as mp
 
 from loopback_pg import Loopback
 from pipeline_ext.runtime import streams
-from pipeline_ext.runtime.channels import ChannelError, DistChannel, LocalHub
-from pipeline_ext.runtime.protocol.plan import PlanCache
-from pipeline_ext.runtime.shm import ShmChannel, make_channel
+from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.runtime.channel import ChannelError
+from pipeline_ext.runtime.local import LocalHub
+from pipeline_ext.dist.comm_plan import PlanCache
+from pipeline_ext.dist.shm import ShmChannel, make_channel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -136,12 +138,10 @@ def _scenario_timeout(rank: int, ch: DistChannel) -> dict:
 
     out: dict = {}
     if rank == 1:
-        start = time.monotonic()
         try:
             PlanCache().step(ch, None).recv(0, 3).wait(1.0, "rank 1 waiting on RECV_F of stage 1 microbatch 1 with peer rank 0")
         except TimeoutError as exc:
             out["error"] = (type(exc).__name__, str(exc))
-        out["elapsed"] = time.monotonic() - start
     else:
         # Stay alive (and silent) until rank 1 has timed out: a closed peer is another error.
         # No barrier after: Gloo closes the pair to a peer whose receive timed out.
@@ -155,11 +155,10 @@ def _scenario_dead_peer(rank: int, ch: DistChannel) -> dict:
     dist.barrier()  # every connection is up
     if rank == 0:
         os._exit(0)  # dies without a word, like a crashed worker
-    start = time.monotonic()
-    try:
-        PlanCache().step(ch, None).recv(0, 3).wait(30.0, "rank 1 waiting on the dead rank 0")
+    try:  # a 1000 s wait: only the peer's death can end it within the test's timeout
+        PlanCache().step(ch, None).recv(0, 3).wait(1000.0, "rank 1 waiting on the dead rank 0")
     except ChannelError as exc:
-        return {"error": (type(exc).__name__, str(exc)), "elapsed": time.monotonic() - start}
+        return {"error": (type(exc).__name__, str(exc))}
     return {"error": None}
 
 
@@ -189,7 +188,6 @@ def test_dist_recv_times_out_naming_what():
     name, msg = out["error"]
     assert name == "ChannelTimeout"
     assert "RECV_F of stage 1 microbatch 1 with peer rank 0" in msg and "timed out after 1000 ms" in msg
-    assert out["elapsed"] < 2.0
 
 
 @pytest.mark.timeout(60)
@@ -198,8 +196,7 @@ def test_dist_dead_peer_raises_instead_of_hanging():
     out = _run("dead_peer", expect_reports=1)[1]
     assert out["error"] is not None
     name, msg = out["error"]
-    assert name == "ChannelError" and "dead rank 0" in msg
-    assert out["elapsed"] < 20.0
+    assert name == "ChannelError" and "dead rank 0" in msg  # a ChannelError, not its subclass ChannelTimeout
 
 
 # -- in-process channel ----------------------------------------------------------------------
@@ -245,10 +242,8 @@ def test_local_threads_exchange_tensors():
 def test_local_recv_timeout_and_bound():
     hub = LocalHub(["cpu", "cpu"], capacity=2, send_timeout=0.2)
     a, b = hub.channel(0), hub.channel(1)
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match="rank 1 waiting on RECV_B.*timed out after 300 ms"):
         b.recv(0, 1).wait(0.3, "rank 1 waiting on RECV_B")
-    assert time.monotonic() - start < 1.5
     a.send([torch.ones(1)], 1, 1)
     a.send([torch.ones(1)], 1, 2)
     with pytest.raises(TimeoutError, match="per peer"):  # the third message does not fit
@@ -263,16 +258,14 @@ def test_local_recv_timeout_and_bound():
 @pytest.mark.timeout(30)
 def test_local_close_wakes_waiters_with_reason():
     hub = LocalHub(["cpu"] * 3)
-    waiters = [_spawn_thread(hub.channel(r).recv(0, 9).wait, 20.0, f"rank {r} waiting") for r in (1, 2)]
+    # 1000 s waits: only the close can end them within the test's timeout (and not as a TimeoutError)
+    waiters = [_spawn_thread(hub.channel(r).recv(0, 9).wait, 1000.0, f"rank {r} waiting") for r in (1, 2)]
     time.sleep(0.2)
-    start = time.monotonic()
     hub.close("worker 0 raised ZeroDivisionError")
     for t, box in waiters:
-        t.join(5)
-        status, exc = box.get_nowait()
+        status, exc = box.get()
         assert status == "error" and isinstance(exc, ChannelError) and not isinstance(exc, TimeoutError)
         assert "worker 0 raised ZeroDivisionError" in str(exc)
-    assert time.monotonic() - start < 2.0
     with pytest.raises(ChannelError, match="closed"):
         hub.channel(0).send([torch.ones(1)], 1, 0)
 
@@ -280,15 +273,13 @@ def test_local_close_wakes_waiters_with_reason():
 @pytest.mark.timeout(30)
 def test_local_wait_releases_the_gil():
     hub = LocalHub(["cpu", "cpu"])
-    t, box = _spawn_thread(hub.channel(1).recv(0, 0).wait, 5.0, "rank 1 waiting")
-    count, end = 0, time.monotonic() + 0.3
-    while time.monotonic() < end:  # pure Python: only runs if the waiter let go of the GIL
-        count += 1
+    # The waiter blocks first (1000 s). The send below is Python on this thread: it can only run, and so
+    # end the wait, if the waiting thread let go of the GIL; holding it, the test would run into its timeout.
+    t, box = _spawn_thread(hub.channel(1).recv(0, 0).wait, 1000.0, "rank 1 waiting")
+    time.sleep(0.2)
     hub.channel(0).send([torch.arange(3)], 1, 0)
-    t.join(5)
-    status, got = box.get_nowait()
+    status, got = box.get()
     assert status == "ok" and torch.equal(got[0], torch.arange(3))
-    assert count > 10_000
 
 
 def test_host_channel_waits_with_the_callers_timeout():

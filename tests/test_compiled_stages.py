@@ -200,7 +200,7 @@ def _split_vs_whole(make_out, x: torch.Tensor, net: nn.Module):
     out = make_out(x)
     g = torch.randn_like(out)
     (gx,), deferred = backward_input([out], [g], [x])
-    unsplit, boundaries = deferred.unsplit, len(deferred.boundaries)
+    unsplit, boundaries = deferred.unsplit, len(deferred.branches)
     backward_weight(deferred)
     got = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
@@ -339,7 +339,7 @@ def test_split_backend_i_computes_no_weight_grad_and_w_completes_it():
     out = compiled(x)
     g = torch.randn_like(out)
     (gx,), deferred = backward_input([out], [g], [x])
-    assert deferred.unsplit is None and len(deferred.boundaries) == 1
+    assert deferred.unsplit is None and len(deferred.branches) == 1
     assert all(p.grad is None for p in body.parameters())
     backward_weight(deferred)
     x2 = x.detach().clone().requires_grad_(True)

@@ -22,9 +22,9 @@ from torch import nn
 import pipeline_ext as pe
 from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
-from pipeline_ext.checkpoint import CHECKPOINT_MODES
-from pipeline_ext.runtime.channels import DistChannel
-from pipeline_ext.runtime.protocol.plan import PlanCache, StepMessages
+from pipeline_ext.pipe.recompute import CHECKPOINT_MODES
+from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.dist.comm_plan import PlanCache, StepMessages
 
 pytestmark = [
     pytest.mark.cuda,
@@ -94,7 +94,7 @@ def test_stages_split_between_gpu_and_cpu(name):
 
 @pytest.mark.parametrize("devices", [["cuda:0", "cpu"], ["cpu", "cuda:0"], ["cuda:0", "cuda:0"]])
 def test_connected_forward_across_devices(devices):
-    """``pipe(x)`` then ``loss.backward()``: Boundary copies gradients back across devices."""
+    """``pipe(x)`` then ``loss.backward()``: Reattach copies gradients back across devices."""
     stages = build("blocks", 2)
     x, y = make_batch("blocks", N)
     ref_loss, ref_grads = _reference(stages, x, y, "cpu", "fp32")

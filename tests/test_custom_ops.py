@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 
 from pipeline_ext import ops
-from pipeline_ext.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs
+from pipeline_ext.runtime.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs
 
 NAMESPACE = "pipeline_ext"
 

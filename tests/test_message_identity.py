@@ -79,8 +79,8 @@ def _eval_after_a_failure(rank: int, world: int, steps: int) -> list[str]:
             continue
         if rank == 1:
             said += _wrong_output(i, out, ref, x)
-    inbox = sched._channel._pg
-    on_shm = getattr(sched._channel, "transport", None) == "shm"
+    inbox = sched._session.channel._pg
+    on_shm = getattr(sched._session.channel, "transport", None) == "shm"
     if rank == 1 and on_shm and (inbox.discarded() == 0 or inbox.unexpected() != 0):
         # the failed step's microbatches 5-7 reached this rank's inbox: dropped, and nothing kept since
         said.append(f"inbox: {inbox.discarded()} leftovers dropped, {inbox.unexpected()} messages kept")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_ext.microbatch import (
+from pipeline_ext.runtime.microbatch import (
     REPLICATE,
     TensorChunkSpec,
     merge_chunks,

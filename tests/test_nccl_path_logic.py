@@ -4,7 +4,7 @@ What only NCCL can show (its streams, its coalesced launches) runs in
 ``tests/test_cuda_paths.py`` on a GPU. What these tests pin down on CPU:
 
 - each direction between two ranks can go over a group of its own
-  (``runtime/groups.py``): the channel sends over one and receives over the
+  (``dist/groups.py``): the channel sends over one and receives over the
   other, the groups are made in one global order (a 3-rank ring would deadlock
   otherwise), and a pipeline routed through them trains exactly as the unsplit
   model;
@@ -25,8 +25,9 @@ from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints
 from pipeline_ext import schedules as S
-from pipeline_ext.runtime.channels import DistChannel, LocalChannel
-from pipeline_ext.runtime.groups import matches_by_order, message_pairs
+from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.runtime.local import LocalChannel
+from pipeline_ext.dist.groups import matches_by_order, message_pairs
 
 
 def test_message_pairs_are_both_directions_of_every_boundary_between_ranks():
@@ -143,7 +144,7 @@ def test_back_to_back_sends_go_in_one_batch_and_receives_never(monkeypatch):
 def _ring_through_direction_groups(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from pipeline_ext.runtime.groups import DirectionGroups
+    from pipeline_ext.dist.groups import DirectionGroups
 
     num_stages = 2 * world  # interleaved 1F1B: stage s on rank s % world, so the last rank sends to rank 0
     modules, ref = build("mlp", num_stages), build("mlp", num_stages)
@@ -151,8 +152,8 @@ def _ring_through_direction_groups(rank: int, world: int) -> list[str]:
     sched = pe.ScheduleInterleaved1F1B([pe.PipelineStage(modules[s], s, num_stages, "cpu") for s in mine], world,
                                        loss_fn=loss_fn, transport="gloo")
     groups = DirectionGroups(None, torch.device("cpu"))
-    groups.route(sched._channel, sched.schedule.stage_to_rank)
-    groups.route(sched._channel, sched.schedule.stage_to_rank)  # a schedule set again makes no new groups
+    groups.route(sched._session.channel, sched.schedule.stage_to_rank)
+    groups.route(sched._session.channel, sched.schedule.stage_to_rank)  # a schedule set again makes no new groups
     bad = [] if len(groups) == 4 else [f"rank {rank}: {len(groups)} direction groups, expected 4"]
     opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
     ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
@@ -182,7 +183,7 @@ def test_token_mean_loss_weights_are_never_read_on_the_host():
     raises: the weights of GPU targets must be computed, scaled and applied on the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pipeline_ext.training.loss import loss_weights
+    from pipeline_ext.runtime.microbatch import loss_weights
 
     loss = pe.TokenMeanLoss()
     with FakeTensorMode():

@@ -1,4 +1,4 @@
-"""pipeline_ext.ops against torch.tensor_split / torch.cat on seeded random inputs.
+"""pipeline_ext.runtime.ops against torch.tensor_split / torch.cat on seeded random inputs.
 
 Each test runs on CPU and, marked ``cuda``, on a GPU when one is present.
 """

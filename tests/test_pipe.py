@@ -12,7 +12,7 @@ from torch import nn
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch, reference, run_stages
 from pipeline_ext import schedules as S
-from pipeline_ext.partition import balance_by_params, balance_by_time, split_min_max
+from pipeline_ext.pipe.partition import balance_by_params, balance_by_time, split_min_max
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
 RTOL, ATOL = 1e-5, 1e-6

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import pipeline_ext as pe
-from pipeline_ext.checkpoint import is_recomputing
+from pipeline_ext.pipe.recompute import is_recomputing
 
 RTOL, ATOL = 1e-5, 1e-6
 

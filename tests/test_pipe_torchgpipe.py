@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipeline_ext as pe
-from pipeline_ext.partition import balance_by_size, balance_by_time
+from pipeline_ext.pipe.partition import balance_by_size, balance_by_time
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -1,4 +1,4 @@
-"""The same-host shared-memory transport (runtime/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
+"""The same-host shared-memory transport (dist/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
 
 Messages themselves are tested under both transports by test_channels.py,
 test_distributed.py, test_robustness.py and test_step_agreement.py (the
@@ -17,8 +17,8 @@ from torch import nn
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch
 from mp_utils import no_complaints, run_ranks
-from pipeline_ext._ext import _C
-from pipeline_ext.runtime.shm import TRANSPORT_ENV, make_channel, requested_transport
+from pipeline_ext.runtime._ext import _C
+from pipeline_ext.dist.shm import TRANSPORT_ENV, make_channel, requested_transport
 
 SEGMENT_PREFIX = "pipeline_ext_shm."
 
@@ -33,9 +33,9 @@ def test_transport_argument_and_environment(monkeypatch):
     assert requested_transport(None) == "auto"
     monkeypatch.setenv(TRANSPORT_ENV, "SHM")
     assert requested_transport(None) == "shm"
-    assert requested_transport("gloo") == "gloo"  # the argument wins over the environment
+    assert requested_transport("gloo") == "process_group"  # the argument wins over the environment
     monkeypatch.setenv(TRANSPORT_ENV, "tcp")
-    with pytest.raises(ValueError, match=r"\$PIPELINE_EXT_TRANSPORT='tcp': the transport must be one of auto, gloo, shm"):
+    with pytest.raises(ValueError, match=r"\$PIPELINE_EXT_TRANSPORT='tcp': the transport must be one of auto, process_group, shm"):
         requested_transport(None)
     with pytest.raises(ValueError, match="transport='shm' moves CPU tensors; stages on cuda:0"):
         make_channel(None, "cuda:0", 2, "shm")
@@ -45,7 +45,7 @@ def _choices(rank: int, world: int) -> dict:
     """auto on one host is shared memory; with rank 1 pretending to be elsewhere, Gloo, and 'shm' an error."""
     import torch.distributed as dist
 
-    import pipeline_ext.runtime.shm as shm
+    import pipeline_ext.dist.shm as shm
 
     out = {"auto": make_channel(None, "cpu", 2, "auto").connect()}
     if rank == 1:
@@ -83,9 +83,9 @@ def test_auto_is_shared_memory_on_one_host_and_gloo_across_hosts():
     res = {r: v for r, (_, v) in run_ranks(_choices, 2, timeout=50).items()}
     for rank in (0, 1):
         assert res[rank]["auto"] == "shm"
-        assert res[rank]["other_host"] == "gloo"
+        assert res[rank]["other_host"] == "process_group"
         assert "transport='shm': group" in res[rank]["forced"] and "cannot use shared memory (hosts:" in res[rank]["forced"]
-        assert res[rank]["no_room"] == "gloo"
+        assert res[rank]["no_room"] == "process_group"
     assert res[1]["data"] == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 

@@ -17,12 +17,12 @@ import pipeline_ext as pe
 from pipeline_ext.skip import (
     Namespace,
     SkipRouteError,
-    SkipRoutes,
     pop,
     skippable,
     stash,
     verify_skippables,
 )
+from pipeline_ext.runtime.skips import SkipRoutes
 from tests.mp_utils import no_complaints
 
 D = 6
@@ -186,7 +186,7 @@ def test_pipe_trains_a_unet_exactly(schedule, balance, devices, checkpoint):
     assert torch.allclose(loss, want_loss, rtol=1e-5)
     assert close(grads_of(model), want)
     model.zero_grad()
-    out = pipe(x)  # forward connected to autograd: the skip's gradient flows back through Boundary
+    out = pipe(x)  # forward connected to autograd: the skip's gradient flows back through Reattach
     F.mse_loss(out, y).backward()
     assert close(grads_of(model), want)
 

@@ -76,7 +76,7 @@ def test_swap_moves_provided_names_and_keeps_the_rest():
     ast.parse(out)
     assert "from pipeline_ext import PipelineStage, ScheduleGPipe as GPipe" in out
     assert "from torch.distributed.pipelining import pipeline\n" in out
-    assert "from pipeline_ext.microbatch import merge_chunks, TensorChunkSpec" in out
+    assert "from pipeline_ext.runtime.microbatch import merge_chunks, TensorChunkSpec" in out
     assert "from pipeline_ext import get_schedule_class" in out
     assert "from torch.distributed.pipelining.schedules import _Action\n" in out
     # an import inside a function keeps its indentation and, unprovided, stays torch's

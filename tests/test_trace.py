@@ -53,7 +53,7 @@ def _traced(rank: int, world: int, name: str, path: str) -> dict:
     sched = pe.PipelineSchedule(stages, name, 4, loss_fn=loss_fn)
     x, y = make_batch("mlp", 8)
     args, target = ((x,) if 0 in mine else ()), (y if world * v - 1 in mine else None)
-    out = {"off_hook": sched._executor.on_action}
+    out = {"off_hook": sched._tracer}
     sched.step(*args, target=target)  # untraced
     sched.enable_tracing()
     for _ in range(2):

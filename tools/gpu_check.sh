@@ -83,7 +83,7 @@ if ! step build 900 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-
 fi
 step versions 120 "$PY" -c '
 import torch, pipeline_ext
-from pipeline_ext._ext import _C
+from pipeline_ext.runtime._ext import _C
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
 print(f"device {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")

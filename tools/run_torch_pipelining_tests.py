@@ -26,7 +26,7 @@ unless ``--keep``):
    pick "cpu" and "gloo" themselves when no accelerator is present.
 3. In the second copy only, swaps the imports (``swap_imports``): every name
    imported from ``torch.distributed.pipelining`` or one of its submodules
-   becomes ``from pipeline_ext import NAME`` (``pipeline_ext.microbatch`` for
+   becomes ``from pipeline_ext import NAME`` (``pipeline_ext.runtime.microbatch`` for
    the ``microbatch`` module) when pipeline_ext provides that name. A name it
    does not provide stays torch's, and is listed: the test then mixes torch's
    object with ours, which is what a user who changed the import would get as
@@ -118,7 +118,7 @@ def port_cpu_gloo(source: str, world_size: int = 2) -> str:
 
 def pipeline_ext_module(torch_module: str) -> str:
     """Where pipeline_ext keeps what a torch pipelining module exports: ``microbatch`` has its twin."""
-    return "pipeline_ext.microbatch" if torch_module == f"{TORCH_PKG}.microbatch" else "pipeline_ext"
+    return "pipeline_ext.runtime.microbatch" if torch_module == f"{TORCH_PKG}.microbatch" else "pipeline_ext"
 
 
 def imported_pipelining_names(source: str) -> set[tuple[str, str]]:

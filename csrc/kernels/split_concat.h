@@ -19,14 +19,14 @@ std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, in
 
 // Whether split() gives views: valid arguments, and narrow() already gives
 // contiguous pieces (contiguous input, all dimensions before `dim` of size 1, or
-// at most one non-empty piece). pipeline_ext.ops._views_suffice mirrors it for
+// at most one non-empty piece). pipeline_ext.runtime.ops._views_suffice mirrors it for
 // traced calls.
 bool split_gives_views(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim);
 
 // split that always copies: the pieces are fresh tensors (one copy pass fills
 // them all), never views of `input` or of each other. This is the
 // torch custom op pipeline_ext::split_copy; the zero-copy case stays outside
-// the op (pipeline_ext.ops.split uses torch.split_with_sizes there).
+// the op (pipeline_ext.runtime.ops.split uses torch.split_with_sizes there).
 std::vector<at::Tensor> split_copy(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim);
 
 // Concatenates `tensors` along `dim` into `out` (allocated when absent; when

@@ -1,5 +1,8 @@
-"""The runtime: stage runner, channels, executor and tracing.
+"""One rank's engine: stage runners, the executor, in-process channels, kernels, traces.
 
-Everything here consumes lowered schedules from ``pipeline_ext.schedules`` and
-is shared by the single-process ``Pipe`` and the multi-process API.
+Nothing here knows about processes: the executor runs one rank's actions of a
+lowered schedule (``pipeline_ext.schedules``) over whatever ``StepChannel`` it
+is handed (``runtime/channel.py``): ``local.LocalStep`` between the threads of
+one process (the ``pipe`` front end), or ``dist.session.Step`` between
+processes (the ``pipelining`` front end).
 """

@@ -19,19 +19,20 @@ What it does per action (stage s, microbatch m):
 - RECV_*: receives are posted ahead of time (a bounded window, in list order,
   which keeps FIFO order per peer) and waited on here, right before use.
 
-Nothing moves before the step is agreed: ``run`` may be given the step's start
-(step number, signature) as a callable, called right before the first send or
-receive, so a step agreement between processes runs while the leading compute
-does. Over a ``DistChannel`` the executor owns the communication plans
-(``runtime/protocol/plan.py``): one cache per executor, so a training and a
-forward-only executor never share one.
+Everything one step needs is handed to ``run``: the inputs (``StepInputs``)
+and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
+process, ``dist/session.Step`` across processes). The executor only computes
+and hands messages to that object; when they may move (the ranks' agreement),
+which layouts they have and where skips go are the step object's business.
+Receives are posted at the first message action, not before, so the step's
+leading compute runs while the step object settles what it needs.
 
 Skip connections (``pipeline_ext.skip``): given ``skips`` routes, a stage's
 F also sends the skips it stashed straight to the popping stage's rank (or
 hands them over locally), and the popping stage's F receives them first; the
 gradients go back the same way around B/I. These messages are not actions of
 the schedule: they ride on F, B and I, whose order already guarantees that a
-skip is sent before it is waited for (``skip/routes.py``).
+skip is sent before it is waited for (``runtime/skips.py``).
 
 Every wait has a timeout and reports rank, peer, action and microbatch.
 """
@@ -41,18 +42,18 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import (Any, Callable, ContextManager, Hashable, Mapping, NamedTuple, Optional, Protocol, Sequence,
-                    Union)
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 
-from pipeline_ext.runtime.protocol.identity import check_tag_space, message_tag, skip_tag
-from pipeline_ext.runtime.protocol.plan import DEFAULT_MAX_PLANS, PlanCache, StepMessages
+from pipeline_ext.runtime.channel import Handle, StepChannel
+from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag
 from pipeline_ext.schedules import Action, ActionKind, Schedule
-from pipeline_ext.skip.routes import SkipRoutes, pack_skip_grads, pack_skips, unpack_skips
+from pipeline_ext.runtime.skips import pack_skip_grads, pack_skips, unpack_skips
+from pipeline_ext.runtime.stage import LossFn
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["Channel", "Handle", "Runner", "Executor", "StepInputs", "StepStart", "PeerError", "PipelineTimeoutError"]
+__all__ = ["Runner", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -64,14 +65,6 @@ class PipelineTimeoutError(TimeoutError):
 
 class PeerError(RuntimeError):
     """Starting a send or receive failed (typically: the peer is gone); names rank, peer, action."""
-
-
-class Handle(Protocol):
-    """An operation in flight. ``wait`` blocks (GIL released) up to ``timeout`` seconds."""
-
-    def wait(self, timeout: float, what: str) -> list[torch.Tensor]: ...
-
-    def is_completed(self) -> bool: ...
 
 
 SkipValues = Mapping[SkipKey, Optional[torch.Tensor]]
@@ -94,7 +87,8 @@ class Runner(Protocol):
     def is_last(self) -> bool: ...
 
     def forward(self, mb: int, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = None, target: Any = None,
-                loss_weight: float = 1.0, skips: Optional[SkipValues] = None) -> tuple[torch.Tensor, ...]: ...
+                loss_weight: float = 1.0, skips: Optional[SkipValues] = None,
+                loss_fn: Optional[LossFn] = None) -> tuple[torch.Tensor, ...]: ...
 
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                  skip_grads: Optional[SkipValues] = None) -> list[torch.Tensor]: ...
@@ -109,17 +103,6 @@ class Runner(Protocol):
     def take_skip_grads(self, mb: int) -> dict[SkipKey, Optional[torch.Tensor]]: ...
 
 
-class Channel(Protocol):
-    """Moves lists of tensors between ranks, matched by (peer, tag)."""
-
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> Handle:
-        """Sends ``tensors``; the send owns its bytes when it returns, unless they are ``owned``: the
-        pipeline's own (gradients autograd computed), which no one else can write."""
-        ...
-
-    def recv(self, peer: int, tag: int) -> Handle: ...
-
-
 @dataclass
 class StepInputs:
     """What one step feeds the executor (only the ranks that need each part get it)."""
@@ -127,16 +110,7 @@ class StepInputs:
     args: Sequence[tuple[Any, ...]] = ()  # per microbatch, for stage 0
     kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0
     targets: Sequence[Any] = ()  # per microbatch, for the last stage
-    loss_weights: Sequence[Union[float, torch.Tensor]] = ()  # per microbatch, for the last stage
-
-
-@dataclass(frozen=True)
-class StepStart:
-    """What every rank agreed on about a step, needed before its first message."""
-
-    step: int = 0  # part of every message's tag (protocol/identity.py)
-    signature: Optional[Hashable] = None  # the communication plan's key; None: every message carries its layout
-    rediscover: bool = False  # exchange every layout again, whatever this rank's plan cache holds
+    loss_fn: Optional[LossFn] = None  # this step's loss, for the last stage (the runner's own when None)
 
 
 class _SkipMessage(NamedTuple):
@@ -150,7 +124,12 @@ class _SkipMessage(NamedTuple):
 
 @dataclass
 class _StepState:
-    inputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
+    """One step's state inside ``Executor.run``: what it was handed, and what is in flight."""
+
+    inputs: StepInputs
+    step: StepChannel
+    posting: bool = False  # receives are posted (from the step's first message action on)
+    activations: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     to_send: dict[Action, list[torch.Tensor]] = field(default_factory=dict)
     posted: dict[Action, Handle] = field(default_factory=dict)
@@ -160,13 +139,11 @@ class _StepState:
 
 
 class Executor:
-    """Runs ``schedule.actions[rank]`` with the given stage runners and channel.
+    """Runs ``schedule.actions[rank]`` with the given stage runners, one step per ``run``.
 
     ``recv_window`` bounds how many receives are posted ahead (memory for their
-    buffers vs. overlap). ``on_action(action, start, end)`` is called after each
-    action when set (tracing). ``max_plans`` bounds the communication plans kept
-    (over a channel that needs layouts). ``skips``: the pipeline's skip routes
-    (``pipeline_ext.skip``), or set them later with ``set_skips``.
+    buffers vs. overlap). The executor keeps nothing between steps: a step's
+    state lives in ``run``.
     """
 
     def __init__(
@@ -174,12 +151,8 @@ class Executor:
         schedule: Schedule,
         rank: int,
         runners: dict[int, Runner],
-        channel: Channel,
-        timeout: float = 300.0,
+        timeout: Optional[float] = 300.0,
         recv_window: int = 4,
-        on_action: Optional[Callable[[Action, float, float], None]] = None,
-        max_plans: int = DEFAULT_MAX_PLANS,
-        skips: Optional[SkipRoutes] = None,
     ) -> None:
         if not schedule.lowered and schedule.num_ranks > 1:
             raise ValueError("Executor needs a lowered schedule (see pipeline_ext.schedules.lower)")
@@ -187,11 +160,10 @@ class Executor:
         self.rank = rank
         self.actions: list[Action] = list(schedule.actions[rank])
         self.runners = runners
-        self.channel = channel
         self.timeout = timeout
         self.recv_window = max(1, recv_window)
-        self.on_action = on_action
         self.num_stages = schedule.num_stages
+        check_tag_space(self.num_stages, schedule.n_microbatches)
         self._rank_of = schedule.stage_to_rank
         mine = {s for s, r in enumerate(self._rank_of) if r == rank}
         if set(runners) != mine:
@@ -219,31 +191,8 @@ class Executor:
                                  for i in range(len(self.actions))]
         self._send_run_ends = [is_send[i] and not is_send[i + 1] and i > 0 and is_send[i - 1]
                                for i in range(len(self.actions))]
+        #: where the last step failed (None when it did not)
         self.failed_action: Optional[Action] = None
-        self.skips: Optional[SkipRoutes] = None
-        self._skip_stages: frozenset[int] = frozenset()  # this rank's stages that stash or pop across stages
-        self.set_skips(skips)
-        self._step = 0  # the step being run: part of every message's tag (protocol/identity.py)
-        #: communication plans, when the channel needs layouts (DistChannel); None in process
-        self.plans: Optional[PlanCache] = PlanCache(max_plans) if getattr(channel, "needs_layouts", False) else None
-        self._messages: Any = None  # this step's channel: StepMessages over a DistChannel, else the channel
-
-    def set_skips(self, skips: Optional[SkipRoutes]) -> None:
-        """Use these skip routes from the next step on (None or empty: no skips)."""
-        if skips is not None and skips.num_stages != self.num_stages:
-            raise ValueError(f"skip routes are for {skips.num_stages} stages, the schedule has {self.num_stages}")
-        self.skips = skips if skips else None
-        check_tag_space(self.num_stages, self.schedule.n_microbatches, skips=self.skips is not None)
-        if self.skips is not None:
-            self.expect_skips({s for s in self.runners if self.skips.sources(s) or self.skips.destinations(s)})
-
-    def expect_skips(self, stages: Any) -> None:
-        """These stages declare skips whose routes the step's start settles (``run(start=callable)``).
-
-        Their F, B and I then open the step (settle its start) before running,
-        so the routes are known when the first skip moves.
-        """
-        self._skip_stages = frozenset(stages) | self._skip_stages
 
     # -- helpers -------------------------------------------------------------------------------
     def _peer(self, action: Union[Action, _SkipMessage]) -> int:
@@ -254,85 +203,57 @@ class Executor:
             return self._rank_of[action.stage + 1]
         return self._rank_of[action.stage - 1]
 
-    def _what(self, action: Union[Action, _SkipMessage]) -> str:
+    def _what(self, action: Union[Action, _SkipMessage], step: int) -> str:
         if isinstance(action, _SkipMessage):
             what = (f"the skips of stage {action.src} for stage {action.dst}" if not action.gradient
                     else f"the gradient of stage {action.src}'s skips from stage {action.dst}")
             return (f"rank {self.rank} waiting on {what}, microbatch {action.microbatch}, with peer rank "
-                    f"{self._peer(action)} in step {self._step}")
+                    f"{self._peer(action)} in step {step}")
         return (
             f"rank {self.rank} waiting on {action.kind.value} of stage {action.stage} microbatch "
-            f"{action.microbatch} with peer rank {self._peer(action)} in step {self._step}"
+            f"{action.microbatch} with peer rank {self._peer(action)} in step {step}"
         )
-
-    def _tag(self, action: Action) -> int:
-        return message_tag(action, self.num_stages, self._step)
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage < self.num_stages and self._rank_of[stage] == self.rank
 
     # -- step ----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, start: Union[StepStart, Callable[[], StepStart]] = StepStart()) -> None:
-        """Execute this rank's actions for one step; raise on the first failure.
+    def run(self, inputs: StepInputs, step: StepChannel,
+            on_action: Optional[Callable[[Action, float, float], None]] = None) -> None:
+        """Execute this rank's actions for one step over ``step``'s messages; raise on the first failure.
 
-        ``start`` (or what calling it returns, right before the step's first
-        message) is the same on every rank: the step number is part of every
-        message's tag, the signature picks the communication plan.
+        ``on_action(action, start, end)`` is called after each action when
+        given (tracing).
         """
-        st = _StepState(pending=deque(self._recv_actions))
-        self._messages = None
-        self._start_of_step = start
+        st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions))
         clock = time.perf_counter
         self.failed_action = None
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
-        try:
-            for i, action in enumerate(self.actions):
-                if self._messages is None and action.kind in _MESSAGES:
-                    self._open_and_post(st)
-                begin = clock()
-                try:
-                    if self._send_run_starts[i]:
-                        sends.enter_context(self._batch())
-                    self._dispatch[action.kind](action, st, inputs)
-                    if self._send_run_ends[i]:
-                        sends.close()
-                except BaseException as exc:
+        for i, action in enumerate(self.actions):
+            if not st.posting and action.kind in _MESSAGES:
+                st.posting = True  # from the first message on, receives are posted ahead
+                step.open()
+                self._post(st)
+            begin = clock()
+            try:
+                if self._send_run_starts[i]:
+                    sends.enter_context(step.batch())
+                self._dispatch[action.kind](action, st)
+                if self._send_run_ends[i]:
                     sends.close()
-                    self._fail(action, exc)
-                    raise
-                if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    self._post(st)
-                self._reap(st, block=False)
-                if self.on_action is not None:
-                    self.on_action(action, begin, clock())
-            if self._messages is None:  # a rank without messages still takes part in the agreement
-                self._open(start)
-            self._reap(st, block=True)
-        except BaseException:
-            if isinstance(self._messages, StepMessages):
-                self.plans.abandon(self._messages)
-            self._messages = None
-            raise
-        if isinstance(self._messages, StepMessages):
-            self.plans.commit(self._messages)
-        self._messages = None
-        leftovers = [k for d in (st.inputs, st.grads, st.to_send, st.skips) for k in d]
+            except BaseException as exc:
+                sends.close()
+                self._fail(action, exc)
+                raise
+            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                self._post(st)
+            self._reap(st, block=False)
+            if on_action is not None:
+                on_action(action, begin, clock())
+        self._reap(st, block=True)
+        leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
-
-    def _open(self, start: Union[StepStart, Callable[[], StepStart]]) -> None:
-        """Settle the step's start (its agreement, when a callable) and open its messages."""
-        agreed = start() if callable(start) else start
-        self._step = agreed.step
-        if self.plans is None:
-            self._messages = self.channel
-        else:
-            self.channel.begin_step(agreed.step)
-            self._messages = self.plans.step(self.channel, agreed.signature, agreed.rediscover)
-
-    def _open_and_post(self, st: _StepState) -> None:
-        self._open(self._start_of_step)
-        self._post(st)
 
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""
@@ -342,64 +263,61 @@ class Executor:
             exc.add_note(note)
 
     def _post(self, st: _StepState) -> None:
-        pending = st.pending
+        pending, step = st.pending, st.step
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
-            st.posted[a] = self._start(a, lambda: self._messages.recv(self._peer(a), self._tag(a)))
+            tag = message_tag(a, self.num_stages, step.step)
+            st.posted[a] = self._start(a, st, lambda: step.recv(self._peer(a), tag))
 
-    def _batch(self) -> ContextManager[None]:
-        """The step channel's batch (``StepMessages.batch``), or nothing for channels without batches."""
-        batch = getattr(self._messages, "batch", None)
-        return batch() if batch is not None else contextlib.nullcontext()
-
-    def _start(self, a: Union[Action, _SkipMessage], post: Callable[[], Handle]) -> Handle:
+    def _start(self, a: Union[Action, _SkipMessage], st: _StepState, post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
         try:
             return post()
         except (TimeoutError, PeerError):
             raise
         except RuntimeError as exc:
-            what = self._what(a).replace("waiting on", "starting")
+            what = self._what(a, st.step.step).replace("waiting on", "starting")
             raise PeerError(f"{what}: {exc}") from exc
 
     def _reap(self, st: _StepState, block: bool) -> None:
         while st.sends and (block or st.sends[0][1].is_completed()):
             action, handle = st.sends.popleft()
-            handle.wait(self.timeout, self._what(action).replace("waiting on", "finishing"))
+            handle.wait(self.timeout, self._what(action, st.step.step).replace("waiting on", "finishing"))
 
     # -- actions -------------------------------------------------------------------------------
-    def _forward(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
-        runner = self.runners[a.stage]
+    def _forward(self, a: Action, st: _StepState) -> None:
+        runner, inputs = self.runners[a.stage], st.inputs
         m = a.microbatch
         if a.stage == 0:
             args, kwargs = inputs.args[m], (inputs.kwargs[m] if inputs.kwargs else {})
         else:
-            args, kwargs = self._take(st.inputs, (a.stage, m), a), {}
-        target = weight = None
+            args, kwargs = self._take(st.activations, (a.stage, m), a), {}
+        extra: dict[str, Any] = {}
         if runner.is_last and inputs.targets:
-            target, weight = inputs.targets[m], inputs.loss_weights[m]
-        skipping = self._has_skips(a.stage, st)
-        extra = {"skips": self._skips_in(a.stage, m, st, gradient=False)} if skipping else {}
-        outs = runner.forward(m, args, kwargs, target=target, loss_weight=1.0 if weight is None else weight, **extra)
-        if skipping:
-            self._skips_out(a.stage, m, st, runner.take_stashed(m), gradient=False)
+            extra = dict(target=inputs.targets[m], loss_weight=st.step.loss_weights()[m], loss_fn=inputs.loss_fn)
+        routes = self._routes(a.stage, st)
+        if routes is not None:
+            extra["skips"] = self._skips_in(a.stage, m, st, routes, gradient=False)
+        outs = runner.forward(m, args, kwargs, **extra)
+        if routes is not None:
+            self._skips_out(a.stage, m, st, routes, runner.take_stashed(m), gradient=False)
         if runner.is_last:
             return
         if self._local(a.stage + 1):
-            st.inputs[(a.stage + 1, m)] = outs
+            st.activations[(a.stage + 1, m)] = outs
         else:
             st.to_send[Action(a.stage, ActionKind.SEND_F, m)] = list(outs)
 
-    def _backward(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+    def _backward(self, a: Action, st: _StepState) -> None:
         runner = self.runners[a.stage]
         m = a.microbatch
         grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
         fn = runner.backward if a.kind == ActionKind.B else runner.backward_input
-        skipping = self._has_skips(a.stage, st)
-        extra = {"skip_grads": self._skips_in(a.stage, m, st, gradient=True)} if skipping else {}
+        routes = self._routes(a.stage, st)
+        extra = {} if routes is None else {"skip_grads": self._skips_in(a.stage, m, st, routes, gradient=True)}
         grad_in = fn(m, grads, **extra)
-        if skipping:
-            self._skips_out(a.stage, m, st, runner.take_skip_grads(m), gradient=True)
+        if routes is not None:
+            self._skips_out(a.stage, m, st, routes, runner.take_skip_grads(m), gradient=True)
         if a.stage == 0:
             return
         if self._local(a.stage - 1):
@@ -407,65 +325,64 @@ class Executor:
         else:
             st.to_send[Action(a.stage, ActionKind.SEND_B, m)] = grad_in
 
-    def _weight(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+    def _weight(self, a: Action, st: _StepState) -> None:
         self.runners[a.stage].backward_weight(a.microbatch)
 
-    def _send(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+    def _send(self, a: Action, st: _StepState) -> None:
         tensors = self._take(st.to_send, a, a)
         # An activation is whatever the user's module returned (it may write it again: a reused output
         # buffer), so it is copied; an input gradient is autograd's, sent as it is.
         owned = a.kind == ActionKind.SEND_B
-        st.sends.append((a, self._start(a, lambda: self._messages.send(tensors, self._peer(a), self._tag(a), owned))))
+        tag, step = message_tag(a, self.num_stages, st.step.step), st.step
+        st.sends.append((a, self._start(a, st, lambda: step.send(tensors, self._peer(a), tag, owned))))
 
-    def _recv(self, a: Action, st: _StepState, inputs: StepInputs) -> None:
+    def _recv(self, a: Action, st: _StepState) -> None:
         handle = st.posted.pop(a, None)
         if handle is None:
             raise RuntimeError(f"rank {self.rank}: {a} was never posted (receives out of order in the schedule?)")
-        tensors = handle.wait(self.timeout, self._what(a))
+        tensors = handle.wait(self.timeout, self._what(a, st.step.step))
         key = (a.stage, a.microbatch)
         if a.kind == ActionKind.RECV_F:
-            st.inputs[key] = tuple(tensors)
+            st.activations[key] = tuple(tensors)
         else:
             st.grads[key] = list(tensors)
 
     # -- skips ---------------------------------------------------------------------------------
-    def _has_skips(self, stage: int, st: _StepState) -> bool:
-        """Whether ``stage`` moves skips this step; its routes may need the step's start, so it is settled first."""
-        if stage not in self._skip_stages:
-            return False
-        if self._messages is None:
-            self._open_and_post(st)
-        skips = self.skips
-        return skips is not None and bool(skips.sources(stage) or skips.destinations(stage))
+    def _routes(self, stage: int, st: _StepState) -> Any:
+        """The skip routes when ``stage`` moves skips this step, else None (asked of the step only for such stages)."""
+        if stage not in st.step.skip_stages:
+            return None
+        routes = st.step.skip_routes()
+        return routes if routes is not None and (routes.sources(stage) or routes.destinations(stage)) else None
 
-    def _skips_in(self, stage: int, m: int, st: _StepState, gradient: bool) -> dict[SkipKey, Optional[torch.Tensor]]:
-        """Before F: the skips popped on ``stage``; before B/I: the gradients of those it stashed (step opened)."""
-        assert self.skips is not None
-        peers = self.skips.destinations(stage) if gradient else self.skips.sources(stage)
+    def _skips_in(self, stage: int, m: int, st: _StepState, routes: Any,
+                  gradient: bool) -> dict[SkipKey, Optional[torch.Tensor]]:
+        """Before F: the skips popped on ``stage``; before B/I: the gradients of those it stashed."""
+        peers = routes.destinations(stage) if gradient else routes.sources(stage)
         values: dict[SkipKey, Optional[torch.Tensor]] = {}
         for peer, keys in peers.items():
             msg = _SkipMessage(stage, peer, m, True) if gradient else _SkipMessage(peer, stage, m, False)
             if self._local(peer):
                 values.update(self._take(st.skips, msg, msg))
                 continue
-            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
-            tensors = self._start(msg, lambda: self._messages.recv(self._peer(msg), tag)).wait(self.timeout, self._what(msg))
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
+            handle = self._start(msg, st, lambda: st.step.recv(self._peer(msg), tag))
+            tensors = handle.wait(self.timeout, self._what(msg, st.step.step))
             values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
         return values
 
-    def _skips_out(self, stage: int, m: int, st: _StepState, values: dict[SkipKey, Optional[torch.Tensor]],
-                   gradient: bool) -> None:
+    def _skips_out(self, stage: int, m: int, st: _StepState, routes: Any,
+                   values: dict[SkipKey, Optional[torch.Tensor]], gradient: bool) -> None:
         """After F: send the skips ``stage`` stashed; after B/I: the gradients of those it popped."""
-        assert self.skips is not None
-        peers = self.skips.sources(stage) if gradient else self.skips.destinations(stage)
+        peers = routes.sources(stage) if gradient else routes.destinations(stage)
         for peer, keys in peers.items():
             msg = _SkipMessage(peer, stage, m, True) if gradient else _SkipMessage(stage, peer, m, False)
             if self._local(peer):
                 st.skips[msg] = {k: values.get(k) for k in keys}
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
-            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, self._step)
-            st.sends.append((msg, self._start(msg, lambda: self._messages.send(tensors, self._peer(msg), tag, gradient))))
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
+            st.sends.append((msg, self._start(msg, st, lambda: st.step.send(tensors, self._peer(msg), tag, gradient))))
 
     def _take(self, d: dict, key: Any, a: Any) -> Any:
         try:
@@ -475,4 +392,3 @@ class Executor:
                 f"rank {self.rank}: {a} needs data that no earlier action produced "
                 "(is the schedule lowered and validated?)"
             ) from None
-

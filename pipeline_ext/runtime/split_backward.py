@@ -98,7 +98,7 @@ def _weight_leaves(starts: Sequence[Any], owner: dict[Any, int], tag: int) -> Op
 
 
 @dataclass
-class _Boundary:
+class _WeightBranch:
     node: Any
     params: list[torch.Tensor]
     grads: Optional[tuple[Optional[torch.Tensor], ...]] = None
@@ -108,7 +108,7 @@ class _Boundary:
 class DeferredWeightGrad:
     """What I leaves for W."""
 
-    boundaries: list[_Boundary] = field(default_factory=list)
+    branches: list[_WeightBranch] = field(default_factory=list)
     # outputs backpropagated whole in W (they do not depend on any input)
     outputs: list[torch.Tensor] = field(default_factory=list)
     output_grads: list[Optional[torch.Tensor]] = field(default_factory=list)
@@ -120,16 +120,16 @@ class DeferredWeightGrad:
     recomputes: bool = False
 
     def clear(self) -> None:
-        self.boundaries.clear()
+        self.branches.clear()
         self.outputs.clear()
         self.output_grads.clear()
         self.fallback_params = None
 
 
-def _plan(region: set[Any]) -> Optional[list[_Boundary]]:
-    """Boundary nodes and their weight leaves, or None if weight-only subgraphs overlap."""
+def _weight_branches(region: set[Any]) -> Optional[list[_WeightBranch]]:
+    """Branch nodes (where a weight-only subgraph joins) and their weight leaves, or None if weight-only subgraphs overlap."""
     owner: dict[Any, int] = {}
-    boundaries: list[_Boundary] = []
+    branches: list[_WeightBranch] = []
     for tag, node in enumerate(region):
         starts = [c for c, _ in node.next_functions if c is not None and c not in region]
         if not starts:
@@ -138,8 +138,8 @@ def _plan(region: set[Any]) -> Optional[list[_Boundary]]:
         if leaves is None:
             return None
         if leaves:
-            boundaries.append(_Boundary(node, leaves))
-    return boundaries
+            branches.append(_WeightBranch(node, leaves))
+    return branches
 
 
 def _all_leaves(roots: Sequence[Any], stops: set[Any]) -> list[torch.Tensor]:
@@ -195,18 +195,18 @@ def backward_input(
     if not in_region:
         return [None] * len(inputs), deferred
 
-    plan = _plan(region)
-    if plan is None:
+    branches = _weight_branches(region)
+    if branches is None:
         deferred.fallback_params = _all_leaves([get_gradient_edge(o).node for o, _ in pairs], input_nodes)
         deferred.outputs = [o for o, _ in pairs]
         deferred.output_grads = [g for _, g in pairs]
-    for b in plan or []:
+    for b in branches or []:
         if split_aware(b.node):  # a compiled region that computes only its input grads now, the rest at W
             setattr(b.node, DEFER_ATTR, frozenset(
                 i for i, (c, _) in enumerate(b.node.next_functions) if c is not None and c not in region))
     handles = []
-    for b in plan or []:
-        def hook(grads: tuple[Optional[torch.Tensor], ...], b: _Boundary = b) -> None:
+    for b in branches or []:
+        def hook(grads: tuple[Optional[torch.Tensor], ...], b: _WeightBranch = b) -> None:
             b.grads = grads
 
         handles.append(b.node.register_prehook(hook))
@@ -215,13 +215,13 @@ def backward_input(
             [o for o, _ in in_region],
             list(inputs),
             grad_outputs=[g for _, g in in_region],
-            retain_graph=bool(plan) or plan is None,
+            retain_graph=bool(branches) or branches is None,
             allow_unused=True,
         )
     finally:
         for h in handles:
             h.remove()
-    deferred.boundaries = [b for b in plan or [] if b.grads is not None]
+    deferred.branches = [b for b in branches or [] if b.grads is not None]
     return list(grads), deferred
 
 
@@ -275,7 +275,7 @@ _Call = tuple[list[Any], list[Optional[torch.Tensor]], Optional[list[torch.Tenso
 def backward_weight(deferred: DeferredWeightGrad) -> None:
     """Run the weight-grad half, accumulating into the parameters' ``.grad``."""
     # (roots, their grads, the leaves to reach or None for all) per engine call, in groups
-    # whose calls touch disjoint nodes: the boundaries' weight-only subgraphs never overlap
+    # whose calls touch disjoint nodes: the branches' weight-only subgraphs never overlap
     # (overlapping ones take the one-call fallback); the outputs that do not depend on any
     # input may share nodes with them, so they get a group of their own.
     groups: list[list[_Call]] = []
@@ -284,7 +284,7 @@ def backward_weight(deferred: DeferredWeightGrad) -> None:
             groups.append([(list(deferred.outputs), list(deferred.output_grads), deferred.fallback_params)])
     else:
         edges: list[_Call] = []
-        for b in deferred.boundaries:
+        for b in deferred.branches:
             assert b.grads is not None
             idx = [i for i, g in enumerate(b.grads) if g is not None]
             if idx:

@@ -16,7 +16,7 @@ Conventions, shared with the executor:
   the batch's rows) before backward, so gradients add up to those of the mean
   loss over the whole batch even when microbatches are uneven;
 - a data-parallel wrapped stage (DDP, FSDP2) gets a ``grad_sync``
-  (runtime/data_parallel.py): begun at the step's first forward, asked before
+  (dist/data_parallel.py): begun at the step's first forward, asked before
   every B/I/W, finished after the step's last B or W (one per microbatch), so
   gradients are reduced exactly once per step.
 - skip connections (``pipeline_ext.skip``): the skips popped on this stage
@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from pipeline_ext.runtime.data_parallel import GradientSync
 from pipeline_ext.runtime.split_backward import (
     DeferredWeightGrad,
     UnsplitBackwardWarning,
@@ -45,8 +44,31 @@ from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 
 Skips = dict[SkipKey, Optional[torch.Tensor]]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 __all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable", "detach_tree"]
+
+
+class GradientSync:
+    """What a runner calls around one training step of a wrapped stage (no-op base)."""
+
+    name = "none"
+    modules: list[nn.Module] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.modules)} wrapped module(s))"
+
+    def begin(self) -> None:
+        """Before the step's first forward: turn per-backward syncing off."""
+
+    def before_backward(self) -> None:
+        """Before a B, I or W: make the parameters usable by backward."""
+
+    def finish(self) -> None:
+        """After the step's last B/W of the stage: reduce once, give back the user's settings."""
+
+    def abort(self) -> None:
+        """The step failed: give back the user's settings without reducing."""
 
 
 class StagePosition:
@@ -94,7 +116,7 @@ class _State:
     grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
     deferred: Optional[DeferredWeightGrad] = None
     # checkpointed microbatch: (args, kwargs, target, loss_weight, skips) to re-run F with autograd before backward
-    recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float, Skips]] = None
+    recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float, Skips, Optional[LossFn]]] = None
     skip_inputs: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # popped here, differentiable
     skip_roots: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # stashed for later stages
 
@@ -113,7 +135,7 @@ class StageRunner(StagePosition):
 
     ``grad_sync`` (with ``n_microbatches``, the microbatches of one training
     step) syncs a data-parallel wrapped stage once per step; see
-    ``runtime/data_parallel.py``.
+    ``dist/data_parallel.py``.
     """
 
     def __init__(
@@ -183,10 +205,12 @@ class StageRunner(StagePosition):
         target: Any = None,
         loss_weight: float = 1.0,
         skips: Optional[Skips] = None,
+        loss_fn: Optional[LossFn] = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage on microbatch ``mb``; return its outputs, detached, to hand on.
 
-        On the last stage with a ``loss_fn`` and a ``target`` the loss is computed,
+        On the last stage with a loss (``loss_fn``: this step's, else the
+        runner's own) and a ``target`` the loss is computed,
         kept (unweighted) in ``losses[mb]``, and the weighted loss becomes the
         root of this microbatch's backward. A checkpointed microbatch runs
         without autograd here and keeps only its inputs; its backward re-runs it.
@@ -202,15 +226,15 @@ class StageRunner(StagePosition):
         skips = {k: self._as_input(v) for k, v in (skips or {}).items()}
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
             with torch.no_grad():
-                sent = self._run(mb, state, args, kwargs, target, loss_weight, skips)
-            state.recompute = (tuple(args), kwargs, target, loss_weight, skips)
+                sent = self._run(mb, state, args, kwargs, target, loss_weight, skips, loss_fn)
+            state.recompute = (tuple(args), kwargs, target, loss_weight, skips, loss_fn)
             self._keep(mb, state)
             return sent
-        return self._run(mb, state, args, kwargs, target, loss_weight, skips)
+        return self._run(mb, state, args, kwargs, target, loss_weight, skips, loss_fn)
 
     def _run(
         self, mb: int, state: _State, args: Sequence[Any], kwargs: Optional[dict[str, Any]], target: Any,
-        loss_weight: float, skips: Skips,
+        loss_weight: float, skips: Skips, loss_fn: Optional[LossFn] = None,
     ) -> tuple[torch.Tensor, ...]:
         """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
         if not self.is_first:
@@ -227,8 +251,9 @@ class StageRunner(StagePosition):
             self._stashed[mb] = detach_tree(stashed)
         if self.is_last:
             self.outputs[mb] = detach_tree(out)
-            if self.loss_fn is not None and target is not None:
-                loss = self.loss_fn(out, target)
+            loss_fn = loss_fn if loss_fn is not None else self.loss_fn
+            if loss_fn is not None and target is not None:
+                loss = loss_fn(out, target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(
                         f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
@@ -265,9 +290,9 @@ class StageRunner(StagePosition):
                 "(its F did not run on this stage, or its backward already ran)"
             ) from None
         if state.recompute is not None and action != "W":
-            args, kwargs, target, weight, skips = state.recompute
+            args, kwargs, target, weight, skips, loss_fn = state.recompute
             with torch.enable_grad():
-                self._run(mb, state, args, kwargs, target, weight, skips)
+                self._run(mb, state, args, kwargs, target, weight, skips, loss_fn)
             state.recompute = None
         return state
 

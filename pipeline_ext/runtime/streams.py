@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-from pipeline_ext._ext import _C
+from pipeline_ext.runtime._ext import _C
 
 __all__ = ["Stream", "Event", "current_stream", "copy_stream", "use_stream", "record_stream"]
 

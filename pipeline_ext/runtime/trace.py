@@ -28,11 +28,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pipeline_ext.runtime.protocol.identity import message_tag
+from pipeline_ext.runtime.tags import message_tag
 from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate
 from pipeline_ext.schedules.simulate import Span
 
-__all__ = ["Tracer", "TraceReport", "gather_steps", "measure_costs", "measured_bubble"]
+__all__ = ["Tracer", "TraceReport", "measure_costs", "measured_bubble"]
 
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -55,33 +55,6 @@ class Tracer:
 
     def clear(self) -> None:
         self.steps.clear()
-
-
-def gather_steps(tracer: Tracer, group: Optional[object] = None, dst: int = 0) -> Optional[list[list[Span]]]:
-    """Every rank's spans, step by step, merged on group rank ``dst`` (None elsewhere).
-
-    A collective: every rank of ``group`` must call it, after the same number
-    of traced steps. Without torch.distributed initialised, the local spans.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return [sorted(s, key=lambda x: x.start) for s in tracer.steps]
-    world = dist.get_world_size(group)
-    mine = [[(sp.rank, tuple(sp.action), sp.start, sp.end) for sp in step] for step in tracer.steps]
-    gathered: Optional[list] = [None] * world if dist.get_rank(group) == dst else None
-    dst_global = dist.get_global_rank(group, dst) if group is not None else dst
-    dist.gather_object(mine, gathered, dst=dst_global, group=group)
-    if gathered is None:
-        return None
-    counts = {len(steps) for steps in gathered}
-    if len(counts) != 1:
-        raise RuntimeError(f"ranks traced different numbers of steps: {[len(s) for s in gathered]}")
-    merged: list[list[Span]] = []
-    for i in range(counts.pop()):
-        spans = [Span(r, Action(a[0], ActionKind(a[1]), a[2]), s, e) for steps in gathered for r, a, s, e in steps[i]]
-        merged.append(sorted(spans, key=lambda x: (x.rank, x.start)))
-    return merged
 
 
 def _median_by(spans: Sequence[Span], kinds: Sequence[ActionKind], stage: int) -> float:

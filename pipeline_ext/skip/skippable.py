@@ -38,6 +38,10 @@ __all__ = ["Skippable", "skippable", "stash", "pop", "verify_skippables", "has_s
 T = TypeVar("T", bound="Skippable")
 
 
+class SkipRouteError(ValueError):
+    """Stashes and pops of a pipeline's stages do not pair up (names every unmatched skip)."""
+
+
 class stash:  # noqa: N801 - torchgpipe's spelling: ``yield stash(name, tensor)``
     """The command to stash a skip tensor (``None`` is allowed) under a declared name."""
 

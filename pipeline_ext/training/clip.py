@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.stage import PipelineStage
+
 from pipeline_ext.training.stages import local_stages
 from pipeline_ext.training.tied import TiedParameters, ties_of
 
@@ -38,8 +41,6 @@ def _parameters(obj: Any) -> tuple[list[torch.Tensor], Optional[dist.ProcessGrou
     if isinstance(obj, torch.Tensor):
         return [obj], None, [], False
     if not isinstance(obj, nn.Module):
-        from pipeline_ext.distributed import PipelineSchedule, PipelineStage
-
         if not isinstance(obj, (PipelineSchedule, PipelineStage)) and not (
                 isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], PipelineStage)):
             return list(obj), None, [], False  # an iterable of parameters

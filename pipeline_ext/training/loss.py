@@ -28,33 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from pipeline_ext.microbatch import microbatch_weights
+from pipeline_ext.runtime.microbatch import loss_weights  # noqa: F401  (training.loss_weights)
 
 __all__ = ["TokenMeanLoss", "loss_weights"]
-
-
-def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any],
-                 scale_grads: bool = True) -> list[Union[float, torch.Tensor]]:
-    """Weight of each microbatch's loss in backward (used by the schedules and ``Pipe``).
-
-    ``scale_grads=False``: 1 each (a plain sum, as torch). Else the loss
-    function's own ``microbatch_weights(targets)`` when it has one and the
-    targets are here (the last stage), else each microbatch's share of rows.
-    Weights given as a tensor come back as 0-d tensors (never read on the host).
-    """
-    if not scale_grads:
-        return [1.0] * len(sizes)
-    own = getattr(loss_fn, "microbatch_weights", None)
-    if own is not None and targets:
-        given = own(list(targets))
-        # A tensor of weights stays one (0-d tensors, on its device): reading it into floats would make
-        # the host wait for the GPU at every step, before the first forward could be queued.
-        weights = list(given.unbind(0)) if isinstance(given, torch.Tensor) else [float(w) for w in given]
-        if len(weights) != len(sizes):
-            raise ValueError(f"{type(loss_fn).__name__}.microbatch_weights returned {len(weights)} weights "
-                             f"for {len(sizes)} microbatches")
-        return weights
-    return microbatch_weights(sizes)
 
 
 class TokenMeanLoss:

@@ -21,6 +21,9 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.stage import PipelineStage
+
 __all__ = ["LocalStages", "local_stages", "unwrap"]
 
 # attribute under which a wrapper keeps the module it wraps: DDP, torch.compile
@@ -97,8 +100,6 @@ def local_stages(obj: Any, group: Optional[dist.ProcessGroup] = None) -> LocalSt
     A plain ``nn.Module`` is the unsplit model: one stage, no pipeline group.
     ``group`` overrides the pipeline group (else the schedule's / stages').
     """
-    from pipeline_ext.distributed import PipelineSchedule, PipelineStage
-
     if isinstance(obj, PipelineSchedule):
         return LocalStages({i: s.submod for i, s in obj.stages.items()}, obj.num_stages,
                            group if group is not None else obj.group, list(obj.schedule.stage_to_rank), obj)

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.runtime.groups import GroupMaker
+from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.dist.groups import GroupMaker
 from pipeline_ext.training.stages import LocalStages, local_stages, unwrap
 
 __all__ = ["TiedParameters", "tie_parameters", "ties_of"]
@@ -238,8 +239,6 @@ def tie_parameters(schedule: Any, ties: Mapping[str, Mapping[int, str]], broadca
     copies' gradients after its backward (see the module doc). Given stages
     instead of a schedule, nothing is hooked: call ``reduce_grads()`` yourself.
     """
-    from pipeline_ext.distributed import PipelineSchedule
-
     tied = TiedParameters(schedule, ties, broadcast=broadcast)
     if isinstance(schedule, PipelineSchedule):
         schedule.register_step_pre_hook(lambda: tied.zero_copies())

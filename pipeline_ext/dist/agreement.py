@@ -14,7 +14,7 @@ word   meaning
 0      magic (a record from something else is rejected by name)
 1      step number: every call of ``step``/``eval`` on this schedule, failed
        ones included, so a rank that skipped a call is named
-2      plan: training or forward-only
+2      step kind: training or forward-only (``STEP_KINDS``)
 3      schedule key (hash of name, placement, microbatches, stages)
 4, 5   n_microbatches, num_stages
 6      status: 0 accepted; 1 this rank rejected its own inputs
@@ -34,7 +34,7 @@ word   meaning
 
 Every rank then runs the same pure decision (:func:`agree`) over the same
 records, so either every rank starts the step with the same signature, sizes
-and layout plan, or every rank raises, naming the rank and the reason, and
+and communication plan, or every rank raises, naming the rank and the reason, and
 all stay in step for the next call. Being fixed-size, a record can be received
 whatever the peer's configuration: a disagreement is described in words,
 never met as a Gloo abort or a read of unwritten memory.
@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from pipeline_ext.ops import even_sizes
-from pipeline_ext._ext import _C
-from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, _ms
-from pipeline_ext.runtime.protocol.identity import stable_hash
+from pipeline_ext.runtime.ops import even_sizes
+from pipeline_ext.runtime._ext import _C
+from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
+from pipeline_ext.dist.identity import stable_hash
 
-__all__ = ["AGREEMENT_TAG", "Agreement", "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError",
+__all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "Agreement", "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError",
            "StepRejectedError", "agree"]
 
 # Outside the executor's message tags (< 2^30) and their layout bit (2^30): see identity.py.
@@ -72,14 +72,16 @@ _CLOSED = (" (if an earlier step timed out, the backend closed this connection f
            "create a new process group and schedule on every rank)")
 _NOTHING_MOVED = ("no message was sent and no gradient accumulated on any rank (a forward already run "
                   "on this rank was discarded)")
-PLANS = {1: "a training step", 2: "a forward-only step (eval(), or step() without a loss_fn)"}
-#: word 14 of a record: "gloo" is the process group itself (NCCL for GPU stages), whatever the hosts
-TRANSPORT_CODES = {"gloo": 1, "auto": 2, "shm": 3}
+#: word 2 of a record: what the step runs
+TRAIN, FORWARD = 1, 2
+STEP_KINDS = {TRAIN: "a training step", FORWARD: "a forward-only step (eval(), or step() without a loss_fn)"}
+#: word 14 of a record: "process_group" is the group's own backend (Gloo on CPU, NCCL on GPU), whatever the hosts
+TRANSPORT_CODES = {"process_group": 1, "auto": 2, "shm": 3}
 _TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
 
 
 class StepAgreementError(RuntimeError):
-    """The ranks disagree about the step (schedule, microbatches, plan, loss, step number); nothing was sent."""
+    """The ranks disagree about the step (schedule, microbatches, step kind, loss, step number); nothing was sent."""
 
 
 class StepRejectedError(StepAgreementError):
@@ -92,7 +94,7 @@ class StepRecord:
 
     rank: int
     step: int
-    plan: int
+    kind: int
     schedule: str
     schedule_key: int
     n_microbatches: int
@@ -102,13 +104,13 @@ class StepRecord:
     signature: int = 0
     rows: int = 0
     target_rows: int = -1
-    layouts: int = 0  # PlanCache.digest of the plan this step runs: which layouts this rank has cached
+    layouts: int = 0  # PlanCache.digest of this step kind's communication plans: which layouts this rank has cached
     skips: int = 0  # digest of this rank's skip declarations (0: none)
     transport: int = 0  # TRANSPORT_CODES of the transport this rank asked for
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
-        words[:15] = [_MAGIC, self.step, self.plan, self.schedule_key, self.n_microbatches, self.num_stages,
+        words[:15] = [_MAGIC, self.step, self.kind, self.schedule_key, self.n_microbatches, self.num_stages,
                       int(bool(self.rejected)), int(self.has_loss), self.signature, self.rows, self.target_rows,
                       self.layouts, self.rank, self.skips, self.transport]
         words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
@@ -123,7 +125,7 @@ class StepRecord:
                 "or something else sending on its tag?)"
             )
         w = list(words)
-        return cls(rank=w[12], step=w[1], plan=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
+        return cls(rank=w[12], step=w[1], kind=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
                    schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
                    signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11], skips=w[13], transport=w[14])
@@ -147,7 +149,7 @@ class Agreement:
     step: int  # the step number, part of every message's tag (identity.py)
     signature: int
     sizes: list[int]
-    discovery: bool  # exchange every message's layout again, whatever the caches say
+    rediscover: bool  # exchange every message's layout again, whatever the caches say
     skips: tuple[int, ...] = ()  # every rank's skip declaration digest, in rank order
 
 
@@ -172,13 +174,13 @@ def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
             f"rank {r.rank} runs {r.schedule} with {r.n_microbatches} microbatches over {r.num_stages} stages"
             + (f" (actions digest {r.schedule_key:016x})" if same_words else "")
             for r in records) + (" (same name and sizes, different actions or stage placement)" if same_words else "")
-    if differ(lambda r: r.has_loss):  # before the plan: a missing loss_fn is what makes step() forward-only
+    if differ(lambda r: r.has_loss):  # before the kind: a missing loss_fn is what makes step() forward-only
         said = ", ".join(f"rank {r.rank} {'has a' if r.has_loss else 'has no'} loss_fn" for r in records)
         return (f"the ranks disagree on the loss: {said}. Pass the same loss_fn on every rank "
                 "(loss_fn=None on every rank makes step() forward-only)")
-    if differ(lambda r: r.plan):
-        return "the ranks run different plans: " + ", ".join(
-            f"rank {r.rank} runs {PLANS.get(r.plan, r.plan)}" for r in records)
+    if differ(lambda r: r.kind):
+        return "the ranks run different kinds of step: " + ", ".join(
+            f"rank {r.rank} runs {STEP_KINDS.get(r.kind, r.kind)}" for r in records)
     return None
 
 

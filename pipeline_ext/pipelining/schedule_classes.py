@@ -5,7 +5,7 @@ arguments and ``get_schedule_class`` lookups: ``PipelineScheduleSingle`` (one
 stage per rank) and ``PipelineScheduleMulti`` (several) take torch's
 parameters, and every ``Schedule*`` class only names which built-in schedule
 (data, ``pipeline_ext.schedules``) it runs. The engine behind all of them is
-``pipeline_ext.distributed.PipelineSchedule``; nothing here runs anything.
+``pipeline_ext.pipelining.schedule.PipelineSchedule``; nothing here runs anything.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 import torch
 
 from pipeline_ext import schedules as S
-from pipeline_ext.distributed import PipelineSchedule, PipelineStage
+from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.stage import PipelineStage
 from pipeline_ext.schedules.csv_io import torch_order
 
 __all__ = [

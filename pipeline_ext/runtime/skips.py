@@ -4,8 +4,8 @@ A skip stashed on stage i and popped on stage j > i travels directly from i to
 j (never through the stages between), and its gradient directly back. Routes
 are built from what every stage *declares* (its ``@skippable`` layers), so
 they are known before anything runs: a Pipe builds them from its partitions,
-a multi-process pipeline from the declarations every rank sends in its first
-step (every rank then builds the same routes).
+a multi-process pipeline from the declarations every rank gathers in its first
+step (``dist/skips.py``; every rank then builds the same routes).
 
 Why direct sends need no change to the schedule: a skip is sent right after
 the stashing stage's F (its gradient right after the popping stage's B or I)
@@ -13,7 +13,7 @@ and received right before the popping stage's F (the stashing stage's B or
 I). Any valid schedule already runs F of stage i before F of stage j, and the
 backward of j before that of i, for the same microbatch; sends never block.
 So the skip is always on its way before it is waited for, whatever the schedule.
-Messages are matched by tag (``protocol/identity.py`` gives skips their own
+Messages are matched by tag (``runtime/tags.py`` gives skips their own
 tags), which Gloo and the in-process channels do; NCCL matches by order only,
 so skips between processes are refused there.
 """
@@ -25,16 +25,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from pipeline_ext.skip.skippable import Skippable
+from pipeline_ext.skip.skippable import Skippable, SkipRouteError
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["StageSkips", "SkipRoutes", "SkipRouteError", "declared_skips", "declarations_digest", "gather_routes",
-           "pack_skips", "unpack_skips",
+__all__ = ["StageSkips", "SkipRoutes", "SkipRouteError", "declared_skips", "pack_skips", "unpack_skips",
            "pack_skip_grads"]
-
-
-class SkipRouteError(ValueError):
-    """Stashes and pops of a pipeline's stages do not pair up (names every unmatched skip)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +99,10 @@ class SkipRoutes:
     def __repr__(self) -> str:
         return "SkipRoutes(" + ", ".join(f"{k}: {i}->{j}" for k, (i, j) in self.edges.items()) + ")"
 
+    def moving_stages(self) -> set[int]:
+        """The stages that send or receive a skip."""
+        return set(self._by_dst) | set(self._by_src)
+
     def sources(self, stage: int) -> dict[int, list[SkipKey]]:
         """Stages that send ``stage`` skips, and the keys of each one's message."""
         return self._by_dst.get(stage, {})
@@ -142,29 +141,3 @@ def unpack_skips(keys: Sequence[SkipKey], tensors: Sequence[torch.Tensor]) -> di
 def pack_skip_grads(keys: Sequence[SkipKey], grads: dict[SkipKey, Optional[torch.Tensor]]) -> list[torch.Tensor]:
     """One gradient per key, in key order; an empty tensor where the skip has no gradient (None, integer)."""
     return [g if g is not None else torch.empty(0) for g in (grads.get(k) for k in keys)]
-
-
-def declarations_digest(local: dict[int, StageSkips]) -> int:
-    """What a rank puts in its step record (word 13): 0 when its stages declare no skip crossing them."""
-    from pipeline_ext.runtime.protocol.identity import stable_hash
-
-    if not any(local.values()):
-        return 0
-    return stable_hash(repr(sorted((s, sorted(d.stashes), sorted(d.pops)) for s, d in local.items())))
-
-
-def gather_routes(local: dict[int, StageSkips], num_stages: int, group: Any) -> SkipRoutes:
-    """Every rank's declarations, gathered over ``group`` (a collective: every rank calls it), as routes.
-
-    Every rank builds the same routes from the same declarations, so a
-    mismatch raises the same ``SkipRouteError`` on every rank.
-    """
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
-    per_stage = [StageSkips()] * num_stages
-    for decls in gathered:
-        for stage, decl in decls.items():
-            per_stage[stage] = decl
-    return SkipRoutes(per_stage)

@@ -41,33 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_ext.runtime.stage import GradientSync
+
 __all__ = ["GradientSync", "DDPSync", "FSDPSync", "UnsupportedWrapperError", "gradient_sync_for"]
 
 
 class UnsupportedWrapperError(TypeError):
     """A stage is wrapped in something whose gradient sync a pipeline step cannot make exact."""
-
-
-class GradientSync:
-    """What a runner calls around one training step of a wrapped stage (no-op base)."""
-
-    name = "none"
-    modules: list[nn.Module] = []
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.modules)} wrapped module(s))"
-
-    def begin(self) -> None:
-        """Before the step's first forward: turn per-backward syncing off."""
-
-    def before_backward(self) -> None:
-        """Before a B, I or W: make the parameters usable by backward."""
-
-    def finish(self) -> None:
-        """After the step's last B/W of the stage: reduce once, give back the user's settings."""
-
-    def abort(self) -> None:
-        """The step failed: give back the user's settings without reducing."""
 
 
 class DDPSync(GradientSync):

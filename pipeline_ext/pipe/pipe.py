@@ -21,7 +21,7 @@ arguments instead, the convention of the multi-process API.
 
 A call is all-or-nothing: any failure (a stage error, Ctrl-C, the step's
 ``timeout``) cancels every worker at its next action and the step's partial
-gradients are discarded (``runtime/step_threads.py``).
+gradients are discarded (``pipe/threads.py``).
 """
 from __future__ import annotations
 
@@ -37,17 +37,20 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeline_ext import schedules as S
-from pipeline_ext.batchnorm import DeferredStats
-from pipeline_ext.checkpoint import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
-from pipeline_ext.microbatch import merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
-from pipeline_ext.partition import balance_by_params
-from pipeline_ext.runtime.channels import LocalHub, check_timeout
-from pipeline_ext.runtime.connected import ConnectedRunner
+from pipeline_ext.pipe.batchnorm import DeferredStats
+from pipeline_ext.pipe.recompute import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
+from pipeline_ext.runtime.microbatch import loss_weights, merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
+from pipeline_ext.pipe.partition import balance_by_params
+from pipeline_ext.runtime.channel import check_timeout
+from pipeline_ext.runtime.local import LocalHub, LocalStep
+from pipeline_ext.pipe.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
+from pipeline_ext.runtime.tags import check_tag_space
 from pipeline_ext.runtime.stage import StageRunner
-from pipeline_ext.runtime.step_threads import Activity, CancelToken, GuardedRunner, StepOutcome, run_step_threads
-from pipeline_ext.skip import SkipRoutes, verify_skippables
-from pipeline_ext.training.loss import loss_weights
+from pipeline_ext.pipe.threads import Activity, CancelToken, GuardedRunner, StepOutcome, run_step_threads
+from pipeline_ext.runtime.skips import SkipRoutes
+from pipeline_ext.skip import verify_skippables
+
 
 __all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
 
@@ -468,25 +471,22 @@ class Pipe(nn.Module):
             )
         return None
 
-    def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs) -> None:
+    def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs,
+             loss_weights: Sequence[Union[float, torch.Tensor]] = ()) -> None:
         """Every rank's executor on its worker thread; the first failure cancels all of them and is raised."""
         # The step's deadline bounds everything and names every stuck rank; its last `grace` seconds
         # let the workers stop. The channel waits' own timeouts are a backstop behind it.
         grace = 5.0 if self.timeout is None else min(0.2 * self.timeout, 5.0)
         wait_timeout = None if self.timeout is None else self.timeout + 1.0
+        if self.skip_routes:
+            check_tag_space(schedule.num_stages, schedule.n_microbatches, skips=True)
         hub = LocalHub(self.devices, send_timeout=wait_timeout)
         context = _Context.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
         executors = [
-            Executor(
-                schedule,
-                r,
-                {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
-                hub.channel(r),
-                timeout=wait_timeout,
-                skips=self.skip_routes,
-            )
+            Executor(schedule, r, {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
+                     timeout=wait_timeout)
             for r in range(len(self.devices))
         ]
 
@@ -494,7 +494,7 @@ class Pipe(nn.Module):
             def work() -> None:
                 with ExitStack() as stack:
                     context.enter(stack)
-                    executors[rank].run(inputs)
+                    executors[rank].run(inputs, LocalStep(hub.channel(rank), self.skip_routes, loss_weights))
 
             return work
 
@@ -541,12 +541,12 @@ class Pipe(nn.Module):
         call = self._new_call(m)
         n = len(self.partitions)
         runners = {
-            s: StageRunner(part, s, n, loss_fn, call=self._call_for(s, call, s > 0), checkpoint=call.ckpt)
+            s: StageRunner(part, s, n, call=self._call_for(s, call, s > 0), checkpoint=call.ckpt)
             for s, part in enumerate(self.partitions)
         }
         if self._bn is not None:
             self._bn.begin(self.training)
-        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, weights))
+        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
         if self._bn is not None:
             self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.distributed import PipelineStage
+from pipeline_ext.pipelining.stage import PipelineStage
 
 __all__ = ["pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "as_stage"]
 

@@ -13,12 +13,13 @@ first message: shared memory when every rank of the group is on this host
 describes itself to every peer over the group when its first channel on that
 group is built (see ``_Setup``). The channel stays stateless and matches by (peer,
 tag) exactly like Gloo, so the executor and the communication plans
-(``protocol/plan.py``) use it unchanged. All channels of one process on one
+(``dist/comm_plan.py``) use it unchanged. All channels of one process on one
 group share one transport, as they share the group's Gloo pairs.
 
 Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
-``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"gloo"`` (the process
-group, whatever the hosts; the only choice for GPU stages) or ``"shm"`` (shared
+``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"process_group"`` (the
+process group's own backend, Gloo on CPU and NCCL on GPU, whatever the hosts;
+the only choice for GPU stages; ``"gloo"`` is accepted as another name for it) or ``"shm"`` (shared
 memory, an error naming the hosts when the ranks are not all on this one).
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
@@ -41,12 +42,15 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from pipeline_ext._ext import _C
-from pipeline_ext.runtime.channels import ChannelError, ChannelTimeout, DistChannel, _ms
+from pipeline_ext.runtime._ext import _C
+from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "make_channel", "requested_transport"]
 
-TRANSPORTS = ("auto", "gloo", "shm")
+TRANSPORTS = ("auto", "process_group", "shm")
+#: other names accepted for a transport
+TRANSPORT_ALIASES = {"gloo": "process_group", "nccl": "process_group"}
 TRANSPORT_ENV = "PIPELINE_EXT_TRANSPORT"
 RING_BYTES_ENV = "PIPELINE_EXT_SHM_RING_BYTES"
 SPIN_US_ENV = "PIPELINE_EXT_SHM_SPIN_US"
@@ -58,9 +62,11 @@ def requested_transport(transport: Optional[str]) -> str:
     """The transport asked for: the argument, else ``$PIPELINE_EXT_TRANSPORT``, else ``"auto"``."""
     choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
     choice = str(choice).strip().lower()
+    choice = TRANSPORT_ALIASES.get(choice, choice)
     if choice not in TRANSPORTS:
         source = "transport=" if transport is not None else f"${TRANSPORT_ENV}="
-        raise ValueError(f"{source}{choice!r}: the transport must be one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"{source}{choice!r}: the transport must be one of {', '.join(TRANSPORTS)} "
+                         "(gloo and nccl are other names of process_group)")
     return choice
 
 
@@ -71,8 +77,8 @@ def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.de
     device = torch.device(device)
     if choice == "shm" and device.type != "cpu":
         raise ValueError(f"transport='shm' moves CPU tensors; stages on {device} use the process group "
-                         "(transport='gloo' or 'auto')")
-    if choice == "gloo" or device.type != "cpu":
+                         "(transport='process_group' or 'auto')")
+    if choice == "process_group" or device.type != "cpu":
         return DistChannel(group, device, num_stages=num_stages)
     return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
 
@@ -98,7 +104,7 @@ def _host_id() -> str:
 
 
 class _GroupTransport:
-    """What one process uses on one group: ``kind`` ("shm" or "gloo"), the C++ channel, and why."""
+    """What one process uses on one group: ``kind`` ("shm" or "process_group"), the C++ channel, and why."""
 
     def __init__(self, kind: str, channel: Any, reason: str = "") -> None:
         self.kind, self.channel, self.reason = kind, channel, reason
@@ -167,13 +173,13 @@ class _Setup:
             self.drop()
             hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
                             for e in [me, *peers.values()]})
-            return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
+            return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
                                    "hosts: " + ", ".join(hosts))
         unmade = {p: e.get("error", "") for p, e in [(self.rank, me), *peers.items()] if not e["segment"]}
         if unmade:
             self.drop()
             said = "; ".join(f"rank {p}: {why}" for p, why in sorted(unmade.items()))
-            return _GroupTransport("gloo", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
+            return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
                                    f"no shared-memory inbox ({said})")
         rings = sorted({self.ring_bytes, *(e["ring_bytes"] for e in peers.values())})
         if len(rings) > 1:
@@ -190,7 +196,7 @@ class _Setup:
 
 
 # By group object (weakly), in flight or decided: a group destroyed and made again under the same name gets
-# a transport of its own, as it gets step numbers of its own (protocol/identity.GroupSteps).
+# a transport of its own, as it gets step numbers of its own (dist/identity.GroupSteps).
 _setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTransport]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -215,7 +221,7 @@ def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _Group
             _setups[group] = known
     if required and known.kind != "shm":
         raise ChannelError(f"transport='shm': group {group.group_name!r} cannot use shared memory ({known.reason}); "
-                           "use transport='auto' or 'gloo'")
+                           "use transport='auto' or 'process_group'")
     return known
 
 
@@ -249,7 +255,7 @@ class ShmChannel(DistChannel):
 
     ``required``: shared memory or an error (``transport="shm"``), instead of
     Gloo when the ranks are not all on this host. ``timeout`` bounds the wait
-    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "gloo".
+    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "process_group".
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,

@@ -5,7 +5,7 @@ through, every stage, in the right order, like an ordinary module's. The
 executor and channels move *detached* tensors (that is what makes them cheap
 and lets the copies run on copy streams). ``ConnectedRunner`` therefore keeps
 each stage's graph-connected outputs in a shared table and, on the receiving
-stage, re-attaches the received tensor to them with ``Boundary``: its forward
+stage, re-attaches the received tensor to them with ``Reattach``: its forward
 is the received data (already on this stage's device), its backward hands the
 gradient to the producing stage's device. Autograd then sees one graph across
 all stages and threads. Skips (``pipeline_ext.skip``) are re-attached the same
@@ -19,15 +19,15 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from pipeline_ext._ext import _C
+from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.stage import Skips, StagePosition, as_output_tuple, detach_tree, is_differentiable
 from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import call_with_skips
 
-__all__ = ["Boundary", "ConnectedRunner"]
+__all__ = ["Reattach", "ConnectedRunner"]
 
 
-class Boundary(torch.autograd.Function):
+class Reattach(torch.autograd.Function):
     """The received tensor, made the output of ``source`` (the producer's output) for autograd.
 
     The received tensor is handed in inside a list, not as an input: an input
@@ -124,5 +124,5 @@ class ConnectedRunner(StagePosition):
 def _connect(received: Any, source: Any) -> Any:
     """The received tensor, attached to the producer's graph when the producer's tensor needs a gradient."""
     if is_differentiable(source) and source.requires_grad:
-        return Boundary.apply(source, [received])
+        return Reattach.apply(source, [received])
     return received

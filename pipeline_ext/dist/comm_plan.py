@@ -31,9 +31,11 @@ from typing import ContextManager, Hashable, Optional, Sequence, Union
 
 import torch
 
-from pipeline_ext._ext import _C
-from pipeline_ext.runtime.channels import ChannelError, ChannelHandle, ChannelTimeout, DistChannel, _ms
-from pipeline_ext.runtime.protocol.identity import SKIP_LANE, describe_tag, message_of, stable_hash
+from pipeline_ext.runtime._ext import _C
+from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.runtime.channel import ChannelError, ChannelHandle, ChannelTimeout, _ms
+from pipeline_ext.dist.identity import stable_hash
+from pipeline_ext.runtime.tags import SKIP_LANE, describe_tag, message_of
 
 __all__ = ["CommPlan", "PlanCache", "StepMessages", "DEFAULT_MAX_PLANS"]
 

@@ -16,18 +16,18 @@ Specs may be ours or torch's (``torch.distributed.pipelining.microbatch``'s
 torch's helper ``split_args_kwargs_into_chunks`` has its signature here, so
 torch code keeps working with one import changed.
 
-The byte moving is done by the C++ kernels in ``pipeline_ext.ops``.
+The byte moving is done by the C++ kernels in ``pipeline_ext.runtime.ops``.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeline_ext import ops
+from pipeline_ext.runtime import ops
 
 __all__ = [
     "TensorChunkSpec",
@@ -39,6 +39,7 @@ __all__ = [
     "merge_chunks",
     "microbatch_sizes",
     "microbatch_weights",
+    "loss_weights",
     "split_target",
     "split_step_inputs",
     "split_step_target",
@@ -243,6 +244,30 @@ def microbatch_weights(sizes: Sequence[int]) -> list[float]:
     """
     total = sum(sizes)
     return [s / total for s in sizes]
+
+
+def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any],
+                 scale_grads: bool = True) -> list[Union[float, torch.Tensor]]:
+    """Weight of each microbatch's loss in backward (used by the schedules and ``Pipe``).
+
+    ``scale_grads=False``: 1 each (a plain sum, as torch). Else the loss
+    function's own ``microbatch_weights(targets)`` when it has one and the
+    targets are here (the last stage), else each microbatch's share of rows.
+    Weights given as a tensor come back as 0-d tensors (never read on the host).
+    """
+    if not scale_grads:
+        return [1.0] * len(sizes)
+    own = getattr(loss_fn, "microbatch_weights", None)
+    if own is not None and targets:
+        given = own(list(targets))
+        # A tensor of weights stays one (0-d tensors, on its device): reading it into floats would make
+        # the host wait for the GPU at every step, before the first forward could be queued.
+        weights = list(given.unbind(0)) if isinstance(given, torch.Tensor) else [float(w) for w in given]
+        if len(weights) != len(sizes):
+            raise ValueError(f"{type(loss_fn).__name__}.microbatch_weights returned {len(weights)} weights "
+                             f"for {len(sizes)} microbatches")
+        return weights
+    return microbatch_weights(sizes)
 
 
 def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate | Reduce) -> Any:

@@ -22,7 +22,7 @@ the same peer, on both ranks at once: rank 0 waits for a gradient before its
 activation can leave, rank 1 waits for that activation before it can make the
 gradient. With one 2-rank group per direction, each stream carries one
 direction's messages, issued in the same order at both ends (the plan's
-ordering rule, ``protocol/plan.py``), so every stream drains. NCCL creates a
+ordering rule, ``dist/comm_plan.py``), so every stream drains. NCCL creates a
 communicator lazily, inside its first operation (collective too), which in a
 pipeline would happen in schedule order, different on every rank; so the two
 members of each direction group run one small all-reduce right after making
@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["message_pairs", "matches_by_order", "GroupMaker", "DirectionGroups"]
+__all__ = ["message_pairs", "matches_by_order", "GroupMaker", "DirectionGroups", "group_timeout"]
 
 
 def matches_by_order(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
@@ -131,3 +131,13 @@ class DirectionGroups:
     def __len__(self) -> int:
         """How many direction groups this rank is a member of."""
         return len(self._maker)
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> float:
+    """The process group's own timeout, in seconds: what ``timeout=None`` means."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        backend = group._get_backend(torch.device("cpu" if dist.get_backend(group) == "gloo" else "cuda"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options: torch's default
+        return dist.default_pg_timeout.total_seconds()

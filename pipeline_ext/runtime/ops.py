@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from pipeline_ext._ext import _C
+from pipeline_ext.runtime._ext import _C
 
 #: The custom ops (registered when ``_C`` loads): split_copy, concat, concat_out,
 #: pack, pack_out, unpack.

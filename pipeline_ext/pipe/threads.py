@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from pipeline_ext.runtime.channels import ChannelError
+from pipeline_ext.runtime.channel import ChannelError
 from pipeline_ext.runtime.executor import PipelineTimeoutError
 
 __all__ = ["CancelToken", "StepCancelled", "Activity", "GuardedRunner", "StepOutcome", "run_step_threads"]

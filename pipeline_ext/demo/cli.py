@@ -2,7 +2,7 @@
 
 One command, no ``torchrun``: it starts its own worker processes (one per
 pipeline rank, Gloo on 127.0.0.1, a free port, timeouts, clean shutdown),
-trains a small GPT-style model (``demo_model``) on synthetic arithmetic token
+trains a small GPT-style model (``demo/model.py``) on synthetic arithmetic token
 sequences under the chosen schedule, and shows what a user wants to see: a
 progress bar, the loss of every step (it falls), tokens/s, the bubble measured
 by the tracer next to the simulator's prediction at the measured costs, and a
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline_ext.demo_model import GPTConfig, gpt_stages, lm_loss, synthetic_batch
+from pipeline_ext.demo.model import GPTConfig, gpt_stages, lm_loss, synthetic_batch
 
 __all__ = ["main", "train"]
 
@@ -145,7 +145,7 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from pipeline_ext import schedules as S
-    from pipeline_ext.launch import spawn
+    from pipeline_ext.dist.launch import spawn
 
     args = _args(argv)
     v = S.default_stages_per_rank(args.schedule)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeline_ext.checkpoint import is_recomputing
+from pipeline_ext.pipe.recompute import is_recomputing
 
 __all__ = ["DeferredStats"]
 

@@ -1,0 +1,5 @@
+import sys
+
+from pipeline_ext.demo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,324 @@
+"""One rank's side of a multi-process pipeline: a ``Session`` per schedule, a ``Step`` per call.
+
+The session is built once per schedule and holds everything its steps share:
+the channel (the transport), the NCCL direction groups, the step agreement on
+its host group, the communication plans (one cache per step kind), and the
+skip declarations with the routes settled from them.
+
+``Session.begin`` checks this rank's part of a step (split the batch, check
+the target, weigh the microbatches), posts its step record to every rank and
+returns a ``Step``: the only thing the executor sees. A rank that rejects its
+own inputs raises here, after telling every rank, which then raise
+``StepRejectedError`` naming it. An accepted step does not wait: the ``Step``
+waits for the records right before its first message (or before a stage that
+moves skips runs, or before the last stage needs loss weights only the
+agreement knows), so the exchange travels while rank 0 runs its first forward.
+
+[Note: one step, in order]
+1. ``begin``: step number from the group (``GroupSteps``), inputs checked and
+   split, record posted (``StepAgreement.post``); rejection raised on every rank.
+2. The executor runs the step's compute; at its first message the ``Step``
+   settles: ``agree`` over every rank's record (every rank takes the same
+   decision), skip routes gathered if the declarations are new, loss weights
+   from the agreed sizes where this rank did not have them, the channel's
+   ``begin_step`` (shared memory drops earlier steps' leftovers), and the step
+   kind's communication plan opened (``PlanCache.step``: known layouts, or a
+   discovery step).
+3. Sends and receives go through that plan's ``StepMessages`` to the channel.
+4. Leaving the ``with step:`` block commits the plan a completed step
+   discovered, or drops the send buffers of a failed one (a send may still be
+   reading them). A rank that sent nothing still settles the agreement there.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from pipeline_ext import schedules as S
+from pipeline_ext.dist.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
+                                         StepAgreementError, StepRecord, agree)
+from pipeline_ext.dist.comm_plan import PlanCache, StepMessages
+from pipeline_ext.dist.groups import DirectionGroups, GroupMaker, matches_by_order
+from pipeline_ext.dist.identity import GroupSteps, stable_hash
+from pipeline_ext.dist.shm import make_channel
+from pipeline_ext.dist.skips import declarations_digest, gather_routes
+from pipeline_ext.runtime.channel import ChannelHandle
+from pipeline_ext.runtime.executor import StepInputs
+from pipeline_ext.runtime.microbatch import loss_weights, microbatch_sizes, split_step_inputs, split_step_target
+from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
+from pipeline_ext.runtime.stage import LossFn
+from pipeline_ext.runtime.tags import check_tag_space
+
+__all__ = ["Session", "Step", "TRAIN", "FORWARD"]
+
+Weights = Sequence[Union[float, torch.Tensor]]
+
+
+def host_group(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[dist.ProcessGroup]:
+    """The group the step records travel on: the stages' own on CPU, a Gloo twin of it for GPU stages.
+
+    The records are read on the host to decide the step. Received into GPU
+    memory (NCCL) that read would synchronise the host with the GPU at every
+    step, stalling behind the forward just queued; over Gloo they stay in host
+    memory. The twin is made with every rank of the default group
+    (``GroupMaker``), as torch's ``new_group`` requires: a group made by its
+    members alone (``use_local_synchronization``) is named after how many
+    groups each process already has, and two ranks with different histories
+    would wait for each other forever.
+    """
+    if device.type == "cpu":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return GroupMaker("gloo").make([ranks])[ranks]
+
+
+class SkipSettlement:
+    """This rank's skip declarations, and the routes every rank settled from everyone's (once per change).
+
+    Every rank sees the same records, so every rank takes part in the gather,
+    or none does. Skips travel on tags of their own, which NCCL ignores (it
+    matches by order), so they are refused on NCCL pipelines.
+    """
+
+    def __init__(self, declared: dict[int, StageSkips], num_stages: int, n_microbatches: int,
+                 group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        self._declared = declared
+        self.digest = declarations_digest(declared)
+        #: this rank's stages that stash or pop a skip another stage may hold
+        self.stages = frozenset(i for i, d in declared.items() if d)
+        self._num_stages, self._n_microbatches = num_stages, n_microbatches
+        self._group, self._device = group, device
+        self._key: tuple[int, ...] = ()
+        self._routes: Optional[SkipRoutes] = None
+
+    def routes(self, digests: tuple[int, ...]) -> Optional[SkipRoutes]:
+        """The routes for every rank's declaration digests (gathered when they are new); None without skips."""
+        if digests == self._key:
+            return self._routes
+        routes = None
+        if any(digests):
+            routes = gather_routes(self._declared, self._num_stages, self._group)
+            if routes and self._device.type != "cpu":
+                raise NotImplementedError(
+                    f"skip connections between processes need a backend that matches messages by tag (Gloo); "
+                    f"this pipeline's stages are on {self._device} (NCCL matches by order only). Keep the skip "
+                    "inside one stage, or run the pipeline on CPU with Gloo"
+                )
+            if routes:
+                check_tag_space(self._num_stages, self._n_microbatches, skips=True)
+        self._key, self._routes = digests, (routes if routes else None)
+        return self._routes
+
+
+class Step:
+    """One step's messages over the session's channel: what ``Executor.run`` is handed.
+
+    Settles the step (the agreement, skip routes, loss weights, the
+    communication plan) the first time any of them is needed, so the records'
+    exchange overlaps the step's leading compute. Use it as a context manager
+    around the executor's run: leaving it commits or abandons the step's
+    communication plan.
+    """
+
+    def __init__(self, number: int, inputs: StepInputs, weights: Optional[list], pending: PendingExchange,
+                 decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement,
+                 weigh: Callable[[Sequence[int], Sequence[Any]], list], channel: Any, plans: PlanCache) -> None:
+        self.step = number
+        self.inputs = inputs
+        self.skip_stages = skips.stages
+        self._weights, self._pending, self._decide, self._skips, self._weigh = weights, pending, decide, skips, weigh
+        self._channel, self._plans = channel, plans
+        self._routes: Optional[SkipRoutes] = None
+        self._messages: Optional[StepMessages] = None
+
+    def open(self) -> None:
+        """Settle the step (see the class doc); the executor calls it right before the first message."""
+        self._open()
+
+    def _open(self) -> StepMessages:
+        if self._messages is None:
+            agreement = self._decide(self._pending.records())
+            self._routes = self._skips.routes(agreement.skips)
+            if self._weights is None:
+                self._weights = self._weigh(agreement.sizes, self.inputs.targets)
+            self._channel.begin_step(self.step)
+            messages = self._messages = self._plans.step(self._channel, agreement.signature, agreement.rediscover)
+            # Settled: from here on the executor's sends and receives go straight to the plan's messages.
+            self.send, self.recv, self.batch = messages.send, messages.recv, messages.batch  # type: ignore[method-assign]
+        return self._messages
+
+    # -- what the executor asks ---------------------------------------------------------------
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
+        return self._open().send(tensors, peer, tag, owned)
+
+    def recv(self, peer: int, tag: int) -> Any:
+        return self._open().recv(peer, tag)
+
+    def batch(self) -> ContextManager[None]:
+        return self._open().batch()
+
+    def skip_routes(self) -> Optional[SkipRoutes]:
+        self._open()
+        return self._routes
+
+    def loss_weights(self) -> Weights:
+        if self._weights is None:
+            self._open()
+        return self._weights  # type: ignore[return-value]
+
+    # -- the step's end -----------------------------------------------------------------------
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._plans.commit(self._open())  # a rank without messages still takes part in the agreement
+        elif self._messages is not None:
+            self._plans.abandon(self._messages)
+
+
+class Session:
+    """What every step of one schedule on this rank shares; ``begin`` starts a step.
+
+    ``local_stages``: this rank's stage indices; ``skips``: what each declares
+    (``runtime/skips.declared_skips``). ``check_first(mb, args)`` checks each
+    microbatch of stage 0 against declared shapes before the step is posted
+    (None: nothing to check). ``transport``: "auto", "process_group" (or "gloo") or "shm"
+    (``dist/shm.make_channel``).
+    """
+
+    def __init__(self, *, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, num_stages: int,
+                 device: torch.device, local_stages: Sequence[int], skips: dict[int, StageSkips],
+                 n_microbatches: int, loss_fn: Optional[LossFn], chunk_spec: Any, scale_grads: bool,
+                 timeout: float, transport: Optional[str],
+                 check_first: Optional[Callable[[int, tuple], None]] = None) -> None:
+        self.rank, self.num_ranks, self.num_stages, self.device = rank, num_ranks, num_stages, device
+        self.n_microbatches, self.loss_fn, self.chunk_spec, self.scale_grads = (n_microbatches, loss_fn,
+                                                                                chunk_spec, scale_grads)
+        self._local = frozenset(local_stages)
+        self._check_first = check_first
+        #: the transport (``dist/shm.py`` chooses shared memory or the process group)
+        self.channel = make_channel(group, device, num_stages, transport, timeout)
+        # NCCL: each direction between two ranks on a group of its own (dist/groups.py)
+        self._directions = DirectionGroups(group, device) if matches_by_order(group, device) else None
+        self.agreement = StepAgreement(host_group(group, device), rank, num_ranks, torch.device("cpu"), timeout,
+                                       ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
+        self._skips = SkipSettlement(skips, num_stages, n_microbatches, self.agreement.group, device)
+        self._plans: dict[int, PlanCache] = {}
+        self._schedule: Optional[S.Schedule] = None
+
+    def set_schedule(self, schedule: S.Schedule) -> None:
+        """Run ``schedule`` (lowered, validated) from the next step on; its communication plans start empty."""
+        if self._directions is not None:
+            self._directions.route(self.channel, schedule.stage_to_rank)
+        self._schedule = schedule
+        self._first_rank, self._last_rank = schedule.stage_to_rank[0], schedule.stage_to_rank[-1]
+        self._schedule_key = stable_hash(repr((
+            schedule.name, tuple(schedule.stage_to_rank), self.n_microbatches,
+            [[str(a) for a in acts] for acts in schedule.actions],
+        )))
+        self._plans = {TRAIN: PlanCache(), FORWARD: PlanCache()}
+
+    def plans(self, kind: int) -> PlanCache:
+        """The communication plans of one step kind (a forward-only step never shares a training step's)."""
+        return self._plans[kind]
+
+    @property
+    def _has_first(self) -> bool:
+        return 0 in self._local
+
+    @property
+    def _has_last(self) -> bool:
+        return self.num_stages - 1 in self._local
+
+    def begin(self, kind: int, args: tuple, kwargs: dict, target: Any,
+              loss_kwargs: Optional[dict] = None) -> Step:
+        """Check this rank's part of a step of ``kind`` and post it to every rank, before any stage runs.
+
+        Every call takes part in exactly one exchange, a rejected one too: a
+        rank that rejects its own inputs raises its own error, every other
+        rank raises ``StepRejectedError`` naming it, and all stay in step.
+        """
+        assert self._schedule is not None, "set_schedule first"
+        # The group numbers the steps, whatever schedule runs them (GroupSteps): a message is never taken by
+        # another schedule's step, nor by a schedule built anew on the group.
+        number = GroupSteps.next(self.channel.group)
+        plans = self._plans[kind]
+        record = StepRecord(rank=self.rank, step=number, kind=kind, schedule=self._schedule.name,
+                            schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
+                            num_stages=self.num_stages, has_loss=self.loss_fn is not None,
+                            layouts=plans.digest, skips=self._skips.digest,
+                            transport=TRANSPORT_CODES[self.channel.requested])
+        inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
+        weights: Optional[list] = None
+        error: Optional[Exception] = None
+        try:
+            inputs.args, inputs.kwargs, sizes = self._split_inputs(args, kwargs)
+            if self._check_first is not None:  # declared shapes: refuse before any stage runs
+                for mb, chunk in enumerate(inputs.args):
+                    self._check_first(mb, tuple(chunk))
+            if self._has_first:
+                record.rows = sum(sizes)
+                record.signature = self.agreement.signature(args, kwargs, sizes, self.chunk_spec)
+            inputs.targets = self._split_target(kind, target)
+            if self._has_first:  # after the targets: this rank may hold the last stage too
+                weights = self._weigh(sizes, inputs.targets)
+            record.target_rows = sum(microbatch_sizes((target,), {}, self.n_microbatches)) if inputs.targets else -1
+        except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
+            error = exc
+            record.rejected = f"{type(exc).__name__}: {exc}"
+        pending = self.agreement.post(record)
+        decide = functools.partial(agree, first_rank=self._first_rank, last_rank=self._last_rank)
+        if error is not None:
+            try:
+                decide(pending.records())
+            except StepAgreementError:
+                if hasattr(error, "add_note"):
+                    error.add_note(f"pipeline_ext: rank {self.rank} rejected step {number}; every rank was "
+                                   "told and raised, nothing was sent")
+                raise error from None
+            except Exception as exc:  # the peers could not be told; say both
+                raise exc from error
+        return Step(number, inputs, weights, pending, decide, self._skips, self._weigh, self.channel, plans)
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
+        """Split this rank's batch (stage 0 only): chunks and rows per microbatch."""
+        if not self._has_first:
+            return [], [], []  # as in torch: inputs given to a rank without stage 0 are not used
+        if not args and not kwargs:
+            raise ValueError("the rank holding stage 0 must pass the batch to step()")
+        return split_step_inputs(args, kwargs, self.n_microbatches, self.device, self.chunk_spec)
+
+    def _split_target(self, kind: int, target: Any) -> list:
+        """The target split per microbatch on the last stage's rank; [] when no loss is computed.
+
+        As in torch: a target given on a rank without the last stage is not
+        used; ``eval(target=)`` computes the losses without a backward.
+        """
+        if not self._has_last:
+            return []
+        if target is None:
+            if kind == TRAIN:
+                raise ValueError(
+                    f"rank {self.rank} holds the last stage: a training step needs target= "
+                    "(for a forward-only step use eval(), or loss_fn=None on every rank)"
+                )
+            return []
+        if self.loss_fn is None:
+            raise ValueError("target= was given but the schedule has no loss_fn to compute a loss with")
+        return split_step_target(target, self.n_microbatches, self.device)
+
+    def _weigh(self, sizes: Sequence[int], targets: Sequence[Any]) -> list:
+        """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""
+        return loss_weights(self.loss_fn, sizes, targets, self.scale_grads)
+
+    def _loss_with(self, loss_kwargs: Optional[dict]) -> Optional[LossFn]:
+        """The loss the runners call this step: ``loss_fn(output, target, **loss_kwargs)``."""
+        if not loss_kwargs or self.loss_fn is None:
+            return self.loss_fn
+        fn = self.loss_fn
+        return lambda output, target: fn(output, target, **loss_kwargs)
+

@@ -1,0 +1,14 @@
+"""The torchgpipe front end: ``Pipe``, one process driving every device.
+
+``pipe.py`` is the module users call (``Pipe(module, balance, devices)``,
+``forward``, ``step``); ``partition.py`` balances layers over devices;
+``recompute.py`` is torchgpipe's checkpointing (recompute a microbatch's
+forward in its backward); ``batchnorm.py`` keeps BatchNorm statistics those of
+the whole batch; ``connected.py`` joins the stages' autograd graphs for a plain
+``pipe(x).backward()``; ``threads.py`` runs one executor per device on its own
+thread and cancels them together. Below it: the same ``runtime`` executor the
+multi-process front end runs, over in-process channels.
+"""
+from pipeline_ext.pipe.pipe import MULTI_STAGE_SCHEDULES, Pipe, PipeBusyError
+
+__all__ = ["Pipe", "PipeBusyError", "MULTI_STAGE_SCHEDULES"]

@@ -1,0 +1,329 @@
+"""``PipelineSchedule``: runs any schedule on this process's stages, one ``step()`` at a time.
+
+Shaped like ``torch.distributed.pipelining``'s manual-stage API, so that moving
+a script over is a one-line import change::
+
+    stage = pe.PipelineStage(submodule, stage_index, num_stages, device)
+    sched = pe.Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+    sched.step(x)                                  # first stage
+    sched.step(target=y, losses=losses)            # last stage
+    sched.step()                                   # middle stages
+
+Each process holds one stage (or several, for interleaved and V schedules).
+A step is: ``Session.begin`` (check and post this rank's part) -> step
+pre-hooks -> ``Executor.run`` over the returned ``Step`` -> step post-hooks
+-> merge the last stage's outputs. The schedule classes
+(``schedule_classes.py``) only choose which schedule (data) to build.
+
+Differences from torch, on purpose: batches that do not divide into the
+microbatches are allowed (losses are weighted by each microbatch's rows, so the
+gradients are still those of the whole batch's mean loss), and a step whose
+shapes differ from the previous step's works (metadata is exchanged again).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from pipeline_ext import schedules as S
+from pipeline_ext.dist.groups import group_timeout
+from pipeline_ext.dist.session import FORWARD, TRAIN, Session
+from pipeline_ext.dist.trace import gather_steps
+from pipeline_ext.pipelining.model_split import as_stage
+from pipeline_ext.pipelining.stage import PipelineStage, _match_meta
+from pipeline_ext.runtime.channel import check_timeout, watch_signals
+from pipeline_ext.runtime.executor import Executor
+from pipeline_ext.runtime.microbatch import merge_chunks
+from pipeline_ext.runtime.skips import declared_skips
+from pipeline_ext.runtime.trace import Tracer, TraceReport
+from pipeline_ext.schedules.csv_io import torch_order
+
+# torch's Schedule* names are in schedule_classes.py
+__all__ = ["PipelineSchedule"]
+
+
+def _is_stand_in(stage: Any) -> bool:
+    """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so)."""
+    return (not isinstance(stage, PipelineStage) and getattr(stage, "submod", False) is None
+            and all(hasattr(stage, a) for a in ("num_stages", "group_size", "group_rank")))
+
+
+class PipelineSchedule:
+    """Runs a schedule (built-in name or hand-written ``Schedule``) on this process's stages."""
+
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        schedule: Union[str, S.Schedule, None],
+        n_microbatches: int,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        timeout: Optional[float] = 300.0,
+        trace: bool = False,
+        transport: Optional[str] = None,
+    ) -> None:
+        given = [stages] if not isinstance(stages, (list, tuple)) else list(stages)
+        if not given:
+            raise ValueError("need at least one PipelineStage")
+        #: built from stand-ins (stage objects without a module, as torch's own tests mock them): the
+        #: schedule can be inspected (pipeline_order, _dump_csv) but not run
+        self.inspect_only = all(_is_stand_in(s) for s in given)
+        # torch-built stages (build_stage, pipe.build_stage) become ours
+        stages = given if self.inspect_only else [as_stage(s) for s in given]
+        first = stages[0]
+        self.group, self.rank, self.num_ranks = first.group, first.group_rank, first.group_size
+        num_stages = first.num_stages
+        for s in stages:
+            if s.num_stages != num_stages or s.group_rank != self.rank:
+                raise ValueError("all stages given to one schedule must share num_stages and the process group")
+        if isinstance(schedule, str):
+            v = num_stages // self.num_ranks
+            if num_stages != v * self.num_ranks:
+                raise ValueError(
+                    f"num_stages={num_stages} is not a multiple of the {self.num_ranks} ranks in the group"
+                )
+            schedule = S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v)
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        timeout = check_timeout(timeout, "the process group's timeout")
+        if timeout is None and not self.inspect_only:
+            timeout = group_timeout(self.group)
+        self.timeout = timeout
+        self.stages = {} if self.inspect_only else {s.stage_index: s for s in stages}
+        if len(self.stages) != len(stages) and not self.inspect_only:
+            raise ValueError("the same stage_index was given twice")
+        self._runners = {i: s._make_runner(loss_fn, n_microbatches) for i, s in self.stages.items()}
+        self._last_stage = num_stages - 1
+        self.num_stages = num_stages
+        self._session: Optional[Session] = None
+        if not self.inspect_only:
+            first_stage = self.stages.get(0)
+            check_first = None
+            if first_stage is not None and first_stage.input_args is not None:
+                def check_first(mb: int, args: tuple, stage: PipelineStage = first_stage) -> None:
+                    _match_meta(stage, "inputs", mb, args, stage.input_args)
+            # transport: "auto" | "process_group" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (dist/shm.py)
+            self._session = Session(
+                group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
+                device=first.device, local_stages=list(self.stages),
+                skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
+                n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
+                scale_grads=scale_grads, timeout=timeout, transport=transport, check_first=check_first)
+        self.schedule: Optional[S.Schedule] = None
+        #: one executor per step kind (a forward-only one is built at the first eval)
+        self._executors: dict[int, Executor] = {}
+        self._tracer: Optional[Tracer] = None
+        if schedule is not None:  # None: a torch-style subclass assigns pipeline_order next
+            self._set_schedule(schedule)
+        self.enable_tracing(trace)
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
+        self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._step_post_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    def _set_schedule(self, schedule: S.Schedule) -> None:
+        """Lower, validate and run ``schedule`` from the next step on (a new one forgets every plan)."""
+        if schedule.num_ranks != self.num_ranks or schedule.num_stages != self.num_stages:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.num_stages} stages, "
+                f"but the group has {self.num_ranks} ranks and the stages say num_stages={self.num_stages}"
+            )
+        if schedule.n_microbatches != self.n_microbatches:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, "
+                             f"n_microbatches={self.n_microbatches}")
+        mine = {s for s, r in enumerate(schedule.stage_to_rank) if r == self.rank}
+        if mine != set(self.stages) and not self.inspect_only:
+            raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
+                             f"but this rank was given stages {sorted(self.stages)}")
+        self.schedule = S.lower(schedule)
+        S.validate(self.schedule)
+        self._executors = {}
+        if self._session is not None:
+            self._session.set_schedule(self.schedule)
+            self._executors[TRAIN] = Executor(self.schedule, self.rank, self._runners, timeout=self.timeout)
+        if self._tracer is not None:  # a new schedule: the steps traced so far were another's
+            self.enable_tracing(True)
+
+    # -- step hooks (pipeline_ext.training: tied parameters) -------------------------------------
+    def register_step_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` in every training step whose inputs this rank accepted, before its stages run."""
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` after every training step's last backward (before ``step()`` returns)."""
+        handle = RemovableHandle(self._step_post_hooks)
+        self._step_post_hooks[handle.id] = hook
+        return handle
+
+    # -- tracing -------------------------------------------------------------------------------
+    def enable_tracing(self, on: bool = True) -> None:
+        """Record every executed action of the following steps (off by default; costs ~nothing when off).
+
+        Turning it on again starts a fresh recording. See ``trace_report`` and ``write_trace``.
+        """
+        self._tracer = Tracer(self.rank) if on else None
+
+    def trace_report(self, dst: int = 0) -> Optional[TraceReport]:
+        """Measured costs and bubble vs. the simulator's, over the traced steps.
+
+        A collective (every rank calls it); the report comes back on group rank
+        ``dst``, None elsewhere.
+        """
+        if self._tracer is None:
+            raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
+        steps = gather_steps(self._tracer, self.group, dst)
+        return None if steps is None else TraceReport(self.schedule, steps)
+
+    def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
+        """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
+        report = self.trace_report(dst)
+        if report is not None:
+            report.write_chrome_trace(path)
+        return report
+
+    @property
+    def peak_live_microbatches(self) -> dict[int, int]:
+        """Per local stage, the most microbatches whose activations were held at once in the last step."""
+        return {s: r.peak_live_microbatches for s, r in self._runners.items()}
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self._last_stage in self.stages
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+        """One training step: forward and backward of every microbatch under the schedule.
+
+        Gradients accumulate into ``.grad``. On the last stage, ``losses`` is
+        filled with this step's per-microbatch losses (cleared first, as in
+        torch) and the merged output is returned (None with
+        ``return_outputs=False``). ``loss_kwargs`` go to every
+        ``loss_fn(output, target, **loss_kwargs)`` call. Inputs given on a rank
+        that does not hold stage 0, and a target on a rank without the last
+        stage, are not used (as in torch). With ``loss_fn=None`` (on every
+        rank) the step is forward only, as in torch: no backward, ``.grad``
+        untouched.
+        """
+        if self.loss_fn is None:
+            with torch.no_grad():
+                return self._run(FORWARD, args, kwargs, target, None, return_outputs, loss_kwargs)
+        return self._run(TRAIN, args, kwargs, target, losses, return_outputs, loss_kwargs)
+
+    def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+        """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage.
+
+        With ``target=`` (and a ``loss_fn``) the losses are computed and put
+        in ``losses`` as ``step()`` does, without any backward (as in torch).
+        """
+        with torch.no_grad():
+            return self._run(FORWARD, args, kwargs, target, losses, return_outputs, loss_kwargs)
+
+    def _executor(self, kind: int) -> Executor:
+        if kind not in self._executors:  # the forward-only version of the schedule, built at its first use
+            self._executors[kind] = Executor(S.forward_only(self.schedule), self.rank, self._runners,
+                                             timeout=self.timeout)
+        return self._executors[kind]
+
+    def _run(self, kind: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
+        if self._session is None:
+            raise RuntimeError(f"{type(self).__name__} was built from stand-in stages (no module, no process "
+                               "group): its order can be inspected (pipeline_order, _dump_csv), not run; build it "
+                               "from PipelineStage objects to train")
+        if not self._executors:
+            raise RuntimeError(f"{type(self).__name__} has no schedule yet: assign pipeline_order (or call "
+                               "_load_csv) on every rank before step()")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
+        watch_signals()  # Ctrl-C ends this step's waits for peers at once
+        if losses is not None:
+            losses.clear()  # every call: it holds this step's losses, none when the step computes none or fails
+        executor = self._executor(kind)
+        step = self._session.begin(kind, args, kwargs, target, loss_kwargs)
+        for r in self._runners.values():
+            r.reset()
+        training = kind == TRAIN
+        if training:
+            for hook in list(self._step_pre_hooks.values()):
+                hook()
+        on_action = None
+        if self._tracer is not None and training:
+            self._tracer.begin_step()
+            on_action = self._tracer.record
+        try:
+            with step:
+                executor.run(step.inputs, step, on_action)
+        except BaseException:
+            for r in self._runners.values():
+                r.reset()
+            raise
+        if training:
+            for hook in list(self._step_post_hooks.values()):
+                hook()
+        if not self.has_last_stage:
+            return None
+        last = self._runners[self._last_stage]
+        if losses is not None and last.losses:
+            losses.extend(last.losses[m] for m in range(self.n_microbatches))
+        chunks = [last.outputs[m] for m in range(self.n_microbatches)]
+        last.outputs.clear()
+        self.stages[self._last_stage].output_chunks = chunks
+        return merge_chunks(chunks, self.output_merge_spec) if return_outputs else None
+
+    # -- torch's schedule surface: the order as data, CSV ------------------------------------------
+    @property
+    def pipeline_order(self) -> dict[int, list[Any]]:
+        """Every rank's compute actions in order, as torch's ``_Action`` objects (torch's ``pipeline_order``).
+
+        ``self.schedule`` is the same order as this library's data (lowered:
+        sends and receives included).
+
+        Assigning it (``{rank: [actions]}``; torch's ``_Action`` objects, ours,
+        their strings, None for an idle slot) runs that order from the next
+        step, as a torch subclass of ``PipelineScheduleMulti`` does; every rank
+        must assign the same order.
+        """
+        if self.schedule is None:
+            return {}
+        return torch_order(self.schedule)
+
+    @pipeline_order.setter
+    def pipeline_order(self, order: dict[int, Sequence[Any]]) -> None:
+        if not order:  # torch's base classes start from an empty order
+            return
+        rows = [order.get(r, []) for r in range(max(order) + 1)]
+        # compute_comms reads sends/receives when given; lowering adds them when not
+        self._set_schedule(S.from_cells(rows, "compute_comms", self.n_microbatches, name=type(self).__name__))
+
+    def _validate_and_set_stage_mapping(self, order: dict[int, Sequence[Any]]) -> None:
+        """torch's name for assigning an order and taking the stage placement from it."""
+        self.pipeline_order = order
+
+    def _dump_csv(self, filename: str) -> None:
+        """Write ``pipeline_order`` as torch's CSV: one row per rank, one action per cell."""
+        S.dump_csv(self.schedule, filename)
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Run the schedule in torch's CSV file from now on (every rank must load the same file).
+
+        ``format``: "compute_only" (F, B, I, W; the sends and receives are
+        added here) or "compute_comms" (every action given).
+        """
+        loaded = S.load_csv(filename, format=format, n_microbatches=self.n_microbatches)
+        self._set_schedule(loaded)

@@ -1,0 +1,175 @@
+"""``PipelineStage``: one model chunk of a multi-process pipeline, as torch's manual-stage API has it.
+
+A stage says where it sits (index, count, device, process group) and what it
+runs; a schedule (``schedule.py``) drives it. Declared shapes (torch's
+``input_args``/``output_args``) are checked on every microbatch when given.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline_ext.dist.data_parallel import gradient_sync_for
+from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
+from pipeline_ext.runtime.stage import StagePosition, StageRunner
+
+__all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError"]
+
+
+class PipelineStage(StagePosition):
+    """One model chunk of a multi-process pipeline, bound to a device and a process group.
+
+    ``input_args`` / ``output_args`` (torch's static shapes, one microbatch)
+    are optional: shapes are discovered on the first step (and again when they
+    change); when given, every microbatch is checked against them. ``group`` (a process group, or a 1-D ``DeviceMesh``
+    such as ``mesh["pp"]``) defaults to the world group.
+
+    A ``submodule`` wrapped in ``DistributedDataParallel`` or ``fully_shard``
+    (FSDP2) over the data-parallel group has its gradients reduced exactly once
+    per step (dist/data_parallel.py); a wrapper that cannot be made exact
+    raises ``UnsupportedWrapperError`` here.
+    """
+
+    def __init__(
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: Union[torch.device, str, int],
+        input_args: Any = None,
+        output_args: Any = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dw_builder: Any = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineStage needs torch.distributed to be initialised (init_process_group) first")
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"submodule must be an nn.Module, got {type(submodule).__name__}")
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index}")
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"dw_builder must be a callable returning the W runner, got {type(dw_builder).__name__}")
+        self.submod = submodule
+        self.dw_builder = dw_builder
+        self.input_args, self.output_args = input_args, output_args
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        group = _as_group(group)
+        self.grad_sync = gradient_sync_for(submodule, group)
+        self.group = group
+        self.group_rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        if dw_builder is not None and self.grad_sync is not None:
+            raise ValueError("dw_builder with a data-parallel wrapped submodule is not supported: the gradient "
+                             "reduction could not tell when the last weight-gradient runner has run")
+        #: the last step's per-microbatch outputs on the last stage (torch's name)
+        self.output_chunks: list[Any] = []
+        self._runner: Optional[StageRunner] = None
+        self._has_backward = False
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
+
+    def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
+        """This stage's runner for a schedule (the schedule's executor drives it)."""
+        kwargs = dict(call=_checked_call(self), grad_sync=self.grad_sync, n_microbatches=n_microbatches)
+        if self.dw_builder is not None:
+            runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
+                                                  dw_builder=self.dw_builder, **kwargs)
+        else:
+            runner = StageRunner(self.submod, self.stage_index, self.num_stages, loss_fn, **kwargs)
+        self._runner, self._has_backward = runner, loss_fn is not None
+        return runner
+
+    @property
+    def fwd_cache(self) -> dict[int, Any]:
+        """Per microbatch, what this stage holds from its forward for its backward (torch's name; read-only copy).
+
+        Empty between steps (a failed step's is dropped too); during a step it
+        holds the microbatches whose backward has not run yet.
+        """
+        return {} if self._runner is None else self._runner.held()
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether the schedule driving this stage runs backwards (it has a loss_fn), as in torch."""
+        return self._has_backward
+
+    @has_backward.setter
+    def has_backward(self, value: bool) -> None:
+        self._has_backward = bool(value)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide this stage's parameter gradients by ``grad_scale_factor`` (torch's stage method)."""
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
+
+    def clear_runtime_states(self) -> None:
+        """Drop what the last step left on this stage (activations, losses, outputs), as torch's method does."""
+        if self._runner is not None:
+            self._runner.reset()
+        self.output_chunks.clear()
+
+
+try:  # torch's class, so `except PipeliningMetadataError` in torch code catches ours too
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+except ImportError:  # pragma: no cover - older torch
+    class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
+        """A stage's inputs or outputs are not what it declared."""
+
+
+class PipeliningShapeError(ValueError, PipeliningMetadataError):
+    """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
+
+
+def _checked_call(stage: PipelineStage) -> Optional[Callable[..., Any]]:
+    """Check each microbatch against torch's ``input_args``/``output_args`` when given (shapes, dtypes)."""
+    if stage.input_args is None and stage.output_args is None:
+        return None
+
+    def call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if stage.input_args is not None:
+            _match_meta(stage, "inputs", mb, tuple(args), stage.input_args)
+        out = module(*args, **kwargs)
+        if stage.output_args is not None:
+            _match_meta(stage, "outputs", mb, out, stage.output_args)
+        return out
+
+    return call
+
+
+def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected: Any) -> None:
+    from torch.utils import _pytree as pytree
+
+    expected = expected if isinstance(expected, tuple) or what == "outputs" else (expected,)
+    got, want = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    problem = None
+    if len(got) != len(want):
+        problem = f"{len(got)} values where {what[:-1]}_args has {len(want)}"
+    else:
+        for i, (g, w) in enumerate(zip(got, want)):
+            if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != w.shape
+                                                or g.dtype != w.dtype):
+                desc = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+                problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
+                break
+    if problem:
+        raise PipeliningShapeError(f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args "
+                                   "describe one microbatch; leave them out to let shapes be discovered)")
+
+
+def _as_group(group: Any) -> Optional[dist.ProcessGroup]:
+    """A process group from ``group=``: a ProcessGroup, None (world) or a 1-D DeviceMesh (``mesh["pp"]``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group= takes a 1-D DeviceMesh (e.g. mesh['pp']), got one with {group.ndim} dims")
+        return group.get_group()
+    return group
