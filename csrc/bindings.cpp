@@ -177,20 +177,27 @@ void bind_channels(py::module_& m) {
       py::arg("work"), py::arg("timeout_ms"), py::arg("what"), release(),
       "Wait for a torch.distributed Work as the channels do: bounded, interruptible, named errors.");
 
-  py::class_<ProcessGroupChannel, std::shared_ptr<ProcessGroupChannel>>(
-      m, "ProcessGroupChannel", "Packed point-to-point messages over a torch.distributed ProcessGroup.")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("group"), py::arg("device"))
-      .def_property_readonly("rank", &ProcessGroupChannel::rank)
-      .def_property_readonly("size", &ProcessGroupChannel::size)
-      .def_property_readonly("device", &ProcessGroupChannel::device)
-      .def_readonly_static("LAYOUT_WORDS", &ProcessGroupChannel::kLayoutWords)
-      .def_readonly_static("LAYOUT_TAG_BIT", &ProcessGroupChannel::kLayoutTagBit)
-      .def("send", &ProcessGroupChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
+  // The multi-process channels: what they share is bound once, on Channel.
+  py::class_<Channel, std::shared_ptr<Channel>>(
+      m, "Channel", "Packed point-to-point messages between the processes of a group (abstract).")
+      .def_property_readonly("rank", &Channel::rank)
+      .def_property_readonly("size", &Channel::size)
+      .def_property_readonly("device", &Channel::device)
+      .def_readonly_static("LAYOUT_WORDS", &Channel::kLayoutWords)
+      .def_readonly_static("LAYOUT_TAG_BIT", &Channel::kLayoutTagBit)
+      .def("send", &Channel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
            py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
            py::arg("owned") = false, release(),
            "Send as one message (packed into `out` when given); returns (Request, PackLayout).")
-      .def("recv", &ProcessGroupChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
-      .def("recv_layout", &ProcessGroupChannel::recv_layout, py::arg("peer"), py::arg("tag"), release())
+      .def("recv", &Channel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
+      .def("recv_layout", &Channel::recv_layout, py::arg("peer"), py::arg("tag"), release())
+      .def("begin_step", &Channel::begin_step, py::arg("step"),
+           "This rank begins step `step`; earlier steps' messages that no receive took are dropped "
+           "(a no-op over a process group).");
+
+  py::class_<ProcessGroupChannel, Channel, std::shared_ptr<ProcessGroupChannel>>(
+      m, "ProcessGroupChannel", "Packed point-to-point messages over a torch.distributed ProcessGroup.")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("group"), py::arg("device"))
       .def("set_route", &ProcessGroupChannel::set_route, py::arg("peer"), py::arg("send_group"), py::arg("send_peer"),
            py::arg("recv_group"), py::arg("recv_peer"),
            "Messages to `peer` go over send_group (to its rank send_peer), from it over recv_group.")
@@ -200,24 +207,15 @@ void bind_channels(py::module_& m) {
       .def("end_batch", &ProcessGroupChannel::end_batch, release(),
            "Issue the operations since the outermost begin_batch (coalesced when `batches`).");
 
-  py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(
-      m, "ShmChannel", "ProcessGroupChannel's interface over same-host shared memory (pipeline_ext/runtime/shm.py).")
+  py::class_<ShmChannel, Channel, std::shared_ptr<ShmChannel>>(
+      m, "ShmChannel", "A Channel over same-host shared memory (pipeline_ext/runtime/shm.py).")
       .def(py::init<int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("size"), py::arg("ring_bytes"),
            py::arg("spin_us") = 20, py::arg("slice_ms") = 50)
-      .def_property_readonly("rank", &ShmChannel::rank)
-      .def_property_readonly("size", &ShmChannel::size)
-      .def_property_readonly("device", &ShmChannel::device)
       .def_property_readonly("name", &ShmChannel::name)
       .def("attach", &ShmChannel::attach, py::arg("peer"), py::arg("name"), release())
       .def("withdraw", &ShmChannel::withdraw)
       .def("unexpected", &ShmChannel::unexpected)
-      .def("begin_step", &ShmChannel::begin_step, py::arg("step"))
-      .def("discarded", &ShmChannel::discarded)
-      .def("send", &ShmChannel::send, py::arg("tensors"), py::arg("peer"), py::arg("tag"),
-           py::arg("expected_layout") = py::none(), py::arg("with_layout") = false, py::arg("out") = py::none(),
-           py::arg("owned") = false, release(), "Send as one message through the peer's ring; returns (Request, PackLayout).")
-      .def("recv", &ShmChannel::recv, py::arg("layout"), py::arg("peer"), py::arg("tag"), release())
-      .def("recv_layout", &ShmChannel::recv_layout, py::arg("peer"), py::arg("tag"), release());
+      .def("discarded", &ShmChannel::discarded);
 
   py::class_<LocalHub, std::shared_ptr<LocalHub>>(m, "LocalHub", "Mailboxes between in-process ranks.")
       .def(py::init<std::vector<at::Device>, int64_t, int64_t, bool>(), py::arg("devices"),

@@ -157,15 +157,6 @@ void wait_work(c10d::Work& work, Millis timeout, std::chrono::steady_clock::time
   if (!done) throw_timeout(what, timeout);  // backends that report a timeout by returning false
 }
 
-void check_send_layout(const std::optional<PackLayout>& expected, const PackLayout& layout, int peer, int64_t tag) {
-  if (!expected || *expected == layout) return;
-  throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
-                     ": the tensors changed shape or dtype since the layout was exchanged (expected " +
-                     expected->repr() + ", got " + layout.repr() +
-                     "), while the step's inputs did not: a stage's output shapes must follow from its step's "
-                     "inputs (their shapes, dtypes and plain non-tensor values), not from tensor data");
-}
-
 std::vector<at::Tensor> Request::wait(int64_t timeout_ms, const std::string& what) {
   if (waited_.exchange(true)) {
     throw ChannelError(what + ": this request was already waited on (wait() hands its tensors over once)");
@@ -173,8 +164,55 @@ std::vector<at::Tensor> Request::wait(int64_t timeout_ms, const std::string& wha
   return do_wait(Millis(timeout_ms), what);
 }
 
+std::pair<std::shared_ptr<Request>, PackLayout> Channel::send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                                              const std::optional<PackLayout>& expected,
+                                                              bool with_layout, const std::optional<at::Tensor>& out,
+                                                              bool owned) {
+  Outgoing msg = validate_send(tensors, peer, tag, expected, with_layout, out, owned);
+  auto request = do_send(msg);
+  return {std::move(request), std::move(msg.layout)};
+}
+
+Channel::Outgoing Channel::validate_send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                         const std::optional<PackLayout>& expected, bool with_layout,
+                                         const std::optional<at::Tensor>& out, bool owned) const {
+  check_peer(peer, tag);
+  Outgoing msg{tensors, peer, tag, layout_of(tensors), {}, with_layout, {}, out, owned};
+  const PackLayout& layout = msg.layout;
+  check_tensors(tensors, peer);
+  if (expected && !(*expected == layout)) {
+    throw ChannelError("send to rank " + std::to_string(peer) + " with tag " + std::to_string(tag) +
+                       ": the tensors changed shape or dtype since the layout was exchanged (expected " +
+                       expected->repr() + ", got " + layout.repr() +
+                       "), while the step's inputs did not: a stage's output shapes must follow from its step's "
+                       "inputs (their shapes, dtypes and plain non-tensor values), not from tensor data");
+  }
+  if (with_layout) {
+    msg.layout_words = layout.encode();
+    const auto& words = msg.layout_words;
+    TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
+                      ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
+                      " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
+  }
+  if (tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device() && is_plain(tensors[0])) {
+    msg.flat = tensors[0].reshape({-1}).view(at::kByte);
+  }
+  return msg;
+}
+
+at::Tensor Channel::Outgoing::pack() const {
+  const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
+  return pipeline_ext::pack(tensors, reuse ? out : std::nullopt).first;
+}
+
+void Channel::check_peer(int peer, int tag) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), type_name_, ": peer ", peer,
+                    " is not another rank of this group (rank ", rank(), " of ", size(), ")");
+  TORCH_CHECK_VALUE(tag >= 0 && tag < kLayoutTagBit, type_name_, ": tag ", tag, " is outside [0, 2^30)");
+}
+
 ProcessGroupChannel::ProcessGroupChannel(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Device device)
-    : group_(std::move(group)), device_(device) {
+    : Channel("ProcessGroupChannel"), group_(std::move(group)), device_(device) {
   TORCH_CHECK_VALUE(group_, "ProcessGroupChannel: the process group is None (is torch.distributed initialised?)");
   coalesce_ = coalesces(*group_, device_);
 }
@@ -184,12 +222,6 @@ void ProcessGroupChannel::make_streams() {
   if (!device_.is_cuda() || send_stream_) return;
   send_stream_ = Stream::from_pool(device_);
   recv_stream_ = Stream::from_pool(device_);
-}
-
-void ProcessGroupChannel::check_peer(int peer, int tag) const {
-  TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), "ProcessGroupChannel: peer ", peer,
-                    " is not another rank of this group (rank ", rank(), " of ", size(), ")");
-  TORCH_CHECK_VALUE(tag >= 0 && tag < kLayoutTagBit, "ProcessGroupChannel: tag ", tag, " is outside [0, 2^30)");
 }
 
 void ProcessGroupChannel::set_route(int peer, c10::intrusive_ptr<c10d::ProcessGroup> send_group, int send_peer,
@@ -262,22 +294,9 @@ at::Tensor ProcessGroupChannel::on_device(at::Tensor t) const {
   return t.device() == device_ ? t : t.to(device_, /*non_blocking=*/device_.is_cuda());
 }
 
-std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const std::vector<at::Tensor>& tensors,
-                                                                          int peer, int tag,
-                                                                          const std::optional<PackLayout>& expected,
-                                                                          bool with_layout,
-                                                                          const std::optional<at::Tensor>& out,
-                                                                          bool owned) {
-  check_peer(peer, tag);
-  PackLayout layout = layout_of(tensors);
-  check_send_layout(expected, layout, peer, tag);
-  std::vector<int64_t> words;
-  if (with_layout) {
-    words = layout.encode();
-    TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
-                      ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
-                      " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
-  }
+std::shared_ptr<Request> ProcessGroupChannel::do_send(const Outgoing& msg) {
+  const int peer = msg.peer, tag = msg.tag;
+  const PackLayout& layout = msg.layout;
   // Packed on the current (compute) stream, where the tensors were produced,
   // into a buffer only this send holds, also for one contiguous tensor: the
   // backend reads the bytes later (Gloo once the peer posted its receive, NCCL
@@ -285,13 +304,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
   // its next forward (a reused output buffer). The send owns its bytes when
   // it returns. Tensors the pipeline owns (gradients) go as they are when one
   // contiguous tensor already is its packed form.
-  at::Tensor packed;
-  if (owned && tensors.size() == 1 && layout.nbytes > 0 && tensors[0].device() == device_ && is_plain(tensors[0])) {
-    packed = tensors[0].reshape({-1}).view(at::kByte);
-  } else {
-    const bool reuse = out && !tensors.empty() && out->device() == tensors.front().device();
-    packed = pack(tensors, reuse ? out : std::nullopt).first;
-  }
+  at::Tensor packed = msg.owned && msg.flat.defined() ? msg.flat : msg.pack();
   // The send stream waits for what the compute stream has queued so far (the
   // tensors' producers), and nothing queued later.
   make_streams();
@@ -306,11 +319,11 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
   std::vector<at::Tensor> buffers;
   auto slot = std::make_shared<Slot>();
   BatchScope batch(*this);  // the layout and its data: one launch
-  if (with_layout) {
+  if (msg.with_layout) {
     // Pinned on a CUDA channel so the upload does not synchronise the host.
-    at::Tensor msg = at::zeros({kLayoutWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(device_.is_cuda()));
-    std::copy(words.begin(), words.end(), msg.mutable_data_ptr<int64_t>());
-    buffers.push_back(on_device(msg));
+    at::Tensor words = at::zeros({kLayoutWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(device_.is_cuda()));
+    std::copy(msg.layout_words.begin(), msg.layout_words.end(), words.mutable_data_ptr<int64_t>());
+    buffers.push_back(on_device(words));
     issue(to, send_op(buffers.back(), tag | kLayoutTagBit), slot);
   }
   at::Tensor data = layout.nbytes > 0 ? on_device(packed)
@@ -322,9 +335,8 @@ std::pair<std::shared_ptr<Request>, PackLayout> ProcessGroupChannel::send(const 
     for (auto& b : buffers) record_stream(b, *send_stream_);
   }
   // The buffers must outlive the works: the finisher owns them.
-  auto request = std::make_shared<WorkRequest>(
+  return std::make_shared<WorkRequest>(
       slot, [buffers]() { return std::vector<at::Tensor>{}; }, device_.is_cuda());
-  return {request, layout};
 }
 
 std::shared_ptr<Request> ProcessGroupChannel::post_recv(int peer, int tag, int64_t numel, at::ScalarType dtype,

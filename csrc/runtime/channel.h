@@ -3,9 +3,11 @@
 // right before its data is needed, so transfers overlap compute. Every wait has
 // a timeout and names what it was waiting for when it fails.
 //
-// This header holds what every channel shares (errors, Request) and the
-// multi-process channel over c10d::ProcessGroup; the in-process one is in
-// local_channel.h.
+// This header holds what every channel shares (errors, Request), the base of
+// the multi-process channels (Channel) and its subclass over
+// c10d::ProcessGroup; the shared-memory subclass is in shm_channel.h, the
+// in-process channel (a different contract: tensors handed over, no layouts)
+// in local_channel.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -47,10 +49,6 @@ class ChannelTimeout : public ChannelError {
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout, std::chrono::steady_clock::time_point start,
                const std::string& what);
 
-// A send's layout must equal the one its receiver preallocated (`expected`,
-// when given): checked before anything is sent, by every channel.
-void check_send_layout(const std::optional<PackLayout>& expected, const PackLayout& layout, int peer, int64_t tag);
-
 // Negative timeouts mean "wait forever".
 using Millis = std::chrono::milliseconds;
 constexpr Millis kWaitForever{-1};
@@ -86,9 +84,105 @@ class CompletedRequest : public Request {
   std::vector<at::Tensor> result_;
 };
 
-// Multi-process channel over any c10d::ProcessGroup (Gloo on CPU, NCCL on GPU).
-// Several tensors to one peer travel as ONE packed message; receives land in a
-// buffer preallocated from the layout, and come back as views of it.
+// A channel between the processes of one group: several tensors to one peer
+// travel as ONE packed message, matched by (peer, tag); a receive lands in a
+// buffer preallocated from the message's layout and comes back as views of it.
+// A receiver that does not know the layout yet posts recv_layout(): the sender
+// then sends the layout first (with_layout) as a fixed-size message.
+//
+// Every subclass keeps this contract, so the executor (Python DistChannel) and
+// its protocol (the layouts a step exchanges) work over any of them: a
+// process group (ProcessGroupChannel), same-host shared memory (ShmChannel).
+// What a send must satisfy is checked here, once, before a subclass sees it
+// (send() validates, then calls do_send()).
+class Channel {
+ public:
+  // Layouts travel in a fixed-size int64 message so the receiver can post its
+  // buffer before knowing the layout; the tag bit keeps them apart from data,
+  // so data tags lie in [0, kLayoutTagBit).
+  static constexpr int64_t kLayoutWords = 512;
+  static constexpr int kLayoutTagBit = 1 << 30;
+
+  virtual ~Channel() = default;
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Where received tensors live; a message that is one plain tensor here can be sent as itself.
+  virtual at::Device device() const = 0;
+
+  // Sends `tensors` to `peer` as one message. The send owns its bytes when it
+  // returns, whatever the caller writes afterwards: a subclass packs (copies)
+  // them into `out` when given (a reused buffer, see pack()) or a fresh
+  // buffer, or has copied them out of the caller's tensor before returning.
+  // `owned` tensors are the pipeline's own (autograd's gradients: no one else
+  // can write them): a single contiguous one on the channel's device is sent
+  // as itself, without the copy. If `expected` is
+  // given the layout must equal it (checked before anything is sent). If
+  // `with_layout`, the layout goes first under tag | kLayoutTagBit. Returns the
+  // request (it keeps the buffers alive) and the layout that was sent. The
+  // channel keeps no state about layouts between calls: which layouts are
+  // known is the caller's business.
+  std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                                       const std::optional<PackLayout>& expected, bool with_layout,
+                                                       const std::optional<at::Tensor>& out = std::nullopt,
+                                                       bool owned = false);
+  // Posts a receive of a message packed as `layout`; wait() unpacks it.
+  virtual std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag) = 0;
+  // Posts the receive of the layout sent with with_layout=true; wait() returns
+  // the zero-padded 1-D int64 message of kLayoutWords, for PackLayout::from_tensor.
+  virtual std::shared_ptr<Request> recv_layout(int peer, int tag) = 0;
+  // This rank begins step `step` on the group (step numbers only go forward).
+  // A channel that could hold a message no receive took (a failed step's
+  // leftover) drops earlier steps' messages here.
+  virtual void begin_step(int64_t step) = 0;
+
+ protected:
+  // `type_name` starts the channel's argument errors ("ShmChannel: peer 3 ...").
+  explicit Channel(const char* type_name) : type_name_(type_name) {}
+
+  // A send that passed validation, as do_send() gets it. References point
+  // into send()'s arguments.
+  struct Outgoing {
+    const std::vector<at::Tensor>& tensors;
+    int peer;
+    int tag;
+    PackLayout layout;
+    // The encoded layout (at most kLayoutWords) when it goes first (with_layout); else empty.
+    std::vector<int64_t> layout_words;
+    bool with_layout;
+    // The message's bytes as they are, flat uint8, when it is a single
+    // contiguous tensor on device() (already its packed form); else undefined.
+    at::Tensor flat;
+    const std::optional<at::Tensor>& out;
+    bool owned;
+
+    // The tensors packed (copied) into `out` when it is on their device, else into a fresh buffer.
+    at::Tensor pack() const;
+  };
+
+  // Everything a send must satisfy, checked before anything is sent: the peer
+  // and tag (check_peer), the tensors (layout_of, check_tensors), the layout
+  // against `expected`, the layout message's size; and whether the message
+  // can go as itself (Outgoing::flat). Throws ValueError / ChannelError.
+  Outgoing validate_send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                         const std::optional<PackLayout>& expected, bool with_layout,
+                         const std::optional<at::Tensor>& out, bool owned) const;
+  // `peer` is another rank of the group and `tag` a data tag (below kLayoutTagBit).
+  // Subclasses may add what their peers need (the base's checks first).
+  virtual void check_peer(int peer, int tag) const;
+  // What a subclass cannot send (e.g. tensors on another device); runs after
+  // layout_of has checked the tensors share a device and are dense.
+  virtual void check_tensors(const std::vector<at::Tensor>& /*tensors*/, int /*peer*/) const {}
+  // Starts the validated send; the returned request completes when it has gone.
+  virtual std::shared_ptr<Request> do_send(const Outgoing& msg) = 0;
+
+ private:
+  const char* type_name_;
+};
+
+// Channel over any c10d::ProcessGroup (Gloo on CPU, NCCL on GPU).
 //
 // On a CUDA device (NCCL) three things keep communication off the compute
 // stream's critical path and out of each other's way:
@@ -111,20 +205,16 @@ class CompletedRequest : public Request {
 //   same group consecutively, as ONE launch. Always batching keeps both ends on
 //   the same NCCL communicator (torch picks a different one for batched and
 //   single P2P). Only operations that are waited on together belong in one
-//   batch: a batched receive completes when the whole batch has.
+//   batch: a batched receive completes when the whole batch has. A send with
+//   its layout goes as one batch.
 // One thread issues on a channel at a time (a process's executor).
-class ProcessGroupChannel {
+class ProcessGroupChannel : public Channel {
  public:
-  // Layouts travel in a fixed-size int64 message so the receiver can post its
-  // buffer before knowing the layout; the tag bit keeps them apart from data.
-  static constexpr int64_t kLayoutWords = 512;
-  static constexpr int kLayoutTagBit = 1 << 30;
-
   ProcessGroupChannel(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Device device);
 
-  int rank() const { return group_->getRank(); }
-  int size() const { return group_->getSize(); }
-  const at::Device& device() const { return device_; }
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+  at::Device device() const override { return device_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
   // True when operations are issued in coalesced batches (a CUDA device on a backend that coalesces).
   bool batches() const { return coalesce_; }
@@ -135,26 +225,11 @@ class ProcessGroupChannel {
   void set_route(int peer, c10::intrusive_ptr<c10d::ProcessGroup> send_group, int send_peer,
                  c10::intrusive_ptr<c10d::ProcessGroup> recv_group, int recv_peer);
 
-  // Sends `tensors` to `peer` as one message, packed (copied) into `out` when
-  // given (a reused buffer, see pack()) or a fresh buffer: the send owns its
-  // bytes when it returns, whatever the caller writes afterwards. `owned`
-  // tensors are the pipeline's own (autograd's gradients: no one else can
-  // write them): a single contiguous one on the channel's device is sent as
-  // itself, without the copy. If `expected` is given the
-  // layout must equal it (checked before anything is sent). If `with_layout`,
-  // the layout goes first under tag | kLayoutTagBit (in the same batch).
-  // Returns the request (it keeps the buffers alive) and the layout that was
-  // sent. The channel keeps no state between calls: which layouts are known is
-  // the caller's business.
-  std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                                       const std::optional<PackLayout>& expected, bool with_layout,
-                                                       const std::optional<at::Tensor>& out = std::nullopt,
-                                                       bool owned = false);
-  // Posts a receive of a message packed as `layout`; wait() unpacks it.
-  std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
-  // Posts the receive of the layout sent with with_layout=true; wait() returns
-  // the zero-padded 1-D int64 message, for PackLayout::from_tensor.
-  std::shared_ptr<Request> recv_layout(int peer, int tag);
+  std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag) override;
+  std::shared_ptr<Request> recv_layout(int peer, int tag) override;
+  // Nothing to drop: Gloo delivers a send only into a receive posted with its
+  // tag (a send nobody receives fails on its sender), NCCL matches by order.
+  void begin_step(int64_t /*step*/) override {}
 
   // Operations until the matching end_batch() are coalesced (when batches());
   // their requests can be waited on only after end_batch(). Nests: the
@@ -169,8 +244,10 @@ class ProcessGroupChannel {
   };
   struct Slot;  // the works of one request, known once its batch is issued
 
+ protected:
+  std::shared_ptr<Request> do_send(const Outgoing& msg) override;
+
  private:
-  void check_peer(int peer, int tag) const;
   at::Tensor on_device(at::Tensor t) const;
   // The route to or from `peer` (the channel's own group when none was set).
   Route route(const std::unordered_map<int, Route>& routes, int peer) const;

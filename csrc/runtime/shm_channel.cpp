@@ -539,7 +539,7 @@ std::shared_ptr<SendOp> send_op(at::Tensor bytes, int64_t tag, int64_t nbytes) {
 }  // namespace
 
 ShmChannel::ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us, int64_t slice_ms)
-    : state_(std::make_shared<ShmState>()) {
+    : Channel("ShmChannel"), state_(std::make_shared<ShmState>()) {
   TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "ShmChannel: rank ", rank, " is not in [0, ", size, ")");
   TORCH_CHECK_VALUE(ring_bytes >= 4 * kMinChunk && ring_bytes % 4096 == 0, "ShmChannel: ring_bytes must be a multiple "
                     "of 4096 and at least ", 4 * kMinChunk, ", got ", ring_bytes);
@@ -650,44 +650,36 @@ int64_t ShmChannel::unexpected() const {
 }
 
 void ShmChannel::check_peer(int peer, int tag) const {
-  TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), "ShmChannel: peer ", peer,
-                    " is not another rank of this group (rank ", rank(), " of ", size(), ")");
-  TORCH_CHECK_VALUE(tag >= 0 && tag < kLayoutTagBit, "ShmChannel: tag ", tag, " is outside [0, 2^30)");
+  Channel::check_peer(peer, tag);
   if (!state_->peers[peer].attached) {
     throw ChannelError("shared-memory transport: rank " + std::to_string(peer) + "'s segment was never attached");
   }
 }
 
-std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vector<at::Tensor>& tensors, int peer,
-                                                                 int tag, const std::optional<PackLayout>& expected,
-                                                                 bool with_layout,
-                                                                 const std::optional<at::Tensor>& out, bool owned) {
-  check_peer(peer, tag);
-  PackLayout layout = layout_of(tensors);
+void ShmChannel::check_tensors(const std::vector<at::Tensor>& tensors, int peer) const {
   if (!tensors.empty() && !tensors.front().device().is_cpu()) {
     throw ChannelError("send to rank " + std::to_string(peer) + ": the shared-memory transport moves CPU tensors, got " +
                        tensors.front().device().str());
   }
-  check_send_layout(expected, layout, peer, tag);
+}
+
+std::shared_ptr<Request> ShmChannel::do_send(const Outgoing& msg) {
+  const int peer = msg.peer, tag = msg.tag;
+  const PackLayout& layout = msg.layout;
   std::vector<std::shared_ptr<SendOp>> ops;
-  if (with_layout) {
-    auto words = layout.encode();
-    TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) <= kLayoutWords, "send to rank ", peer, " with tag ", tag,
-                      ": the layout of ", layout.entries.size(), " tensors needs ", words.size(),
-                      " words, more than the ", kLayoutWords, " a layout message holds; send fewer tensors");
-    at::Tensor msg = layout.to_tensor();  // only the words: the receiver's buffer is zero padded
-    ops.push_back(send_op(msg, tag | kLayoutTagBit, static_cast<int64_t>(words.size()) * 8));
+  if (msg.with_layout) {
+    at::Tensor words = layout.to_tensor();  // only the words: the receiver's buffer is zero padded
+    ops.push_back(send_op(words, tag | kLayoutTagBit, static_cast<int64_t>(msg.layout_words.size()) * 8));
   }
   at::Tensor bytes;
   bool borrowed = false;
   if (layout.nbytes == 0) {
     bytes = at::Tensor();
-  } else if (tensors.size() == 1 && is_plain(tensors[0])) {
-    bytes = tensors[0].reshape({-1}).view(at::kByte);  // already its packed form: copied into the ring as is
-    borrowed = !owned;
+  } else if (msg.flat.defined()) {
+    bytes = msg.flat;  // already its packed form: copied into the ring as is
+    borrowed = !msg.owned;
   } else {
-    const bool reuse = out && out->device().is_cpu();
-    bytes = pack(tensors, reuse ? out : std::nullopt).first;
+    bytes = msg.pack();
   }
   ops.push_back(send_op(bytes, tag, layout.nbytes));
   ops.back()->borrowed = borrowed;
@@ -708,7 +700,7 @@ std::pair<std::shared_ptr<Request>, PackLayout> ShmChannel::send(const std::vect
       op->borrowed = false;
     }
   }
-  return {std::make_shared<ShmSendRequest>(state_, peer, std::move(ops)), layout};
+  return std::make_shared<ShmSendRequest>(state_, peer, std::move(ops));
 }
 
 std::shared_ptr<Request> ShmChannel::recv(const PackLayout& layout, int peer, int tag) {

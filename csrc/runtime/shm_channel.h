@@ -1,6 +1,6 @@
-// Same-host shared-memory transport for CPU ranks: ProcessGroupChannel's
-// interface (send / recv / recv_layout, matched by (peer, tag) like Gloo), with
-// the bytes going through POSIX shared memory instead of sockets.
+// Same-host shared-memory transport for CPU ranks: a Channel (send / recv /
+// recv_layout, matched by (peer, tag) like Gloo) whose bytes go through POSIX
+// shared memory instead of sockets.
 //
 // Why: a Gloo message costs the receiver an IO-thread and a condition-variable
 // wake-up (milliseconds on a loaded 2-core box); here the sender writes the
@@ -43,22 +43,17 @@ namespace pipeline_ext {
 
 struct ShmState;  // mappings, per-peer queues, the lock (shm_channel.cpp)
 
-class ShmChannel {
+class ShmChannel : public Channel {
  public:
-  static constexpr int64_t kLayoutWords = ProcessGroupChannel::kLayoutWords;
-  static constexpr int kLayoutTagBit = ProcessGroupChannel::kLayoutTagBit;
-
   // Creates this rank's inbox (one ring of ring_bytes per peer). spin_us: how
   // long a wait spins before it sleeps on the futex; slice_ms: how often a
   // sleeping wait checks that its peer is alive.
   ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us = 20, int64_t slice_ms = 50);
-  ~ShmChannel();
-  ShmChannel(const ShmChannel&) = delete;
-  ShmChannel& operator=(const ShmChannel&) = delete;
+  ~ShmChannel() override;
 
-  int rank() const;
-  int size() const;
-  at::Device device() const { return at::Device(at::kCPU); }
+  int rank() const override;
+  int size() const override;
+  at::Device device() const override { return at::Device(at::kCPU); }
   // Where the peers open this rank's inbox (attach()); empty once withdrawn.
   std::string name() const;
   // Maps `peer`'s inbox (opened at `name`) and watches its process.
@@ -67,27 +62,27 @@ class ShmChannel {
   // when the group will not use shared memory; idempotent; the destructor does it too.
   void withdraw();
 
-  // Same contract as ProcessGroupChannel::send (CPU tensors only).
-  std::pair<std::shared_ptr<Request>, PackLayout> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                                       const std::optional<PackLayout>& expected, bool with_layout,
-                                                       const std::optional<at::Tensor>& out = std::nullopt,
-                                                       bool owned = false);
-  std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag);
-  std::shared_ptr<Request> recv_layout(int peer, int tag);
+  std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag) override;
+  std::shared_ptr<Request> recv_layout(int peer, int tag) override;
 
-  // This rank begins step `step` on the group (steps only go forward). Sends
-  // are stamped with it and receives match (step, tag), so a message is only
-  // ever taken by the step that sent it; messages of earlier steps (a failed
-  // step's leftovers) are dropped, now and when they arrive later.
-  void begin_step(int64_t step);
+  // Sends are stamped with the step and receives match (step, tag), so a
+  // message is only ever taken by the step that sent it; messages of earlier
+  // steps (a failed step's leftovers) are dropped, now and when they arrive later.
+  void begin_step(int64_t step) override;
 
   // Messages received that no receive has taken yet (a leak check for tests).
   int64_t unexpected() const;
   // Leftovers of earlier steps dropped so far.
   int64_t discarded() const;
 
+ protected:
+  // Also: `peer`'s inbox is attached.
+  void check_peer(int peer, int tag) const override;
+  // CPU tensors only.
+  void check_tensors(const std::vector<at::Tensor>& tensors, int peer) const override;
+  std::shared_ptr<Request> do_send(const Outgoing& msg) override;
+
  private:
-  void check_peer(int peer, int tag) const;
   std::shared_ptr<ShmState> state_;
 };
 

@@ -1,10 +1,13 @@
 // LocalHub/LocalChannel from two std::threads: send/recv, bound, timeout, close.
+// Channel (the multi-process base): the send validation every subclass gets,
+// through a subclass that needs no process group.
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
 
+#include "runtime/channel.h"
 #include "runtime/local_channel.h"
 
 using namespace pipeline_ext;
@@ -107,6 +110,75 @@ void test_close_wakes_waiters() {
   expect_throw<ChannelError>([&] { LocalChannel(hub, 0).send({}, 1, 0); }, "closed", "send after close fails");
 }
 
+// A Channel whose do_send records what validation handed it (and packs like
+// a subclass would), so the base's checks run without a process group.
+class RecordingChannel : public Channel {
+ public:
+  RecordingChannel(int rank, int size, at::Device device)
+      : Channel("RecordingChannel"), rank_(rank), size_(size), device_(device) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  at::Device device() const override { return device_; }
+  std::shared_ptr<Request> recv(const PackLayout&, int, int) override { return std::make_shared<CompletedRequest>(); }
+  std::shared_ptr<Request> recv_layout(int, int) override { return std::make_shared<CompletedRequest>(); }
+  void begin_step(int64_t) override {}
+
+  int sends = 0;
+  bool flat = false;          // the message went as itself
+  size_t layout_words = 0;    // words of the layout sent first
+  at::Tensor bytes;           // what would go on the wire
+
+ protected:
+  std::shared_ptr<Request> do_send(const Outgoing& msg) override {
+    ++sends;
+    flat = msg.flat.defined();
+    layout_words = msg.layout_words.size();
+    bytes = flat ? msg.flat : msg.pack();
+    return std::make_shared<CompletedRequest>();
+  }
+
+ private:
+  int rank_, size_;
+  at::Device device_;
+};
+
+void test_base_send_validation() {
+  RecordingChannel ch(0, 2, at::kCPU);
+  const auto t = at::arange(6, at::kFloat);
+  expect_throw<c10::ValueError>([&] { ch.send({t}, 0, 1, std::nullopt, false); },
+                                "RecordingChannel: peer 0 is not another rank of this group (rank 0 of 2)",
+                                "send to itself is refused");
+  expect_throw<c10::ValueError>([&] { ch.send({t}, 1, Channel::kLayoutTagBit, std::nullopt, false); },
+                                "RecordingChannel: tag 1073741824 is outside [0, 2^30)", "a layout tag is refused");
+  expect_throw<ChannelError>([&] { ch.send({t}, 1, 3, layout_of({at::zeros({5})}), false); },
+                             "send to rank 1 with tag 3: the tensors changed shape or dtype",
+                             "a layout other than the expected one is refused");
+  expect_throw<c10::ValueError>(
+      [&] { ch.send(std::vector<at::Tensor>(200, at::zeros({1})), 1, 3, std::nullopt, true); },
+      "needs 804 words, more than the 512 a layout message holds", "a layout larger than its message is refused");
+  check(ch.sends == 0, "nothing reaches do_send when validation fails");
+
+  auto [request, layout] = ch.send({t}, 1, 3, layout_of({t}), true);
+  check(ch.sends == 1 && layout == layout_of({t}) && ch.layout_words == layout.encode().size(),
+        "a valid send reaches do_send with its layout and layout words");
+  check(ch.flat && ch.bytes.data_ptr() == t.data_ptr() && ch.bytes.numel() == 24,
+        "one contiguous tensor on the device goes as itself (its bytes, not a copy)");
+
+  ch.send({at::arange(6, at::kFloat).view({2, 3}).t()}, 1, 3, std::nullopt, false);
+  check(!ch.flat, "a non-contiguous tensor is packed");
+  ch.send({t, t}, 1, 3, std::nullopt, false);
+  check(!ch.flat, "two tensors are packed");
+  ch.send({at::zeros({0})}, 1, 3, std::nullopt, false);
+  check(!ch.flat, "an empty message has no bytes to send as they are");
+  RecordingChannel meta(0, 2, at::Device("meta"));
+  meta.send({t}, 1, 3, std::nullopt, false);
+  check(!meta.flat, "a tensor on another device than the channel's is packed");
+
+  const auto out = at::empty({1024}, at::kByte);
+  ch.send({t, t}, 1, 3, std::nullopt, false, out);
+  check(ch.bytes.data_ptr() == out.data_ptr(), "a message is packed into `out` when it is on the tensors' device");
+}
+
 }  // namespace
 
 int main() {
@@ -114,6 +186,7 @@ int main() {
   test_timeout_and_double_wait();
   test_bound_blocks_then_times_out();
   test_close_wakes_waiters();
+  test_base_send_validation();
   if (failures == 0) std::cout << "test_channel: all passed\n";
   return failures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 }
