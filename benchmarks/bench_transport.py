@@ -7,7 +7,7 @@ only numbers taken side by side mean anything):
 - ``torch gloo``: ``dist.send`` / ``dist.recv`` on the Gloo group (what
   torch.distributed.pipelining does per message);
 - ``ours gloo``: pipeline_ext's ``DistChannel`` over the same group (C++
-  ProcessGroupChannel: the executor's path with ``transport="gloo"``);
+  ProcessGroupChannel: the executor's path with ``transport="process_group"``);
 - ``ours shm``: the same channel interface over same-host shared memory
   (``transport="shm"``, csrc/runtime/shm_channel.cpp).
 
@@ -41,7 +41,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s
     from pipeline_ext.dist.shm import make_channel
 
     peer = 1 - rank
-    gloo = make_channel(None, "cpu", 2, "gloo")
+    gloo = make_channel(None, "cpu", 2, "process_group")
     shm = make_channel(None, "cpu", 2, "shm")
     shm.connect()
     rows = []

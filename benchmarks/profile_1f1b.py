@@ -1,6 +1,6 @@
 """Where a 1F1B step goes: compute, waiting, sends and runtime per rank, from the tracer's spans.
 
-The profile behind the README's "Where 1F1B's time goes". 1F1B stays below the
+The profile behind docs/performance.md's "Where 1F1B's time goes". 1F1B stays below the
 issue's targets (1.3x torch at d = 512, efficiency 0.85 at d = 1024). This
 script shows which part of a step is the model, which part is the schedule and
 which part is the transport. Two ranks on 127.0.0.1, one thread each, the

@@ -208,7 +208,7 @@ void bind_channels(py::module_& m) {
            "Issue the operations since the outermost begin_batch (coalesced when `batches`).");
 
   py::class_<ShmChannel, Channel, std::shared_ptr<ShmChannel>>(
-      m, "ShmChannel", "A Channel over same-host shared memory (pipeline_ext/runtime/shm.py).")
+      m, "ShmChannel", "A Channel over same-host shared memory (pipeline_ext/dist/shm.py).")
       .def(py::init<int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("size"), py::arg("ring_bytes"),
            py::arg("spin_us") = 20, py::arg("slice_ms") = 50)
       .def_property_readonly("name", &ShmChannel::name)

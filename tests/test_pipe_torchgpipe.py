@@ -197,3 +197,30 @@ def test_balancing_leaves_the_model_untouched():
     # sizes: the big Linear(64, 2) side is heavier in parameters; saved activations decide too
     assert balance_by_size(nn.Sequential(*[nn.Linear(i + 1, i + 2) for i in range(6)]), torch.rand(7, 1), 2,
                            param_scale=100) == [4, 2]
+
+
+class PairOfLists(nn.Module):
+    """Takes two lists of tensors (torchgpipe's ``test_multi_sequence_input`` model, with weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, xs, ys):
+        return [self.a(x) for x in xs], [self.b(y) for y in ys]
+
+
+def test_list_inputs_and_outputs_split_like_tuples_and_other_leaves_name_their_type():
+    torch.manual_seed(0)
+    ref = nn.Sequential(PairOfLists())
+    pipe = pe.Pipe(copy.deepcopy(ref), balance=[1], devices=["cpu"], chunks=2, unpack_tuples=True)
+    xs, ys = [torch.randn(6, 4), torch.randn(6, 4)], [torch.randn(6, 4), torch.randn(6, 4)]
+    out, ref_out = pipe(xs, ys), ref[0](xs, ys)
+    assert isinstance(out, tuple) and all(isinstance(o, list) for o in out)  # the structure comes back
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    sum(t.sum() for o in out for t in o).backward()
+    sum(t.sum() for o in ref_out for t in o).backward()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    with pytest.raises(TypeError, match="tensors, or tuples, lists or dicts of tensors; got a str"):
+        pipe(["not a tensor"], ys)

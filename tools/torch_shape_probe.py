@@ -4,8 +4,8 @@ change between steps, a sequence-length change (2 Gloo ranks, Schedule1F1B, 2 mi
     PYTHONPATH=. python tools/torch_shape_probe.py
 
 Prints, per library and case, what each rank ended with ("ok" or the last line
-of its error). This is the measurement behind the README's "what torch refuses
-and we accept"; rerun it when torch changes.
+of its error). This is the measurement behind docs/ARCHITECTURE.md's "Parity with torch" ("what torch refuses
+and we accept"); rerun it when torch changes.
 """
 from __future__ import annotations
 

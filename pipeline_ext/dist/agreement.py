@@ -2,9 +2,9 @@
 
 Real training loops catch errors and go on, validate between training steps,
 and get ranks to disagree by accident (a different ``n_microbatches`` on one
-rank, a missing ``loss_fn`` or target on another). Each of those used to leave
-the ranks one step apart, silently pairing one step's activations with the
-next step's targets, or to abort a process inside Gloo. So every step starts
+rank, a missing ``loss_fn`` or target on another). Unchecked, each of those
+leaves the ranks one step apart, silently pairing one step's activations with
+the next step's targets, or aborts a process inside Gloo. So every step starts
 with one exchange: each rank sends every other rank a fixed-size record, and
 waits (bounded by ``timeout``) for theirs:
 

@@ -27,6 +27,9 @@ Device = Union[str, torch.device]
 class DistChannel:
     """Point-to-point messages over a torch.distributed group (Gloo on CPU, NCCL on GPU); stateless.
 
+    The Python face of one C++ type, ``_C.Channel`` (held as ``_pg``): here a
+    ``_C.ProcessGroupChannel``; ``ShmChannel`` holds a ``_C.ShmChannel`` (or,
+    across hosts, a ``_C.ProcessGroupChannel``) behind the same methods.
     ``group`` defaults to the default (WORLD) group; peers are ranks *in that
     group*. ``device`` is where receive buffers live (``"cuda:i"`` with NCCL).
     ``num_stages`` only makes error messages name stage and microbatch.
@@ -65,11 +68,12 @@ class DistChannel:
     def begin_step(self, step: int) -> None:
         """Step ``step`` (the group's number, ``GroupSteps``) starts its messages on this rank.
 
-        Nothing to do over a process group: Gloo delivers a send only into a
-        receive posted with its tag, and a send nobody receives fails on its
-        sender; NCCL matches by order. Shared memory drops earlier steps'
-        leftovers here (``ShmChannel``).
+        The C++ channel decides what that means: nothing over a process group
+        (Gloo delivers a send only into a receive posted with its tag, and a
+        send nobody receives fails on its sender; NCCL matches by order);
+        shared memory drops earlier steps' leftovers.
         """
+        self._pg.begin_step(step)
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, expected: Optional["_C.PackLayout"] = None,
              with_layout: bool = False, out: Optional[torch.Tensor] = None,

@@ -46,7 +46,7 @@ from pipeline_ext.runtime._ext import _C
 from pipeline_ext.dist.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "make_channel", "requested_transport"]
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "UnsettledTransport", "make_channel", "requested_transport"]
 
 TRANSPORTS = ("auto", "process_group", "shm")
 #: other names accepted for a transport
@@ -225,8 +225,14 @@ def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _Group
     return known
 
 
-class _Unresolved:
-    """Stands in for the C++ channel until the first message decides the transport."""
+class UnsettledTransport:
+    """The C++ channel of a ``ShmChannel`` whose transport is not settled yet: shared memory or the group's own.
+
+    It takes the C++ channel's place until the first message (or ``begin_step``)
+    settles the group's transport (collective over the group, see ``_Setup``);
+    then the ``ShmChannel`` holds the settled ``_C.ShmChannel`` or
+    ``_C.ProcessGroupChannel`` itself, and this object is dropped.
+    """
 
     def __init__(self, owner: "ShmChannel", group: dist.ProcessGroup, required: bool, timeout: float) -> None:
         self._owner, self._group, self._required, self._timeout = owner, group, required, timeout
@@ -264,7 +270,7 @@ class ShmChannel(DistChannel):
         self.num_stages = num_stages
         self.transport: Optional[str] = None
         self.requested = "shm" if required else "auto"
-        self._pg = _Unresolved(self, self.group, required, timeout)
+        self._pg = UnsettledTransport(self, self.group, required, timeout)
 
     @property
     def packs_single(self) -> bool:  # type: ignore[override]
@@ -274,12 +280,12 @@ class ShmChannel(DistChannel):
     def begin_step(self, step: int) -> None:
         """Settle the transport (as the step's first message would); on shared memory, drop what earlier
         steps left in the inbox: a message is only ever taken by the step that sent it."""
-        if self.connect() == "shm":
-            self._pg.begin_step(step)
+        self.connect()
+        self._pg.begin_step(step)
 
     def connect(self) -> str:
         """Decide the transport now (collective over the group, as the first message would); returns it."""
-        if isinstance(self._pg, _Unresolved):
+        if isinstance(self._pg, UnsettledTransport):
             self._pg._resolve()
         assert self.transport is not None
         return self.transport

@@ -586,10 +586,16 @@ class Pipe(nn.Module):
 
 
 def _check_tensors(values: Any, what: str) -> None:
-    """torchgpipe's rule for ``pipe(x)``: what goes in and out is tensors (in tuples, lists or dicts)."""
+    """What goes in and out of ``pipe(x)`` is tensors: alone, or in tuples, lists or dicts (None allowed).
+
+    torchgpipe takes tensors and tuples only and refuses a list with a
+    TypeError; a list (or dict) of tensors is split and merged like a tuple
+    here, so a model written for the multi-process API runs unchanged.
+    """
     for v in pytree.tree_leaves(values):
         if v is not None and not isinstance(v, torch.Tensor):
-            raise TypeError(f"Pipe {what}s must be tensors or tuples of tensors, got a {type(v).__name__}")
+            raise TypeError(f"Pipe {what}s must be tensors, or tuples, lists or dicts of tensors; "
+                            f"got a {type(v).__name__}")
 
 
 def _identity(args: tuple, kwargs: dict) -> Any:

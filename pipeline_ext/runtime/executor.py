@@ -13,8 +13,8 @@ What it does per action (stage s, microbatch m):
 - B / I: backward with the gradient of the output (received, handed over, or
   the loss on the last stage); keep the input gradient for SEND_B or hand it to
   stage s-1 on this rank. W: the deferred weight-grad half.
-- SEND_*: start an asynchronous send (back-to-back sends as one batch, see
-  ``DistChannel.batch``); completed sends are reaped as the step goes, so
+- SEND_*: start an asynchronous send (back-to-back sends as one batch: the
+  step's ``batch()``, one launch on NCCL); completed sends are reaped as the step goes, so
   sent activations are freed once on the wire.
 - RECV_*: receives are posted ahead of time (a bounded window, in list order,
   which keeps FIFO order per peer) and waited on here, right before use.
@@ -24,10 +24,12 @@ and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
 process, ``dist/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
-Receives are posted at the first message action, not before, so the step's
-leading compute runs while the step object settles what it needs.
+At the first message action the executor calls ``step.open()`` and posts the
+receive window; the compute before it runs while the step settles (across
+processes: the ranks' agreement travels during rank 0's first forward).
 
-Skip connections (``pipeline_ext.skip``): given ``skips`` routes, a stage's
+Skip connections (``pipeline_ext.skip``): for the stages the step says move
+skips (``step.skip_stages``, routes from ``step.skip_routes()``), a stage's
 F also sends the skips it stashed straight to the popping stage's rank (or
 hands them over locally), and the popping stage's F receives them first; the
 gradients go back the same way around B/I. These messages are not actions of

@@ -21,7 +21,7 @@ skips it stashes and pops, and its ``forward`` is a generator that yields
 The model runs as an ordinary ``nn.Sequential`` (the current skip tracker,
 ``tracker.py``, holds the skip between the two layers); in a pipeline the skip
 travels straight from the stashing stage to the popping stage
-(``routes.py``), and its gradient straight back.
+(``runtime/skips.py``), and its gradient straight back.
 """
 from __future__ import annotations
 
