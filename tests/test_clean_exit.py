@@ -1,0 +1,75 @@
+"""Jobs end with exit code 0: 20 consecutive 2-rank jobs, each a pair of processes started as torchrun starts them.
+
+A rank that prints its result and then aborts at interpreter exit
+("terminate called without an active exception", exit code -6) makes a job
+scheduler mark the run failed. Each job here trains 2 steps of 1F1B and exits
+the way scripts do: half call ``destroy_process_group()`` first, half do not;
+half on shared memory, half on the process group. Every exit code must be 0
+and no rank may print an abort.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipeline_ext.dist.launch import free_port
+
+JOB = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import pipeline_ext as pe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * world)])
+    stage = pe.PipelineStage(model[2 * rank:2 * rank + 2], rank, world, "cpu")
+    sched = pe.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss, timeout=60,
+                            transport=os.environ["JOB_TRANSPORT"])
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    print(f"rank {rank} done", flush=True)
+    if os.environ["JOB_DESTROY"] == "1":
+        dist.destroy_process_group()
+""")
+
+
+def _job(i: int) -> list[tuple[int, str]]:
+    """One 2-rank job (torchrun's environment: MASTER_ADDR/PORT, RANK, WORLD_SIZE); (exit code, output) per rank."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), JOB_DESTROY=str(i % 2), JOB_TRANSPORT="auto" if i % 4 < 2 else "gloo")
+        procs.append(subprocess.Popen([sys.executable, "-c", JOB], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True))
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            text = "(killed after 120 s)"
+            p.wait()
+        out.append((p.returncode, text))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_twenty_consecutive_two_rank_jobs_exit_0():
+    bad = []
+    for i in range(20):
+        for rank, (code, text) in enumerate(_job(i)):
+            if code != 0 or "terminate called" in text or f"rank {rank} done" not in text:
+                bad.append(f"job {i} rank {rank}: exit {code}: {text.strip()[-400:]}")
+    assert not bad, "\n".join(bad)
