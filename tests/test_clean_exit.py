@@ -1,11 +1,13 @@
-"""Jobs end with exit code 0: 20 consecutive 2-rank jobs, each a pair of processes started as torchrun starts them.
+"""Jobs end as they should and leave nothing behind, each a pair of processes started as torchrun starts them.
 
 A rank that prints its result and then aborts at interpreter exit
 ("terminate called without an active exception", exit code -6) makes a job
-scheduler mark the run failed. Each job here trains 2 steps of 1F1B and exits
-the way scripts do: half call ``destroy_process_group()`` first, half do not;
-half on shared memory, half on the process group. Every exit code must be 0
-and no rank may print an abort.
+scheduler mark the run failed: 20 consecutive 2-rank jobs train 2 steps of
+1F1B and exit the way scripts do (half call ``destroy_process_group()``
+first, half do not; half on shared memory, half on the process group); every
+exit code must be 0 and no rank may print an abort. And a job that sets up
+shared memory and ends without a step (normally, by an exception, by
+``os._exit``) leaves nothing in /dev/shm.
 """
 from __future__ import annotations
 
