@@ -5,7 +5,7 @@ import pytest
 
 from pipeline_ext.schedules import ActionKind, Costs, Schedule, ScheduleError, build, lower, simulate
 
-PAPER = {  # DESIGN.md section 4 (Qi et al., ICLR 2024, bubble-rate table)
+PAPER = {  # Qi et al., ICLR 2024, bubble-rate table
     (8, 24, Costs(18.522, 18.086, 9.337, 0.601)): {"1f1b": 0.2431, "zb_h1": 0.1585, "zb_h2": 0.1083},
     (16, 64, Costs(11.307, 11.254, 8.101, 0.379)): {"1f1b": 0.2082, "zb_h1": 0.1088, "zb_h2": 0.0516},
 }

@@ -2,7 +2,7 @@
 
 Choosing a schedule is a trade between idle time and memory, and both can be
 known before any device runs: this module replays the per-rank action lists
-under the cost model of DESIGN.md section 4, the one the Zero Bubble paper
+under the cost model of docs/schedules.md ("Simulator"), the one the Zero Bubble paper
 (Qi et al., ICLR 2024) uses for its bubble-rate table, so its numbers come out
 exactly and the generators can be checked against closed forms.
 
@@ -125,7 +125,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     ``bubble_rate`` is the mean over ranks of (T - busy_r) / T, where T is the
     longest span of any rank from its first action's start to its last action's
     end and busy_r the compute time of rank r. When every rank does the same
-    work, m(F+B+W), this is exactly DESIGN.md's (T - m(F+B+W)) / T; with
+    work, m(F+B+W), this is exactly (T - m(F+B+W)) / T; with
     non-uniform per-rank work it averages the idle fraction over ranks.
     ``bubble_rate_per_rank`` has the individual (T - busy_r) / T.
 

@@ -1,7 +1,7 @@
 """Validation: is this schedule something the runtime can execute correctly?
 
 Schedules can be written by hand, read from text or produced by a heuristic,
-and the runtime trusts what it is given, so every check of DESIGN.md section 3
+and the runtime trusts what it is given, so every check (docs/schedules.md, "Validation")
 lives here and each error says where to look: rank, position and action.
 
 Checks, cheapest first: the stage-to-rank map is sane; every action names an
