@@ -12,6 +12,7 @@ from pipeline_ext.schedules.csv_io import dump_csv, from_cells, load_csv
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import check_deadlock, forward_only, lower
 from pipeline_ext.schedules.render import render_ascii, render_png, to_chrome_trace
+from pipeline_ext.schedules.select import Selection, select
 from pipeline_ext.schedules.simulate import Costs, SimResult, simulate
 from pipeline_ext.schedules.validate import validate
 
@@ -21,5 +22,6 @@ __all__ = [
     "load_csv",
     "default_stages_per_rank",
     "Action", "ActionKind", "Costs", "Schedule", "ScheduleError", "SimResult", "auto", "available", "build",
-    "check_deadlock", "forward_only", "lower", "render_ascii", "render_png", "simulate", "to_chrome_trace", "validate",
+    "check_deadlock", "forward_only", "lower", "render_ascii", "render_png", "select", "Selection", "simulate",
+    "to_chrome_trace", "validate",
 ]

@@ -1,0 +1,111 @@
+"""Pick a schedule for a memory budget: the fastest simulated schedule whose activations fit on every rank.
+
+Users choose a schedule by what fits in their device's memory, then by speed.
+Both are known before anything runs: the simulator replays each candidate
+under the given costs and counts the activations each rank holds at its peak.
+
+Memory is counted in *rank-microbatch units*: the activations one microbatch
+leaves on a rank that holds a 1/p share of the model (what 1F1B's first rank
+holds p of, GPipe's m). A schedule with v stages per rank holds stage-sized
+activations, each 1/v of a unit, so its peak count is divided by v. Costs are
+one rank's share too (``Costs.per_stage_of`` splits them over v stages), so
+every candidate is timed on the same model.
+
+Candidates: every built-in at its default stages per rank, and the greedy
+zero-bubble schedule (``auto``) with the budget as its activation limit. A
+candidate that cannot be built for (p, m) is listed with the constraint it
+breaks; one over the budget with its peak.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeline_ext.schedules.auto import auto
+from pipeline_ext.schedules.builtin import available, build, default_stages_per_rank
+from pipeline_ext.schedules.ir import Schedule, ScheduleError
+from pipeline_ext.schedules.simulate import Costs, simulate
+
+__all__ = ["Candidate", "Selection", "select"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule considered: its simulated time and memory, and whether it was kept."""
+
+    name: str
+    stages_per_rank: int
+    makespan: float = math.inf
+    bubble_rate: float = math.nan
+    peak_units: float = math.inf  # most rank-microbatch units of activations held at once, over the ranks
+    verdict: str = ""  # "fits", or why it was rejected
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict == "fits"
+
+
+@dataclass
+class Selection:
+    """The chosen schedule and every candidate, fastest first."""
+
+    schedule: Schedule
+    chosen: Candidate
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The candidates as a text table, the chosen one marked with ``*``."""
+        lines = [f"  {'schedule':<18}{'v':>2} {'makespan':>10} {'bubble':>8} {'peak units':>11}  verdict"]
+        for c in self.candidates:
+            mark = "*" if c == self.chosen else " "
+            timed = math.isfinite(c.makespan)
+            lines.append(f"{mark} {c.name:<18}{c.stages_per_rank:>2} "
+                         f"{(f'{c.makespan:.2f}' if timed else '-'):>10} "
+                         f"{(f'{c.bubble_rate:.3f}' if timed else '-'):>8} "
+                         f"{(f'{c.peak_units:.2f}' if timed else '-'):>11}  {c.verdict}")
+        return "\n".join(lines)
+
+
+def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float]) -> Candidate:
+    result = simulate(schedule, costs.per_stage_of(v) if v > 1 else costs)
+    peak = max(result.peak_activations) / v
+    over = budget is not None and peak > budget + 1e-9
+    verdict = f"over budget: peak {peak:g} > {budget:g} units" if over else "fits"
+    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict)
+
+
+def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
+           costs: Costs = Costs()) -> Selection:
+    """The fastest schedule for ``num_ranks`` ranks and ``n_microbatches`` whose peak fits ``budget`` on every rank.
+
+    ``budget`` is in rank-microbatch units (module doc); None: no limit.
+    Ties in time go to the smaller bubble, then the smaller peak. Raises ``ScheduleError`` naming the
+    smallest peak any candidate needs when none fits.
+    """
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        raise ScheduleError(f"budget must be a positive number of rank-microbatch units, got {budget!r}")
+    p, m = num_ranks, n_microbatches
+    candidates: list[Candidate] = []
+    schedules: dict[tuple[str, int], Schedule] = {}
+    for name in available():
+        v = default_stages_per_rank(name)
+        try:
+            schedule = build(name, p, m, stages_per_rank=v)
+        except ScheduleError as exc:
+            candidates.append(Candidate(name, v, verdict=f"cannot build: {exc}"))
+            continue
+        schedules[(name, v)] = schedule
+        candidates.append(_measure(name, schedule, v, costs, budget))
+    limit = None if budget is None else math.floor(budget + 1e-9)
+    if limit is None or limit >= 1:
+        greedy = auto(p, m, costs, max_activations=limit)
+        schedules[("auto", 1)] = greedy
+        candidates.append(_measure("auto", greedy, 1, costs, budget))
+    candidates.sort(key=lambda c: (not c.fits, c.makespan, c.bubble_rate, c.peak_units, c.name))
+    if not candidates or not candidates[0].fits:
+        smallest = min((c.peak_units for c in candidates if math.isfinite(c.peak_units)), default=math.inf)
+        raise ScheduleError(f"no schedule for {p} ranks and {m} microbatches fits a budget of {budget:g} units; "
+                            f"the smallest peak is {smallest:g} units")
+    chosen = candidates[0]
+    return Selection(schedules[(chosen.name, chosen.stages_per_rank)], chosen, candidates)
