@@ -222,10 +222,6 @@ class Session:
         )))
         self._plans = {TRAIN: PlanCache(), FORWARD: PlanCache()}
 
-    def plans(self, kind: int) -> PlanCache:
-        """The communication plans of one step kind (a forward-only step never shares a training step's)."""
-        return self._plans[kind]
-
     @property
     def _has_first(self) -> bool:
         return 0 in self._local

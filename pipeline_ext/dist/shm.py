@@ -281,7 +281,7 @@ class ShmChannel(DistChannel):
         """Settle the transport (as the step's first message would); on shared memory, drop what earlier
         steps left in the inbox: a message is only ever taken by the step that sent it."""
         self.connect()
-        self._pg.begin_step(step)
+        super().begin_step(step)
 
     def connect(self) -> str:
         """Decide the transport now (collective over the group, as the first message would); returns it."""

@@ -22,6 +22,7 @@ shapes differ from the previous step's works (metadata is exchanged again).
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -43,6 +44,11 @@ from pipeline_ext.schedules.csv_io import torch_order
 
 # torch's Schedule* names are in schedule_classes.py
 __all__ = ["PipelineSchedule"]
+
+
+def _check_declared_inputs(stage: PipelineStage, mb: int, args: tuple) -> None:
+    """Stage 0's microbatch ``mb`` against its declared ``input_args``, before the step is posted."""
+    _match_meta(stage, "inputs", mb, args, stage.input_args)
 
 
 def _is_stand_in(stage: Any) -> bool:
@@ -107,10 +113,8 @@ class PipelineSchedule:
         self._session: Optional[Session] = None
         if not self.inspect_only:
             first_stage = self.stages.get(0)
-            check_first = None
-            if first_stage is not None and first_stage.input_args is not None:
-                def check_first(mb: int, args: tuple, stage: PipelineStage = first_stage) -> None:
-                    _match_meta(stage, "inputs", mb, args, stage.input_args)
+            declared = first_stage is not None and first_stage.input_args is not None
+            check_first = functools.partial(_check_declared_inputs, first_stage) if declared else None
             # transport: "auto" | "process_group" | "shm", default $PIPELINE_EXT_TRANSPORT or "auto" (dist/shm.py)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,

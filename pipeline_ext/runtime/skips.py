@@ -20,7 +20,7 @@ so skips between processes are refused there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from pipeline_ext.runtime.tags import message_tag
 from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate

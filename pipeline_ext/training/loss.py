@@ -22,7 +22,7 @@ each microbatch by its share of valid tokens, which makes the gradients (and
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
