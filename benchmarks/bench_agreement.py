@@ -31,10 +31,10 @@ def worker(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
 
     def record() -> StepRecord:
         step[0] += 1
-        return StepRecord(rank=rank, step=step[0], plan=1, schedule="1f1b", schedule_key=5, n_microbatches=32,
-                          num_stages=world, has_loss=True)
+        return StepRecord(rank=rank, step=step[0], schedule="1f1b", schedule_key=5, n_microbatches=32,
+                          num_stages=world, has_loss=True, microbatches=tuple(range(32)))
 
-    buf = torch.zeros(36, dtype=torch.int64)
+    buf = torch.zeros(len(record().encode()), dtype=torch.int64)  # a record's size: the ping-pong baseline
 
     def exchange() -> None:
         agreement.post(record()).records()

@@ -96,7 +96,7 @@ def _scenario_roundtrip(rank: int, channel: DistChannel) -> dict:
     out: dict = {}
     plans = PlanCache()
     for step in range(2):
-        ch = plans.step(channel, 7)
+        ch = plans.step(channel, list(range(32)))  # a signature per microbatch
         out[f"discovery{step}"] = not ch.known
         if rank == 0:
             handles = [ch.send(_mixed(), 1, 4)]
@@ -121,14 +121,14 @@ def _scenario_roundtrip(rank: int, channel: DistChannel) -> dict:
         sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
     else:
         out["new_group"] = torch.equal(sub.recv(0, 0).wait(10.0, "recv on new_group")[0], torch.ones(2, 2))
-    ch = plans.step(channel, 7)
+    ch = plans.step(channel, list(range(32)))  # a signature per microbatch
     if rank == 0:
         with pytest.raises(ChannelError) as err:
             ch.send([torch.zeros(3)] + _mixed()[1:], 1, 4)
         out["shape_error"] = str(err.value)
     if rank == 0:  # a layout that does not fit its fixed-size message is refused before sending
         with pytest.raises(ValueError, match="needs 804 words, more than the 512 a layout message holds"):
-            plans.step(channel, 8).send([torch.zeros(1)] * 200, 1, 6)
+            plans.step(channel, [1000] * 32).send([torch.zeros(1)] * 200, 1, 6)
     dist.barrier()
     return out
 
@@ -288,7 +288,7 @@ def test_host_channel_waits_with_the_callers_timeout():
     pg = Loopback()
     channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
     for step in range(2):  # a discovery step, then a known one
-        messages = plans.step(channel, 3)
+        messages = plans.step(channel, [3])
         send = messages.send([torch.full((2, 3), float(step)), torch.arange(4)], 1, 0)
         got = messages.recv(1, 0).wait(5.0, "recv")
         send.wait(5.0, "send")
@@ -305,14 +305,13 @@ def test_known_steps_reuse_one_pack_buffer_and_a_send_owns_its_bytes():
     channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
     buffers = []
     for step in range(3):
-        messages = plans.step(channel, 3)
+        messages = plans.step(channel, [3, 4])
         pair = [torch.full((2, 3), float(step)), torch.arange(4) + step]
         single = torch.full((5,), float(step))
         sends = [messages.send(pair, 1, 0), messages.send([single], 1, 2)]
         got_pair, got_single = messages.recv(1, 0).wait(5.0, "pair"), messages.recv(1, 2).wait(5.0, "single")
         for h in sends:
             h.wait(5.0, "send")
-        plans.commit(messages)
         assert torch.equal(got_pair[0], pair[0]) and torch.equal(got_pair[1], pair[1])
         assert torch.equal(got_single[0], single)
         assert pg.sent[-1].data_ptr() != single.data_ptr()  # a copy went on the wire, not the caller's tensor
@@ -320,18 +319,40 @@ def test_known_steps_reuse_one_pack_buffer_and_a_send_owns_its_bytes():
         messages.send([grad], 1, 4, owned=True)
         assert pg.sent[-1].data_ptr() == grad.data_ptr()
         messages.recv(1, 4).wait(5.0, "grad")
-        buffers.append(plans.step(channel, 3).plan.send_buffers.get(("send", 1, 0)))
+        plans.commit(messages)
+        buffers.append(plans.send_buffers.get(("send", 1, 0)))
     assert buffers[0] is None  # discovery packs afresh; known steps reuse one buffer
     assert buffers[1] is not None and buffers[1] is buffers[2]
 
 
+def test_layouts_are_known_per_microbatch_signature_in_any_order():
+    """A microbatch seen in an earlier step has known layouts wherever it comes in a later step; a send
+    buffer grows to the largest message it carried and sends only the bytes of the current one."""
+    pg = Loopback()
+    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache()
+    rows = {10: 2, 20: 5}  # signature -> rows of that microbatch's activation
+    for step, sigs in enumerate([[10, 20], [20, 10], [20, 20], [10, 10], [30, 10]]):
+        rows[30] = 7
+        messages = plans.step(channel, sigs)
+        assert messages.known == (step in (1, 2, 3)), step
+        xs = [[torch.full((rows[sig], 3), float(step)), torch.arange(rows[sig])] for sig in sigs]
+        sends = [messages.send(x, 1, mb * 4) for mb, x in enumerate(xs)]  # microbatch mb, stage 0's activation
+        got = [messages.recv(1, mb * 4).wait(5.0, "recv") for mb in range(len(sigs))]
+        for h in sends:
+            h.wait(5.0, "send")
+        plans.commit(messages)
+        for x, g in zip(xs, got):
+            assert torch.equal(x[0], g[0]) and torch.equal(x[1], g[1])
+    assert set(plans._known) == {10, 20, 30} and plans.cached_layouts == 3 * 2
+
+
 def test_plan_cache_is_bounded_and_an_evicted_signature_is_rediscovered():
     pg = Loopback()
-    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache(max_plans=8)
+    channel, plans = DistChannel(pg, "cpu", num_stages=2), PlanCache(max_signatures=8)
     digests = set()
     for shape in list(range(1, 41)) + [1, 2]:  # 40 batch shapes, then two evicted long ago
         x = torch.arange(shape * 3, dtype=torch.float32).reshape(shape, 3)
-        messages = plans.step(channel, ("sig", shape))
+        messages = plans.step(channel, [("sig", shape)])
         send = messages.send([x], 1, 0)
         got = messages.recv(1, 0).wait(5.0, "recv")
         send.wait(5.0, "send")
@@ -339,7 +360,7 @@ def test_plan_cache_is_bounded_and_an_evicted_signature_is_rediscovered():
         assert not messages.known and torch.equal(got[0], x)
         digests.add(plans.digest)
     assert len(plans) == 8 and plans.cached_layouts == 8 * 2  # 8 signatures x (one send + one receive layout)
-    assert plans.step(channel, ("sig", 2)).known  # still cached: a known step
+    assert plans.step(channel, [("sig", 2)]).known  # still cached: a known step
     assert len(digests) == 42  # every commit and eviction changed the digest
 
 

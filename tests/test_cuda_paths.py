@@ -176,7 +176,7 @@ def test_dist_channel_on_cuda_never_synchronises_known_steps(no_host_sync):
     torch.cuda.set_sync_debug_mode("default")
     pg = Loopback()
     channel, plans = DistChannel(pg, "cuda:0", num_stages=2), PlanCache()
-    messages = plans.step(channel, 7)
+    messages = plans.step(channel, [7])
     assert not messages.known  # discovery: layouts are read on the host once
     _exchange(messages, 0)
     plans.commit(messages)
@@ -184,7 +184,7 @@ def test_dist_channel_on_cuda_never_synchronises_known_steps(no_host_sync):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     for step in range(1, 4):
-        messages = plans.step(channel, 7)
+        messages = plans.step(channel, [7])
         assert messages.known
         sent, got = _exchange(messages, step)
         plans.commit(messages)

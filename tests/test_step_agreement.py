@@ -18,7 +18,8 @@ import torch
 
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints, rank_values, run_ranks
-from pipeline_ext.dist.agreement import StepAgreementError, StepRecord, StepRejectedError, agree
+from pipeline_ext.dist.agreement import (MAX_MICROBATCHES, MAX_SIGNATURES, StepAgreementError, StepRecord,
+                                         StepRejectedError, agree, sizes_digest)
 
 TIMEOUT = 10.0
 RTOL, ATOL = 1e-5, 1e-6
@@ -27,8 +28,9 @@ RTOL, ATOL = 1e-5, 1e-6
 # -- the decision, without processes ---------------------------------------------------------------
 def _record(rank: int, **kw) -> StepRecord:
     base = dict(rank=rank, step=3, kind=1, schedule="1f1b", schedule_key=11, n_microbatches=4, num_stages=2,
-                has_loss=True, signature=99 if rank == 0 else 0, rows=8 if rank == 0 else 0,
-                target_rows=8 if rank == 1 else -1)
+                has_loss=True, microbatches=(99, 98, 99, 97) if rank == 0 else (), rows=8 if rank == 0 else 0,
+                sizes=sizes_digest([2, 2, 2, 2]) if rank == 0 else 0, target_rows=8 if rank == 1 else -1,
+                target_sizes=sizes_digest([2, 2, 2, 2]) if rank == 1 else 0)
     base.update(kw)
     return StepRecord(**base)
 
@@ -56,6 +58,9 @@ def test_a_rejection_names_the_rank_and_its_reason_on_every_rank():
         agree([_record(0), _record(1, rejected="ValueError: no target")], 0, 1)
     with pytest.raises(StepRejectedError, match="the target on rank 1 has 6 rows but the batch on rank 0 has 8"):
         agree([_record(0), _record(1, target_rows=6)], 0, 1)
+    with pytest.raises(StepRejectedError, match=r"the target's microbatches on rank 1 have other rows than the "
+                                                r"inputs' microbatches on rank 0 \(8 rows in all on both\)"):
+        agree([_record(0), _record(1, target_sizes=sizes_digest([3, 1, 2, 2]))], 0, 1)
 
 
 def test_two_hand_written_schedules_are_told_apart():
@@ -74,7 +79,7 @@ def test_ranks_on_different_transports_are_named():
 
 def test_agreement_gives_every_rank_the_same_step():
     a = agree([_record(0), _record(1)], 0, 1)
-    assert (a.step, a.signature, a.sizes, a.rediscover) == (3, 99, [2, 2, 2, 2], False)
+    assert (a.step, a.microbatches, a.rediscover) == (3, (99, 98, 99, 97), False)
     # caches that differ (a step failed on one rank after the other committed its layouts): rediscover
     assert agree([_record(0, layouts=5), _record(1, layouts=6)], 0, 1).rediscover
 
@@ -84,6 +89,13 @@ def test_record_round_trip_and_a_foreign_record_is_named():
     back = StepRecord.decode(r.encode(), 1)
     assert back.rejected.startswith("ValueError: xxx") and len(back.rejected.encode()) == 128
     assert back.layouts == 2**61 + 7 and back.schedule == "1f1b" and back.target_rows == 8
+    assert back.target_sizes == sizes_digest([2, 2, 2, 2]) and back.microbatches == ()
+    first = StepRecord.decode(_record(0).encode(), 0)
+    assert first.microbatches == (99, 98, 99, 97) and first.sizes == sizes_digest([2, 2, 2, 2])
+    # every microbatch a signature of its own, as many as a record describes; beyond that: None (not cached)
+    many = tuple(range(2**60, 2**60 + MAX_SIGNATURES)) * (MAX_MICROBATCHES // MAX_SIGNATURES)
+    assert StepRecord.decode(_record(0, n_microbatches=len(many), microbatches=many).encode(), 0).microbatches == many
+    assert StepRecord.decode(_record(0, microbatches=None).encode(), 0).microbatches is None
     with pytest.raises(StepAgreementError, match="rank 1 sent a step record pipeline_ext cannot read"):
         StepRecord.decode([0] * len(r.encode()), 1)
 

@@ -6,23 +6,23 @@ module doc walks through one step). Around it, everything said on the wire:
 
 1. **Agreement** (``agreement.py``). Each rank posts one fixed-size record
    (step number, step kind, schedule, microbatches, its own inputs accepted
-   or rejected with the reason, batch/target rows, the digest of its
-   communication plans) to every other rank, under ``AGREEMENT_TAG``. Every
-   rank runs the same pure decision over the same records (``agree``): either
-   all start the step with the same signature and sizes, or all raise, naming
-   the rank and why. Step numbers belong to the process group
+   or rejected with the reason, batch/target rows per microbatch, every
+   microbatch's signature, the digest of its cached layouts) to every other
+   rank, under ``AGREEMENT_TAG``. Every rank runs the same pure decision over
+   the same records (``agree``): either all start the step knowing every
+   microbatch's signature, or all raise, naming the rank and why. Step numbers belong to the process group
    (``identity.GroupSteps``).
 2. **Message identity** (``runtime/tags.py``). Every activation and gradient
    message has a tag made of the step number (mod 1024) and
    (microbatch, sending stage, direction).
-3. **Layouts** (``comm_plan.py``). The first step of a step signature is a
-   discovery step: each message is preceded by its layout (a zero-padded
-   int64 message under ``tag | LAYOUT_TAG_BIT``), read by the one parser (C++
-   ``PackLayout::decode``). The layouts of a completed step form the
-   signature's communication plan (an LRU per step kind, held by the
-   session); later steps receive into buffers preallocated from it. When the
-   ranks' plans differ (the agreement compares their digests) every rank
-   rediscovers.
+3. **Layouts** (``comm_plan.py``). A step with a microbatch signature not
+   seen before is a discovery step: each message is preceded by its layout (a
+   zero-padded int64 message under ``tag | LAYOUT_TAG_BIT``), read by the one
+   parser (C++ ``PackLayout::decode``). The layouts of a completed step are
+   kept per microbatch signature (an LRU per step kind, held by the session);
+   a later step whose microbatches were all seen, in any order, receives into
+   buffers preallocated from them. When the ranks' caches differ (the
+   agreement compares their digests) every rank rediscovers.
 
 The channels (``channels.DistChannel`` over C++ ``ProcessGroupChannel``;
 ``shm.ShmChannel`` over shared memory) keep no state: one message per send,

@@ -11,7 +11,7 @@ waits (bounded by ``timeout``) for theirs:
 =====  ==================================================================
 word   meaning
 =====  ==================================================================
-0      magic (a record from something else is rejected by name)
+0      magic (a record from something else, or another version, is rejected by name)
 1      step number: every call of ``step``/``eval`` on this schedule, failed
        ones included, so a rank that skipped a call is named
 2      step kind: training or forward-only (``STEP_KINDS``)
@@ -19,22 +19,29 @@ word   meaning
 4, 5   n_microbatches, num_stages
 6      status: 0 accepted; 1 this rank rejected its own inputs
 7      whether this rank has a ``loss_fn``
-8, 9   batch signature and rows (rank of stage 0)
+8, 9   digest of the rows per microbatch, and the rows (rank of stage 0)
 10     target rows (rank of the last stage; -1: none)
-11     digest of the message layouts this rank has cached (they must match)
+11     digest of the microbatch signatures whose layouts this rank has
+       cached (they must match)
 12     the sender's rank
 13     digest of the skip connections this rank's stages declare (0: none);
        when any is set, the ranks exchange the declarations once
        (``PipelineSchedule``, ``pipeline_ext.skip``)
 14     the transport this rank asked for (``TRANSPORT_CODES``): ranks that
        would set up different transports wait for each other forever
+15     digest of the target's rows per microbatch (rank of the last stage)
 16-19  schedule name (ASCII)
 20-35  the rejecting rank's reason (UTF-8, truncated)
+36     how many distinct microbatch signatures follow (rank of stage 0;
+       -1: more than fit, the step's layouts are exchanged and not kept)
+37-68  the distinct microbatch signatures (at most 32)
+69-100 which of them each microbatch has, one byte per microbatch (at most 256)
 =====  ==================================================================
 
 Every rank then runs the same pure decision (:func:`agree`) over the same
-records, so either every rank starts the step with the same signature, sizes
-and communication plan, or every rank raises, naming the rank and the reason, and
+records, so either every rank starts the step knowing every microbatch's
+signature (so every message's layout, when seen before: ``comm_plan.py``), or
+every rank raises, naming the rank and the reason, and
 all stay in step for the next call. Being fixed-size, a record can be received
 whatever the peer's configuration: a disagreement is described in words,
 never met as a Gloo abort or a read of unwritten memory.
@@ -53,21 +60,24 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from pipeline_ext.runtime.ops import even_sizes
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 from pipeline_ext.dist.identity import stable_hash
 
-__all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "Agreement", "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError",
-           "StepRejectedError", "agree"]
+__all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "MAX_SIGNATURES", "MAX_MICROBATCHES", "Agreement",
+           "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError", "StepRejectedError", "agree",
+           "describable", "sizes_digest"]
 
 # Outside the executor's message tags (< 2^30) and their layout bit (2^30): see identity.py.
 AGREEMENT_TAG = 2**31 - 1
 
-_MAGIC = 0x7065_5F73_7465_70  # "pe_step"
-_WORDS = 36
+_MAGIC = 0x7065_5F73_7465_7032  # "pe_step2"
+_WORDS = 101
 _NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
-_CACHE_LIMIT = 64
+_COUNT_WORD, _SIGS, _INDEX = 36, (37, 69), (69, 101)
+#: distinct microbatch signatures, and microbatches, one record describes (beyond them a step is not cached)
+MAX_SIGNATURES, MAX_MICROBATCHES = _SIGS[1] - _SIGS[0], 8 * (_INDEX[1] - _INDEX[0])
+_CACHE_LIMIT = 1024
 _CLOSED = (" (if an earlier step timed out, the backend closed this connection for good: "
            "create a new process group and schedule on every rank)")
 _NOTHING_MOVED = ("no message was sent and no gradient accumulated on any rank (a forward already run "
@@ -101,20 +111,25 @@ class StepRecord:
     num_stages: int
     has_loss: bool
     rejected: str = ""  # this rank's reason, empty when it accepts
-    signature: int = 0
+    #: each microbatch's signature (rank of stage 0; ``StepAgreement.microbatch_signatures``); None: too many
+    #: distinct ones to describe, the step is not cached
+    microbatches: Optional[tuple[int, ...]] = ()
     rows: int = 0
+    sizes: int = 0  # digest of the rows per microbatch (``sizes_digest``)
     target_rows: int = -1
-    layouts: int = 0  # PlanCache.digest of this step kind's communication plans: which layouts this rank has cached
+    target_sizes: int = 0  # digest of the target's rows per microbatch
+    layouts: int = 0  # PlanCache.digest of this step kind: which microbatch signatures this rank has cached
     skips: int = 0  # digest of this rank's skip declarations (0: none)
     transport: int = 0  # TRANSPORT_CODES of the transport this rank asked for
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
-        words[:15] = [_MAGIC, self.step, self.kind, self.schedule_key, self.n_microbatches, self.num_stages,
-                      int(bool(self.rejected)), int(self.has_loss), self.signature, self.rows, self.target_rows,
-                      self.layouts, self.rank, self.skips, self.transport]
+        words[:16] = [_MAGIC, self.step, self.kind, self.schedule_key, self.n_microbatches, self.num_stages,
+                      int(bool(self.rejected)), int(self.has_loss), self.sizes, self.rows, self.target_rows,
+                      self.layouts, self.rank, self.skips, self.transport, self.target_sizes]
         words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
         words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
+        words[_COUNT_WORD:] = _microbatch_words(self.microbatches)
         return words
 
     @classmethod
@@ -128,7 +143,48 @@ class StepRecord:
         return cls(rank=w[12], step=w[1], kind=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
                    schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
-                   signature=w[8], rows=w[9], target_rows=w[10], layouts=w[11], skips=w[13], transport=w[14])
+                   microbatches=_words_microbatches(w[_COUNT_WORD:], w[4]), sizes=w[8], rows=w[9],
+                   target_rows=w[10], target_sizes=w[15], layouts=w[11], skips=w[13], transport=w[14])
+
+
+def sizes_digest(sizes: Sequence[int]) -> int:
+    """What ranks compare to know two lists of rows per microbatch are the same (the inputs' and the target's)."""
+    return stable_hash(repr([int(s) for s in sizes]))
+
+
+def _microbatch_words(microbatches: Optional[Sequence[int]]) -> list[int]:
+    """Words 36-100: the distinct signatures, then one byte per microbatch naming which it has."""
+    words = [0] * (_WORDS - _COUNT_WORD)
+    if microbatches is None:
+        words[0] = -1
+        return words
+    distinct = list(dict.fromkeys(microbatches))
+    words[0] = len(distinct)
+    words[1 : 1 + len(distinct)] = distinct
+    index = {sig: i for i, sig in enumerate(distinct)}
+    raw = bytes(index[sig] for sig in microbatches).ljust(8 * (_INDEX[1] - _INDEX[0]), b"\0")
+    start = _INDEX[0] - _COUNT_WORD
+    words[start:] = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    return words
+
+
+def _words_microbatches(words: Sequence[int], n: int) -> Optional[tuple[int, ...]]:
+    count = words[0]
+    if count < 0:
+        return None
+    if count == 0 or not 0 < n <= MAX_MICROBATCHES or count > MAX_SIGNATURES:
+        return ()
+    distinct = words[1 : 1 + count]
+    start = _INDEX[0] - _COUNT_WORD
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[start:])
+    return tuple(distinct[min(b, count - 1)] for b in raw[:n])
+
+
+def describable(microbatches: Sequence[int]) -> Optional[tuple[int, ...]]:
+    """The signatures as a record carries them; None when they are too many (the step is then not cached)."""
+    if len(microbatches) > MAX_MICROBATCHES or len(set(microbatches)) > MAX_SIGNATURES:
+        return None
+    return tuple(microbatches)
 
 
 def _text_words(text: str, span: tuple[int, int]) -> list[int]:
@@ -147,8 +203,7 @@ class Agreement:
     """What every rank starts the step with."""
 
     step: int  # the step number, part of every message's tag (identity.py)
-    signature: int
-    sizes: list[int]
+    microbatches: Optional[tuple[int, ...]]  # each microbatch's signature; None: not cached (too many)
     rediscover: bool  # exchange every message's layout again, whatever the caches say
     skips: tuple[int, ...] = ()  # every rank's skip declaration digest, in rank order
 
@@ -202,11 +257,17 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
             f"step {step} was rejected before any activation moved: the target on rank {last_rank} has "
             f"{last.target_rows} rows but the batch on rank {first_rank} has {first.rows}; {_NOTHING_MOVED}"
         )
-    n = records[0].n_microbatches
+    if last.target_rows >= 0 and last.target_sizes != first.sizes:
+        raise StepRejectedError(
+            f"step {step} was rejected before any activation moved: the target's microbatches on rank "
+            f"{last_rank} have other rows than the inputs' microbatches on rank {first_rank} ({first.rows} rows "
+            f"in all on both): microbatch k of the target must have the rows of microbatch k of the inputs; "
+            f"{_NOTHING_MOVED}"
+        )
     # Caches differ when a step failed on some ranks after others had committed
     # its layouts: then every rank exchanges them again (a known step on one
     # side and a discovery step on the other would deadlock).
-    return Agreement(step, first.signature, even_sizes(first.rows, n), len({r.layouts for r in records}) > 1,
+    return Agreement(step, first.microbatches, len({r.layouts for r in records}) > 1,
                      tuple(r.skips for r in records))
 
 
@@ -231,22 +292,27 @@ class StepAgreement:
     def _global(self, pipeline_rank: int) -> int:
         return self._ranks[pipeline_rank]
 
-    def signature(self, args: Sequence[Any], kwargs: dict, sizes: Sequence[int], chunk_spec: Any) -> int:
-        """A 62-bit hash of the batch's pytree structure, shapes and dtypes, the values of its plain non-tensor
-        leaves (numbers, strings, booleans, None), the split and the chunk spec.
+    def microbatch_signatures(self, args_chunks: Sequence[Sequence[Any]], kwargs_chunks: Sequence[dict]) -> list[int]:
+        """Each microbatch's 62-bit signature: the hash of its pytree structure, tensor shapes and dtypes, and
+        the values of its plain non-tensor leaves (numbers, strings, booleans, None).
 
-        The microbatches' shapes follow from these, so hashing the whole batch
-        once stands for hashing every microbatch. Cached per distinct key.
+        A stage's messages for a microbatch have layouts that follow from
+        these (that is what a stage must guarantee: shapes from inputs, not
+        from tensor data), so layouts are cached by them, wherever the
+        microbatch comes in a step. Cached per distinct key.
         """
-        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-        key = (spec, tuple(_leaf_key(x) for x in leaves), tuple(sizes), repr(chunk_spec))
-        sig = self._signatures.get(key)
-        if sig is None:
-            sig = stable_hash(repr(key))
-            if len(self._signatures) >= _CACHE_LIMIT:
-                self._signatures.clear()
-            self._signatures[key] = sig
-        return sig
+        out = []
+        for args, kwargs in zip(args_chunks, kwargs_chunks):
+            leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+            key = (spec, tuple(_leaf_key(x) for x in leaves))
+            sig = self._signatures.get(key)
+            if sig is None:
+                sig = stable_hash(repr(key))
+                if len(self._signatures) >= _CACHE_LIMIT:
+                    self._signatures.clear()
+                self._signatures[key] = sig
+            out.append(sig)
+        return out
 
     def post(self, mine: StepRecord) -> "PendingExchange":
         """Start the exchange of ``mine`` now; its ``records()`` waits for the peers' records.

@@ -19,11 +19,11 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
 2. The executor runs the step's compute; at its first message the ``Step``
    settles: ``agree`` over every rank's record (every rank takes the same
-   decision), skip routes gathered if the declarations are new, loss weights
-   from the agreed sizes where this rank did not have them, the channel's
-   ``begin_step`` (shared memory drops earlier steps' leftovers), and the step
-   kind's communication plan opened (``PlanCache.step``: known layouts, or a
-   discovery step).
+   decision, and learns every microbatch's signature), skip routes gathered if
+   the declarations are new, the channel's ``begin_step`` (shared memory drops
+   earlier steps' leftovers), and the step kind's layouts opened
+   (``PlanCache.step``: known when every microbatch's signature was seen, else
+   a discovery step).
 3. Sends and receives go through that plan's ``StepMessages`` to the channel.
 4. Leaving the ``with step:`` block commits the plan a completed step
    discovered, or drops the send buffers of a failed one (a send may still be
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from pipeline_ext import schedules as S
 from pipeline_ext.dist.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
-                                         StepAgreementError, StepRecord, agree)
+                                         StepAgreementError, StepRecord, agree, describable, sizes_digest)
 from pipeline_ext.dist.comm_plan import PlanCache, StepMessages
 from pipeline_ext.dist.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.dist.identity import GroupSteps, stable_hash
@@ -47,7 +47,8 @@ from pipeline_ext.dist.shm import make_channel
 from pipeline_ext.dist.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.channel import ChannelHandle
 from pipeline_ext.runtime.executor import StepInputs
-from pipeline_ext.runtime.microbatch import loss_weights, microbatch_sizes, split_step_inputs, split_step_target
+from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, microbatch_sizes,
+                                             split_step_inputs, split_step_target)
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
 from pipeline_ext.runtime.stage import LossFn
 from pipeline_ext.runtime.tags import check_tag_space
@@ -123,13 +124,13 @@ class Step:
     communication plan.
     """
 
-    def __init__(self, number: int, inputs: StepInputs, weights: Optional[list], pending: PendingExchange,
-                 decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement,
-                 weigh: Callable[[Sequence[int], Sequence[Any]], list], channel: Any, plans: PlanCache) -> None:
+    def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
+                 decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
+                 plans: PlanCache) -> None:
         self.step = number
         self.inputs = inputs
         self.skip_stages = skips.stages
-        self._weights, self._pending, self._decide, self._skips, self._weigh = weights, pending, decide, skips, weigh
+        self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
         self._channel, self._plans = channel, plans
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
@@ -142,10 +143,8 @@ class Step:
         if self._messages is None:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
-            if self._weights is None:
-                self._weights = self._weigh(agreement.sizes, self.inputs.targets)
             self._channel.begin_step(self.step)
-            messages = self._messages = self._plans.step(self._channel, agreement.signature, agreement.rediscover)
+            messages = self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
             # Settled: from here on the executor's sends and receives go straight to the plan's messages.
             self.send, self.recv, self.batch = messages.send, messages.recv, messages.batch  # type: ignore[method-assign]
         return self._messages
@@ -165,9 +164,8 @@ class Step:
         return self._routes
 
     def loss_weights(self) -> Weights:
-        if self._weights is None:
-            self._open()
-        return self._weights  # type: ignore[return-value]
+        """Computed in ``Session.begin`` from this rank's targets (the last stage's rank has them all)."""
+        return self._weights
 
     # -- the step's end -----------------------------------------------------------------------
     def __enter__(self) -> "Step":
@@ -230,9 +228,13 @@ class Session:
     def _has_last(self) -> bool:
         return self.num_stages - 1 in self._local
 
-    def begin(self, kind: int, args: tuple, kwargs: dict, target: Any,
-              loss_kwargs: Optional[dict] = None) -> Step:
+    def begin(self, kind: int, args: Any, kwargs: Any, target: Any, loss_kwargs: Optional[dict] = None,
+              split: bool = True) -> Step:
         """Check this rank's part of a step of ``kind`` and post it to every rank, before any stage runs.
+
+        ``split``: ``args``/``kwargs``/``target`` are the whole batch, cut
+        here; else they are the caller's microbatches (``step_microbatches``:
+        lists with one entry per microbatch, any shapes; None where not given).
 
         Every call takes part in exactly one exchange, a rejected one too: a
         rank that rejects its own inputs raises its own error, every other
@@ -249,20 +251,21 @@ class Session:
                             layouts=plans.digest, skips=self._skips.digest,
                             transport=TRANSPORT_CODES[self.channel.requested])
         inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
-        weights: Optional[list] = None
+        weights: list = []
         error: Optional[Exception] = None
         try:
-            inputs.args, inputs.kwargs, sizes = self._split_inputs(args, kwargs)
-            if self._check_first is not None:  # declared shapes: refuse before any stage runs
-                for mb, chunk in enumerate(inputs.args):
-                    self._check_first(mb, tuple(chunk))
             if self._has_first:
-                record.rows = sum(sizes)
-                record.signature = self.agreement.signature(args, kwargs, sizes, self.chunk_spec)
-            inputs.targets = self._split_target(kind, target)
-            if self._has_first:  # after the targets: this rank may hold the last stage too
-                weights = self._weigh(sizes, inputs.targets)
-            record.target_rows = sum(microbatch_sizes((target,), {}, self.n_microbatches)) if inputs.targets else -1
+                inputs.args, inputs.kwargs, sizes = self._inputs(args, kwargs, split)
+                if self._check_first is not None:  # declared shapes: refuse before any stage runs
+                    for mb, chunk in enumerate(inputs.args):
+                        self._check_first(mb, tuple(chunk))
+                record.rows, record.sizes = sum(sizes), sizes_digest(sizes)
+                record.microbatches = describable(self.agreement.microbatch_signatures(inputs.args, inputs.kwargs))
+            if self._has_last:
+                inputs.targets, target_sizes = self._targets(kind, target, split)
+                if inputs.targets:
+                    record.target_rows, record.target_sizes = sum(target_sizes), sizes_digest(target_sizes)
+                    weights = self._weigh(target_sizes, inputs.targets)
         except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
             record.rejected = f"{type(exc).__name__}: {exc}"
@@ -278,34 +281,36 @@ class Session:
                 raise error from None
             except Exception as exc:  # the peers could not be told; say both
                 raise exc from error
-        return Step(number, inputs, weights, pending, decide, self._skips, self._weigh, self.channel, plans)
+        return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans)
 
-    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
-        """Split this rank's batch (stage 0 only): chunks and rows per microbatch."""
-        if not self._has_first:
-            return [], [], []  # as in torch: inputs given to a rank without stage 0 are not used
+    def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
+        """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""
+        if not split:
+            return given_microbatches(args, kwargs, self.n_microbatches, self.device, self.chunk_spec)
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         return split_step_inputs(args, kwargs, self.n_microbatches, self.device, self.chunk_spec)
 
-    def _split_target(self, kind: int, target: Any) -> list:
-        """The target split per microbatch on the last stage's rank; [] when no loss is computed.
+    def _targets(self, kind: int, target: Any, split: bool) -> tuple[list, list[int]]:
+        """The target per microbatch on the last stage's rank, and their rows; ``[]`` when no loss is computed.
 
         As in torch: a target given on a rank without the last stage is not
         used; ``eval(target=)`` computes the losses without a backward.
         """
-        if not self._has_last:
-            return []
         if target is None:
             if kind == TRAIN:
                 raise ValueError(
-                    f"rank {self.rank} holds the last stage: a training step needs target= "
-                    "(for a forward-only step use eval(), or loss_fn=None on every rank)"
+                    f"rank {self.rank} holds the last stage: a training step needs "
+                    f"{'target=' if split else 'target_mbs='} (for a forward-only step use eval(), or "
+                    "loss_fn=None on every rank)"
                 )
-            return []
+            return [], []
         if self.loss_fn is None:
-            raise ValueError("target= was given but the schedule has no loss_fn to compute a loss with")
-        return split_step_target(target, self.n_microbatches, self.device)
+            raise ValueError("a target was given but the schedule has no loss_fn to compute a loss with")
+        if not split:
+            return given_targets(target, self.n_microbatches, self.device)
+        return (split_step_target(target, self.n_microbatches, self.device),
+                microbatch_sizes((target,), {}, self.n_microbatches))
 
     def _weigh(self, sizes: Sequence[int], targets: Sequence[Any]) -> list:
         """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""

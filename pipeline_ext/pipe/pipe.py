@@ -39,7 +39,8 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.recompute import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
-from pipeline_ext.runtime.microbatch import loss_weights, merge_chunks, microbatch_sizes, split_step_inputs, split_step_target
+from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
+                                             microbatch_sizes, split_step_inputs, split_step_target)
 from pipeline_ext.pipe.partition import balance_by_params
 from pipeline_ext.runtime.channel import check_timeout
 from pipeline_ext.runtime.local import LocalHub, LocalStep
@@ -338,18 +339,15 @@ class Pipe(nn.Module):
             raise ValueError(f"balance has {len(balance)} stages, not a multiple of the {p} devices")
         return S.build(schedule, p, chunks, stages_per_rank=len(balance) // p)
 
-    def _schedules_for(self, m: int) -> tuple[S.Schedule, S.Schedule]:
-        """Training and forward-only schedules for ``m`` microbatches (a batch smaller than ``chunks``)."""
+    def _schedules_for(self, m: int, why: str) -> tuple[S.Schedule, S.Schedule]:
+        """Training and forward-only schedules for ``m`` microbatches (``why`` it is not ``chunks``)."""
         if m not in self._schedules:
             if self._schedule_name is None:
-                raise ValueError(
-                    f"the batch has {m} rows, fewer than chunks={self.chunks}, and a hand-written schedule is for "
-                    f"exactly {self.chunks} microbatches"
-                )
+                raise ValueError(f"{why}, and a hand-written schedule is for exactly {self.chunks} microbatches")
             try:
                 lowered = S.lower(S.build(self._schedule_name, len(self.devices), m, stages_per_rank=self._v))
             except S.ScheduleError as exc:
-                raise ValueError(f"the batch has {m} rows, fewer than chunks={self.chunks}: {exc}") from exc
+                raise ValueError(f"{why}: {exc}") from exc
             S.validate(lowered)
             self._schedules[m] = (lowered, S.forward_only(lowered))
         return self._schedules[m]
@@ -425,10 +423,12 @@ class Pipe(nn.Module):
 
         return run
 
-    def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int]]:
+    def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int], str]:
+        """The batch cut into ``chunks`` microbatches (fewer when it has fewer rows), and what to call their number."""
         rows = microbatch_sizes(args, kwargs, 1)[0]
         m = min(self.chunks, max(rows, 1))  # torchgpipe: a batch smaller than chunks is allowed
-        return split_step_inputs(args, kwargs, m, self.stage_devices[0])
+        return (*split_step_inputs(args, kwargs, m, self.stage_devices[0]),
+                f"the batch has {m} rows, fewer than chunks={self.chunks}")
 
     def _enter(self) -> None:
         """One call at a time; never while a cancelled call's worker still runs."""
@@ -532,12 +532,48 @@ class Pipe(nn.Module):
         finally:
             self._busy.release()
 
-    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
+    def step_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+                          target_mbs: Optional[list] = None, *,
+                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """``step`` over microbatches the caller cut, of any shapes (length-bucketed or packed sequences).
+
+        ``arg_mbs``: one tuple of positional arguments per microbatch (a lone
+        tensor stands for a 1-tuple); ``kwarg_mbs``: one dict each, or None;
+        ``target_mbs``: one target each. Microbatch ``k``'s loss is weighted by
+        the loss function's own ``microbatch_weights`` (``TokenMeanLoss``:
+        tokens) or by its share of the rows, as in ``step``; returns the
+        weighted loss. The number of microbatches is ``len(arg_mbs)``.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipe.step_microbatches runs a backward; call it with autograd enabled")
+        if not self.partitions:
+            raise ValueError("an empty Pipe has no stages to run microbatches through; use step()")
+        args_chunks, kwargs_chunks, sizes = given_microbatches(arg_mbs, kwarg_mbs, None, self.stage_devices[0])
         m = len(sizes)
-        targets = split_step_target(target, m, self.stage_devices[-1], sizes)
+        targets, target_sizes = given_targets(target_mbs, m, self.stage_devices[-1])
+        differ = [k for k in range(m) if target_sizes[k] != sizes[k]]
+        if differ:
+            k = differ[0]
+            raise ValueError(f"target_mbs[{k}] has {target_sizes[k]} rows but microbatch {k} of the inputs has "
+                             f"{sizes[k]}: microbatch k of the target must have the rows of microbatch k")
+        self._enter()
+        try:
+            return self._train(args_chunks, kwargs_chunks, sizes, targets, loss_fn,
+                               f"this step has {m} microbatches, not chunks={self.chunks}")
+        finally:
+            self._busy.release()
+
+    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        args_chunks, kwargs_chunks, sizes, why = self._split(args, kwargs)
+        targets = split_step_target(target, len(sizes), self.stage_devices[-1], sizes)
+        return self._train(args_chunks, kwargs_chunks, sizes, targets, loss_fn, why)
+
+    def _train(self, args_chunks: list, kwargs_chunks: list, sizes: list[int], targets: list,
+               loss_fn: Callable[[Any, Any], torch.Tensor], why: str) -> torch.Tensor:
+        """Forward and backward of the microbatches under the schedule for their number; the weighted loss."""
+        m = len(sizes)
         weights = loss_weights(loss_fn, sizes, targets)  # row shares, or the loss_fn's own (token counts)
-        schedule, _ = self._schedules_for(m)
+        schedule, _ = self._schedules_for(m, why)
         call = self._new_call(m)
         n = len(self.partitions)
         runners = {
@@ -565,9 +601,9 @@ class Pipe(nn.Module):
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         _check_tensors(args, "input")
-        args_chunks, kwargs_chunks, sizes = self._split(args, kwargs)
+        args_chunks, kwargs_chunks, sizes, why = self._split(args, kwargs)
         m = len(sizes)
-        _, schedule = self._schedules_for(m)
+        _, schedule = self._schedules_for(m, why)
         call = self._new_call(m)
         n = len(self.partitions)
         links: dict = {}

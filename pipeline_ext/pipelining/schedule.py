@@ -17,8 +17,11 @@ pre-hooks -> ``Executor.run`` over the returned ``Step`` -> step post-hooks
 
 Differences from torch, on purpose: batches that do not divide into the
 microbatches are allowed (losses are weighted by each microbatch's rows, so the
-gradients are still those of the whole batch's mean loss), and a step whose
-shapes differ from the previous step's works (metadata is exchanged again).
+gradients are still those of the whole batch's mean loss), a step whose
+shapes differ from the previous step's works, and ``step_microbatches`` takes
+microbatches of different shapes in one step (length-bucketed or packed
+sequences): each microbatch's layouts are learnt once and known wherever it
+comes in a later step.
 """
 from __future__ import annotations
 
@@ -238,14 +241,53 @@ class PipelineSchedule:
         with torch.no_grad():
             return self._run(FORWARD, args, kwargs, target, losses, return_outputs, loss_kwargs)
 
+    def step_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+                          target_mbs: Optional[list] = None, losses: Optional[list] = None,
+                          return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Optional[list]:
+        """One training step over microbatches the caller cut, of any shapes: a list of outputs on the last stage.
+
+        ``arg_mbs``: one tuple of positional arguments per microbatch (stage
+        0's rank); ``kwarg_mbs``: one dict per microbatch, or None;
+        ``target_mbs``: one target per microbatch (the last stage's rank).
+        Ranks without those stages pass None (what they pass is not used, as
+        in torch). Microbatch ``k`` may have another sequence length, batch
+        size or any other shape than microbatch ``k+1``: every rank learns
+        every microbatch's signature in the step agreement, so each message's
+        layout is known before it arrives once that signature was seen in an
+        earlier step (in any position); a new one is learnt in this step.
+
+        Losses are weighted as in ``step()``: by the loss function's own
+        ``microbatch_weights`` (``TokenMeanLoss``: tokens) or by each
+        microbatch's share of the rows. Returns the per-microbatch outputs on
+        the last stage (None elsewhere, or with ``return_outputs=False``).
+        """
+        if self.loss_fn is None:
+            with torch.no_grad():
+                return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, None, return_outputs, loss_kwargs, False)
+        return self._run(TRAIN, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False)
+
+    def eval_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+                          target_mbs: Optional[list] = None, losses: Optional[list] = None,
+                          return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Optional[list]:
+        """``eval()`` over microbatches the caller cut (see ``step_microbatches``): forward only, no_grad."""
+        with torch.no_grad():
+            return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False)
+
+    def _step_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+                           target_mbs: Optional[list] = None, losses: Optional[list] = None,
+                           return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Optional[list]:
+        """torch's private name for ``step_microbatches`` (torch leaves the outputs in ``stage.output_chunks``; so
+        does this, and returns them too)."""
+        return self.step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+
     def _executor(self, kind: int) -> Executor:
         if kind not in self._executors:  # the forward-only version of the schedule, built at its first use
             self._executors[kind] = Executor(S.forward_only(self.schedule), self.rank, self._runners,
                                              timeout=self.timeout)
         return self._executors[kind]
 
-    def _run(self, kind: int, args: tuple, kwargs: dict, target: Any, losses: Optional[list],
-             return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Any:
+    def _run(self, kind: int, args: Any, kwargs: Any, target: Any, losses: Optional[list],
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None, split: bool = True) -> Any:
         if self._session is None:
             raise RuntimeError(f"{type(self).__name__} was built from stand-in stages (no module, no process "
                                "group): its order can be inspected (pipeline_order, _dump_csv), not run; build it "
@@ -259,7 +301,7 @@ class PipelineSchedule:
         if losses is not None:
             losses.clear()  # every call: it holds this step's losses, none when the step computes none or fails
         executor = self._executor(kind)
-        step = self._session.begin(kind, args, kwargs, target, loss_kwargs)
+        step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split)
         for r in self._runners.values():
             r.reset()
         training = kind == TRAIN
@@ -288,7 +330,9 @@ class PipelineSchedule:
         chunks = [last.outputs[m] for m in range(self.n_microbatches)]
         last.outputs.clear()
         self.stages[self._last_stage].output_chunks = chunks
-        return merge_chunks(chunks, self.output_merge_spec) if return_outputs else None
+        if not return_outputs:
+            return None
+        return merge_chunks(chunks, self.output_merge_spec) if split else list(chunks)
 
     # -- torch's schedule surface: the order as data, CSV ------------------------------------------
     @property

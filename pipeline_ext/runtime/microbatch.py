@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -43,6 +43,8 @@ __all__ = [
     "split_target",
     "split_step_inputs",
     "split_step_target",
+    "given_microbatches",
+    "given_targets",
     "to_device",
 ]
 
@@ -338,3 +340,63 @@ def split_step_target(target: Any, n_microbatches: int, device: torch.device,
         if target_sizes != list(sizes):
             raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {list(sizes)}")
     return split_target(target, n_microbatches)
+
+
+def _given_list(values: Any, n: Optional[int], what: str) -> list:
+    """A per-microbatch list the caller passed: a list or tuple of ``n`` entries (any ``n`` when None)."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{what} must be a list with one entry per microbatch, got {type(values).__name__}")
+    if n is not None and len(values) != n:
+        raise ValueError(f"{what} has {len(values)} entries but the schedule runs n_microbatches={n}")
+    if not values:
+        raise ValueError(f"{what} is empty: pass at least one microbatch")
+    return list(values)
+
+
+def given_microbatches(
+    arg_mbs: Any, kwarg_mbs: Any, n_microbatches: Optional[int], device: torch.device,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
+    """Microbatches the caller already cut (``step_microbatches``), on ``device``: ``(args, kwargs, rows)``.
+
+    ``arg_mbs``: one tuple of positional arguments per microbatch (a lone
+    tensor stands for a 1-tuple), any shapes; ``kwarg_mbs``: one dict per
+    microbatch, or None. Each microbatch's rows are counted as ``step()``
+    counts a batch's (along the chunk spec's dims, every split input alike):
+    they weigh its loss when the loss function has no weights of its own.
+    The caller's lists and tensors are not modified.
+    """
+    if arg_mbs is None and kwarg_mbs is None:
+        raise ValueError("the rank holding stage 0 must pass the microbatches (arg_mbs and/or kwarg_mbs)")
+    n = n_microbatches
+    if arg_mbs is not None:
+        arg_mbs = _given_list(arg_mbs, n, "arg_mbs")
+        n = len(arg_mbs)
+    if kwarg_mbs is not None:
+        kwarg_mbs = _given_list(kwarg_mbs, n, "kwarg_mbs")
+        n = len(kwarg_mbs)
+    args_chunks = [(a,) if isinstance(a, torch.Tensor) else tuple(a) for a in arg_mbs] if arg_mbs is not None \
+        else [()] * n
+    kwargs_chunks = [dict(k or {}) for k in kwarg_mbs] if kwarg_mbs is not None else [{} for _ in range(n)]
+    sizes = []
+    for k, (args, kwargs) in enumerate(zip(args_chunks, kwargs_chunks)):
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"kwarg_mbs[{k}] must be a dict of keyword arguments, got {type(kwargs).__name__}")
+        try:
+            sizes.append(microbatch_sizes(args, kwargs, 1, chunk_spec)[0])
+        except ValueError as exc:
+            raise ValueError(f"microbatch {k}: {exc}") from None
+    args_chunks, kwargs_chunks = to_device((args_chunks, kwargs_chunks), device)
+    return [tuple(a) for a in args_chunks], kwargs_chunks, sizes
+
+
+def given_targets(target_mbs: Any, n_microbatches: Optional[int], device: torch.device) -> tuple[list[Any], list[int]]:
+    """The caller's target per microbatch on ``device``, and each one's rows (its tensors' dim 0)."""
+    targets = _given_list(target_mbs, n_microbatches, "target_mbs")
+    sizes = []
+    for k, t in enumerate(targets):
+        try:
+            sizes.append(microbatch_sizes((t,), {}, 1)[0])
+        except ValueError as exc:
+            raise ValueError(f"target_mbs[{k}]: {exc}") from None
+    return to_device(targets, device), sizes

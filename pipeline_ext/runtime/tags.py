@@ -18,7 +18,8 @@ from typing import Optional
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "describe_tag", "check_tag_space"]
+__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "split_microbatch",
+           "describe_tag", "check_tag_space"]
 
 STEP_SHIFT = 20
 STEPS = 1 << 10  # step numbers wrap around after this many steps
@@ -61,6 +62,23 @@ def skip_tag(src: int, dst: int, microbatch: int, gradient: bool, num_stages: in
 def message_of(tag: int) -> int:
     """The message within its step (the tag without the step bits): what layouts are cached by."""
     return tag & _IN_STEP
+
+
+def split_microbatch(message: int, num_stages: int) -> tuple[int, int]:
+    """``(microbatch, the message without it)`` for a message (``message_of``) of a pipeline of ``num_stages``.
+
+    A message's layout follows from its microbatch's inputs, not from where
+    the microbatch sits in the step: layouts are cached per microbatch
+    signature under the second part (``dist/comm_plan.py``), so a microbatch
+    seen before has known layouts wherever it comes in a later step.
+    """
+    rest = message & _IN_STEP
+    if rest & SKIP_LANE:
+        per_mb = 2 * num_stages * num_stages
+        rest &= SKIP_LANE - 1
+        return rest // per_mb, SKIP_LANE | (rest % per_mb)
+    per_mb = 2 * num_stages
+    return rest // per_mb, rest % per_mb
 
 
 def describe_tag(tag: int, num_stages: Optional[int]) -> str:
