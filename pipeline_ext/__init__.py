@@ -32,6 +32,8 @@ _EXPORTS = {
     "ScheduleZBV": "pipeline_ext.pipelining.schedule_classes",
     "ScheduleZBVZeroBubble": "pipeline_ext.pipelining.schedule_classes",
     "ScheduleDualPipeV": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleVHalf": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleVMin": "pipeline_ext.pipelining.schedule_classes",
     "_ScheduleForwardOnly": "pipeline_ext.pipelining.schedule_classes",
     "_PipelineScheduleRuntime": "pipeline_ext.pipelining.schedule_classes",
     "get_schedule_class": "pipeline_ext.pipelining.schedule_classes",

@@ -13,8 +13,8 @@ import torch
 from mp_utils import run_ranks
 from models import D, build, loss_fn, make_batch, reference, run_stages
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev"}
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev", "v_half", "v_min"]
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv", "dualpipev", "v_half", "v_min"}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -138,7 +138,7 @@ def _optimizer_steps(rank: int, world: int, name: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b", "v_half", "v_min"])
 @pytest.mark.usefixtures("transport")
 def test_three_optimizer_steps_match(name):
     _expect_no_mismatches(_optimizer_steps, 2, name)

@@ -14,7 +14,7 @@ from models import build, loss_fn, make_batch, reference, run_stages
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.partition import balance_by_params, balance_by_time, split_min_max
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev", "v_half", "v_min"]
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -267,3 +267,42 @@ def test_cuda_two_stages_one_gpu_match_cpu():
     torch.testing.assert_close(loss.cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
     for a, b in zip(pipe.parameters(), (p for s in cpu_stages for p in s.parameters())):
         torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", S.available())
+@pytest.mark.parametrize("p", [2, 4])
+def test_runtime_peak_equals_the_simulators(name, p, monkeypatch):
+    """The activations the runtime holds are the ones the simulator predicts: per stage and per rank, equal.
+
+    Equal, not just <=: a stage keeps a microbatch's state from its F to its B (or its W when the backward
+    is split), exactly the simulator's accounting, and each rank runs its list in order on one thread. The
+    per-rank count sums the live microbatches of the rank's stages each time one is kept (the only moment
+    the count grows). Schedules are the built-ins at their default stages per rank, m = 2p.
+    """
+    from pipeline_ext.runtime.stage import StageRunner
+    from pipeline_ext.schedules.simulate import peak_live_activations
+
+    m = 2 * p
+    v = S.default_stages_per_rank(name)
+    sched = S.build(name, p, m, stages_per_rank=v)
+    sim = S.simulate(sched)
+    per_stage = [peak_live_activations([a for a in sched.actions[r] if a.stage == s])  # the simulator's count
+                 for s, r in enumerate(sched.stage_to_rank)]
+    runners: dict[int, StageRunner] = {}
+    rank_peak = [0] * p
+    keep = StageRunner._keep
+
+    def counting_keep(self, mb, state):
+        keep(self, mb, state)
+        runners[self.stage_index] = self
+        rank = sched.stage_to_rank[self.stage_index]
+        live = sum(r.live_microbatches for s, r in list(runners.items()) if sched.stage_to_rank[s] == rank)
+        rank_peak[rank] = max(rank_peak[rank], live)
+
+    monkeypatch.setattr(StageRunner, "_keep", counting_keep)
+    pipe, _ = _pipe("mlp", name, p, m, checkpoint="never")
+    x, y = make_batch("mlp", 4 * m)
+    pipe.step(x, target=y, loss_fn=loss_fn)
+    assert pipe.peak_live_microbatches == per_stage
+    assert rank_peak == sim.peak_activations

@@ -6,13 +6,13 @@ import pytest
 from pipeline_ext.schedules import Costs, ScheduleError, available, build, lower, simulate, validate
 from pipeline_ext.schedules.lowering import loop_placement, v_placement
 
-MULTI_STAGE = {"interleaved_1f1b", "interleaved_zb", "looped_bfs", "zbv", "dualpipev"}
-SPLIT = {"zb_h1", "zb_h2", "interleaved_zb", "zbv", "dualpipev"}
+MULTI_STAGE = {"interleaved_1f1b", "interleaved_zb", "looped_bfs", "zbv", "dualpipev", "v_half", "v_min"}
+SPLIT = {"zb_h1", "zb_h2", "interleaved_zb", "zbv", "dualpipev", "v_half", "v_min"}
 
 
 def test_registry():
     assert available() == ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zb_h1", "zb_h2", "zbv",
-                           "dualpipev"]
+                           "dualpipev", "v_half", "v_min"]
     with pytest.raises(ScheduleError, match="unknown schedule 'nope'; available: gpipe"):
         build("nope", 2, 2)
 
@@ -46,6 +46,7 @@ def test_placements():
     assert build("interleaved_1f1b", 3, 6).stage_to_rank == loop_placement(3, 2)
     assert build("looped_bfs", 2, 2, stages_per_rank=3).stage_to_rank == loop_placement(2, 3)
     assert build("zbv", 3, 6).stage_to_rank == build("dualpipev", 3, 6).stage_to_rank == v_placement(3)
+    assert build("v_half", 3, 6).stage_to_rank == build("v_min", 3, 6).stage_to_rank == v_placement(3)
 
 
 @pytest.mark.parametrize("name,p,m,v,message", [
@@ -57,6 +58,8 @@ def test_placements():
     ("gpipe", 4, 8, 2, r"gpipe needs stages_per_rank == 1 \(got stages_per_rank=2\)"),
     ("zbv", 4, 8, 3, r"zbv needs stages_per_rank == 2 \(got stages_per_rank=3\)"),
     ("dualpipev", 4, 7, None, r"n_microbatches >= 2 \* num_ranks \(got n_microbatches=7, num_ranks=4\)"),
+    ("v_half", 4, 8, 1, r"v_half needs stages_per_rank == 2 \(got stages_per_rank=1\)"),
+    ("v_min", 4, 0, None, r"v_min needs n_microbatches >= 1 \(got n_microbatches=0\)"),
     ("gpipe", 0, 8, None, r"num_ranks >= 1 \(got num_ranks=0\)"),
     ("gpipe", 2, 0, None, r"n_microbatches >= 1 \(got n_microbatches=0\)"),
 ])
@@ -108,3 +111,45 @@ def test_stages_per_rank_defaults():
     assert build("interleaved_1f1b", 2, 4).num_stages == 4
     assert build("looped_bfs", 2, 4, stages_per_rank=4).num_stages == 8
     assert build("zb_h2", 3, 6).num_stages == 3
+
+
+V_GRID = [(p, m) for p in range(2, 9) for m in sorted({p, p + 1, 2 * p, 2 * p + 1, 3 * p})]
+
+
+@pytest.mark.parametrize("p,m", V_GRID)
+def test_v_half_and_v_min_memory_bounds_and_bubbles(p, m):
+    """The controllable-memory V schedules keep their stated bound on every rank and pay for it in bubble, not more.
+
+    Bounds in stage activations (halve for rank-microbatch units): V-Half 2*ceil(p/2) + 2, V-Min
+    2*ceil((p-1)/3) + 2, against ZB-V's 2p (1F1B's bytes). At F = B = W = 1 both beat 1F1B's bubble, and
+    V-Min, with the shorter activation lives, never beats V-Half.
+    """
+    unit = Costs(1.0, 1.0, 1.0, 0.0)
+    res = {name: simulate(build(name, p, m), unit) for name in ("v_half", "v_min", "zbv")}
+    for name in ("v_half", "v_min"):
+        sched = res[name].schedule
+        validate(lower(sched))
+        assert sched.name == name and sched.stage_to_rank == v_placement(p)
+    half_bound, min_bound = 2 * -(-p // 2) + 2, 2 * -(-(p - 1) // 3) + 2
+    assert max(res["v_half"].peak_activations) <= half_bound
+    assert max(res["v_min"].peak_activations) <= min_bound
+    assert max(res["zbv"].peak_activations) == 2 * p
+    one_f_one_b = (p - 1) / (m + p - 1)
+    assert res["v_half"].bubble_rate < one_f_one_b
+    assert res["v_min"].bubble_rate < one_f_one_b
+    assert res["v_half"].bubble_rate <= res["v_min"].bubble_rate + 1e-12
+    if p >= 4:  # the point of them: below ZB-V's memory (at p = 2, 3 the +2 of a list schedule reaches it)
+        assert max(res["v_half"].peak_activations) < 2 * p and max(res["v_min"].peak_activations) < 2 * p
+
+
+def test_v_schedules_with_costs_and_limits():
+    """The generator under other costs and limits: the limit holds, and one no schedule fits is an error."""
+    from pipeline_ext.schedules.vmem import v_schedule
+
+    costs = Costs(1.0, 2.0, 1.0, 0.1)
+    for limit in (2, 3, 5, 8):
+        sched = v_schedule(4, 9, limit, costs=costs)
+        validate(lower(sched))
+        assert max(simulate(sched, costs).peak_activations) <= limit
+    with pytest.raises(ScheduleError, match="limit of at least 2 stage activations"):
+        v_schedule(4, 8, 1)

@@ -96,8 +96,10 @@ def test_cli_compare():
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[4:]}
     assert set(rows) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zb_h1", "zb_h2", "zbv",
-                         "dualpipev"}
+                         "dualpipev", "v_half", "v_min"}
     assert rows["1f1b"][3] == "0.2727" and rows["zb_h1"][3] == "0.1111" and rows["zbv"][3] == "0.0000"
+    # peak memory in units of a rank's share: 1F1B 4, V-Half 3, V-Min 2 ("rank 0 / max")
+    assert rows["1f1b"][4:7] == ["4", "/", "4"] and rows["v_half"][6] == "3" and rows["v_min"][6] == "2"
 
 
 def test_package_imports_without_torch():

@@ -38,8 +38,8 @@ def test_memory_is_counted_in_rank_microbatch_units():
 
 def test_a_budget_nothing_fits_names_the_smallest_peak():
     with pytest.raises(S.ScheduleError, match=r"no schedule for 4 ranks and 8 microbatches fits a budget of 0.5 "
-                                              r"units; the smallest peak is 4 units"):
-        S.select(4, 8, 0.5)  # under one unit even the greedy schedule cannot run; the built-ins need 4
+                                              r"units; the smallest peak is 2 units"):
+        S.select(4, 8, 0.5)  # under one unit even the greedy schedule cannot run; V-Min needs 2
     for bad in (0, -1, math.inf, math.nan):
         with pytest.raises(S.ScheduleError, match="budget must be a positive number"):
             S.select(4, 8, bad)
@@ -58,3 +58,60 @@ def test_the_table_lists_every_candidate_and_why_it_was_rejected():
     # a schedule that cannot be built for (p, m) is listed with its constraint, not dropped
     small = S.select(4, 2)
     assert any(c.verdict.startswith("cannot build:") for c in small.candidates)
+
+
+@pytest.mark.parametrize("costs", PROFILES, ids=["unit", "b2", "w3"])
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 12), (6, 12), (8, 16)])
+@pytest.mark.parametrize("fraction", [1 / 2, 1 / 3])
+@pytest.mark.parametrize("slack", [0, 1])
+def test_half_and_third_of_1f1b(p, m, fraction, slack, costs):
+    """At about a half or a third of 1F1B's memory (p units) the choice fits and is the fastest that does.
+
+    With one unit of slack the V schedule made for that budget is among those that fit (V-Half holds at most
+    ceil(p/2) + 1 units, V-Min ceil((p-1)/3) + 1), so the choice is at least as fast as it.
+    """
+    budget = math.ceil(p * fraction) + slack
+    sel = S.select(p, m, budget, costs)
+    assert sel.chosen.fits and sel.chosen.peak_units <= budget
+    assert not [c for c in sel.candidates if c.fits and c.makespan < sel.chosen.makespan - 1e-9]
+    by_name = {c.name: c for c in sel.candidates}
+    assert by_name["1f1b"].peak_units == p and not by_name["1f1b"].fits
+    if slack:
+        made_for_it = by_name["v_half" if fraction == 1 / 2 else "v_min"]
+        assert made_for_it.fits and sel.chosen.makespan <= made_for_it.makespan + 1e-9
+
+
+def test_budget_in_bytes():
+    """A bytes budget is units times the bytes of one unit: same choice, bytes in the table and the errors."""
+    unit = 3 * 2**20
+    by_units = S.select(4, 8, 3)
+    by_bytes = S.select(4, 8, budget_bytes=3 * unit, activation_bytes=unit)
+    assert by_bytes.chosen.name == by_units.chosen.name
+    for c in by_bytes.candidates:
+        if math.isfinite(c.peak_units):
+            assert c.peak_bytes == pytest.approx(c.peak_units * unit)
+    text = by_bytes.table()
+    assert "peak bytes" in text and "9 MiB" in text and "over budget: peak 12 MiB > 9 MiB" in text  # 1F1B: 4 units
+    assert "peak bytes" not in by_units.table()
+    with pytest.raises(S.ScheduleError, match=r"fits a budget of 1 MiB; the smallest peak is 6 MiB \(2 units of 3 MiB\)"):
+        S.select(4, 8, budget_bytes=2**20, activation_bytes=unit)
+    with pytest.raises(S.ScheduleError, match="budget_bytes needs activation_bytes"):
+        S.select(4, 8, budget_bytes=2**20)
+    with pytest.raises(S.ScheduleError, match="not both"):
+        S.select(4, 8, 3, budget_bytes=2**20, activation_bytes=unit)
+    with pytest.raises(S.ScheduleError, match="activation_bytes must be a positive number"):
+        S.select(4, 8, budget_bytes=2**20, activation_bytes=0)
+
+
+def test_peak_bytes_per_stage():
+    """Per-stage activation sizes weight each live activation by its stage; one number scales the counts."""
+    res = S.simulate(S.build("1f1b", 2, 4))
+    assert res.peak_bytes(10) == [20, 10]
+    # 1F1B on 2 ranks: rank 0 holds 2 of stage 0 at its peak, rank 1 one of stage 1
+    assert res.peak_bytes([100, 7]) == [200, 7]
+    v = S.simulate(S.build("zbv", 2, 4))  # rank 0 holds stages 0 and 3: the peak mixes them
+    # rank 0 runs 0F0 0F1 0F2 3F0 3I0 3W0 ...: three stage-0 activations and one stage-3 one at its peak of 4
+    assert v.peak_activations[0] == 4
+    assert v.peak_bytes([1, 1, 1, 8])[0] == 3 * 1 + 8  # not 4 * 8: the four live at once are not all stage 3
+    with pytest.raises(S.ScheduleError, match="activation_bytes has 3 entries but the schedule has 4 stages"):
+        v.peak_bytes([1, 2, 3])

@@ -219,6 +219,18 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
     schedule_name = "dualpipev"
 
 
+class ScheduleVHalf(PipelineScheduleMulti):
+    """V-Half: V placement, backward split, about half of 1F1B's activation memory (controllable-memory V)."""
+
+    schedule_name = "v_half"
+
+
+class ScheduleVMin(PipelineScheduleMulti):
+    """V-Min: V placement, backward split, about a third of 1F1B's activation memory (controllable-memory V)."""
+
+    schedule_name = "v_min"
+
+
 def _register_with_torch() -> None:
     """``issubclass(cls, torch's _PipelineSchedule)`` holds for every class here, as torch code checks it."""
     try:
@@ -243,6 +255,8 @@ _BY_NAME: dict[str, type] = {
     "zbvzerobubble": ScheduleZBVZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
+    "vhalf": ScheduleVHalf,
+    "vmin": ScheduleVMin,
     "zbh1": ScheduleZBH1,
     "zbh2": ScheduleZBH2,
 }

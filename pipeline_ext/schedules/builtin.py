@@ -26,6 +26,7 @@ from pipeline_ext.schedules.orders import (
     split_backward,
     split_backward_of,
 )
+from pipeline_ext.schedules.vmem import v_half_limit, v_min_limit, v_schedule
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -280,3 +281,29 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
         return rb.actions
 
     return _make("dualpipev", m, v_placement(p), rank)
+
+
+@register("v_half", stages_per_rank=2)
+def v_half(p: int, m: int, v: int = 2) -> Schedule:
+    """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): V placement at half 1F1B's memory.
+
+    Placement and split backward as :func:`zbv`; the order comes from list
+    scheduling under a limit of 2*ceil(p/2) + 2 stage activations per rank,
+    i.e. ceil(p/2) + 1 rank-microbatch units against 1F1B's p (see
+    :mod:`.vmem`). Bubble below 1F1B's: 0.143 vs 0.273 at p = 4, m = 8.
+    Any p >= 1, m >= 1.
+    """
+    return v_schedule(p, m, v_half_limit(p), "v_half")
+
+
+@register("v_min", stages_per_rank=2)
+def v_min(p: int, m: int, v: int = 2) -> Schedule:
+    """V-Min (Qi et al. 2024): V placement at about a third of 1F1B's memory.
+
+    As :func:`v_half` with a limit of 2*ceil((p-1)/3) + 2 stage activations
+    per rank, i.e. ceil((p-1)/3) + 1 rank-microbatch units. Activations live
+    about as short as the V allows, so warm-up and drain cost more than
+    V-Half's: bubble 0.186 at p = 4, m = 8 (1F1B 0.273, V-Half 0.143).
+    Any p >= 1, m >= 1.
+    """
+    return v_schedule(p, m, v_min_limit(p), "v_min")

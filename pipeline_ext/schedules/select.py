@@ -11,6 +11,11 @@ activations, each 1/v of a unit, so its peak count is divided by v. Costs are
 one rank's share too (``Costs.per_stage_of`` splits them over v stages), so
 every candidate is timed on the same model.
 
+A budget in bytes (``budget_bytes``) needs ``activation_bytes``, the bytes
+one rank-microbatch unit occupies (one microbatch's activations on a 1/p
+share of the model); the budget is then ``budget_bytes / activation_bytes``
+units and the table and errors speak bytes.
+
 Candidates: every built-in at its default stages per rank, and the greedy
 zero-bubble schedule (``auto``) with the budget as its activation limit. A
 candidate that cannot be built for (p, m) is listed with the constraint it
@@ -40,6 +45,7 @@ class Candidate:
     bubble_rate: float = math.nan
     peak_units: float = math.inf  # most rank-microbatch units of activations held at once, over the ranks
     verdict: str = ""  # "fits", or why it was rejected
+    peak_bytes: Optional[float] = None  # peak_units times activation_bytes, when select was given it
 
     @property
     def fits(self) -> bool:
@@ -55,36 +61,74 @@ class Selection:
     candidates: list[Candidate] = field(default_factory=list)
 
     def table(self) -> str:
-        """The candidates as a text table, the chosen one marked with ``*``."""
-        lines = [f"  {'schedule':<18}{'v':>2} {'makespan':>10} {'bubble':>8} {'peak units':>11}  verdict"]
+        """The candidates as a text table, the chosen one marked with ``*`` (with a bytes column if bytes were given)."""
+        in_bytes = self.chosen.peak_bytes is not None
+        lines = [f"  {'schedule':<18}{'v':>2} {'makespan':>10} {'bubble':>8} {'peak units':>11}"
+                 + (f" {'peak bytes':>11}" if in_bytes else "") + "  verdict"]
         for c in self.candidates:
             mark = "*" if c == self.chosen else " "
             timed = math.isfinite(c.makespan)
+            peak_bytes = f" {(format_bytes(c.peak_bytes) if timed and c.peak_bytes is not None else '-'):>11}"
             lines.append(f"{mark} {c.name:<18}{c.stages_per_rank:>2} "
                          f"{(f'{c.makespan:.2f}' if timed else '-'):>10} "
                          f"{(f'{c.bubble_rate:.3f}' if timed else '-'):>8} "
-                         f"{(f'{c.peak_units:.2f}' if timed else '-'):>11}  {c.verdict}")
+                         f"{(f'{c.peak_units:.2f}' if timed else '-'):>11}"
+                         + (peak_bytes if in_bytes else "") + f"  {c.verdict}")
         return "\n".join(lines)
 
 
-def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float]) -> Candidate:
+def format_bytes(n: float) -> str:
+    """``n`` bytes with a binary unit: ``512 B``, ``1.5 KiB``, ``2 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} TiB"  # pragma: no cover - the loop returns
+
+
+def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float],
+             unit_bytes: Optional[float]) -> Candidate:
     result = simulate(schedule, costs.per_stage_of(v) if v > 1 else costs)
     peak = max(result.peak_activations) / v
+    peak_bytes = None if unit_bytes is None else max(result.peak_bytes(unit_bytes / v))
     over = budget is not None and peak > budget + 1e-9
-    verdict = f"over budget: peak {peak:g} > {budget:g} units" if over else "fits"
-    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict)
+    if not over:
+        verdict = "fits"
+    elif peak_bytes is not None:
+        verdict = f"over budget: peak {format_bytes(peak_bytes)} > {format_bytes(budget * unit_bytes)}"
+    else:
+        verdict = f"over budget: peak {peak:g} > {budget:g} units"
+    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes)
 
 
 def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
-           costs: Costs = Costs()) -> Selection:
-    """The fastest schedule for ``num_ranks`` ranks and ``n_microbatches`` whose peak fits ``budget`` on every rank.
+           costs: Costs = Costs(), *, budget_bytes: Optional[float] = None,
+           activation_bytes: Optional[float] = None) -> Selection:
+    """The fastest schedule for ``num_ranks`` ranks and ``n_microbatches`` whose peak fits the budget on every rank.
 
-    ``budget`` is in rank-microbatch units (module doc); None: no limit.
+    ``budget`` is in rank-microbatch units (module doc); or give
+    ``budget_bytes`` and ``activation_bytes`` (the bytes of one unit), and
+    every candidate's ``peak_bytes`` is filled in (``activation_bytes``
+    alone adds the bytes to the table without a budget). No budget: no limit.
     Ties in time go to the smaller bubble, then the smaller peak. Raises ``ScheduleError`` naming the
     smallest peak any candidate needs when none fits.
     """
-    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+    def positive(x) -> bool:
+        return isinstance(x, (int, float)) and x > 0 and math.isfinite(x)
+
+    if budget_bytes is not None:
+        if budget is not None:
+            raise ScheduleError("give the budget in units (budget) or in bytes (budget_bytes), not both")
+        if activation_bytes is None:
+            raise ScheduleError("budget_bytes needs activation_bytes, the bytes one rank-microbatch unit occupies")
+        if not positive(budget_bytes):
+            raise ScheduleError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+    if activation_bytes is not None and not positive(activation_bytes):
+        raise ScheduleError(f"activation_bytes must be a positive number of bytes, got {activation_bytes!r}")
+    if budget is not None and not positive(budget):
         raise ScheduleError(f"budget must be a positive number of rank-microbatch units, got {budget!r}")
+    if budget_bytes is not None:
+        budget = budget_bytes / activation_bytes
     p, m = num_ranks, n_microbatches
     candidates: list[Candidate] = []
     schedules: dict[tuple[str, int], Schedule] = {}
@@ -96,15 +140,20 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
             candidates.append(Candidate(name, v, verdict=f"cannot build: {exc}"))
             continue
         schedules[(name, v)] = schedule
-        candidates.append(_measure(name, schedule, v, costs, budget))
+        candidates.append(_measure(name, schedule, v, costs, budget, activation_bytes))
     limit = None if budget is None else math.floor(budget + 1e-9)
     if limit is None or limit >= 1:
         greedy = auto(p, m, costs, max_activations=limit)
         schedules[("auto", 1)] = greedy
-        candidates.append(_measure("auto", greedy, 1, costs, budget))
+        candidates.append(_measure("auto", greedy, 1, costs, budget, activation_bytes))
     candidates.sort(key=lambda c: (not c.fits, c.makespan, c.bubble_rate, c.peak_units, c.name))
     if not candidates or not candidates[0].fits:
         smallest = min((c.peak_units for c in candidates if math.isfinite(c.peak_units)), default=math.inf)
+        if budget_bytes is not None:
+            raise ScheduleError(f"no schedule for {p} ranks and {m} microbatches fits a budget of "
+                                f"{format_bytes(budget_bytes)}; the smallest peak is "
+                                f"{format_bytes(smallest * activation_bytes)} ({smallest:g} units of "
+                                f"{format_bytes(activation_bytes)})")
         raise ScheduleError(f"no schedule for {p} ranks and {m} microbatches fits a budget of {budget:g} units; "
                             f"the smallest peak is {smallest:g} units")
     chosen = candidates[0]

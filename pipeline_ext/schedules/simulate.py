@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from pipeline_ext.schedules.inorder import run_in_order
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, check_structure, dependencies, done_key
@@ -118,6 +118,27 @@ class SimResult:
     def spans_of(self, rank: int) -> list[Span]:
         return [s for s in self.timeline if s.rank == rank]
 
+    def peak_bytes(self, activation_bytes: Cost) -> list[float]:
+        """Most activation bytes alive at once on each rank.
+
+        ``activation_bytes`` is what one microbatch's activations of a stage
+        occupy: one number for every stage, or a sequence with one entry per
+        stage (stages of different sizes, e.g. an embedding stage). With one
+        number this is ``peak_activations`` times it; with a sequence the
+        peak is taken over the rank's timeline of live activations, weighted.
+        """
+        n_stages = self.schedule.num_stages
+        if isinstance(activation_bytes, (int, float)):
+            sizes = [float(activation_bytes)] * n_stages
+        else:
+            sizes = [float(x) for x in activation_bytes]
+            if len(sizes) != n_stages:
+                raise ScheduleError(f"activation_bytes has {len(sizes)} entries but the schedule has {n_stages} stages")
+        if not all(math.isfinite(x) and x >= 0 for x in sizes):
+            raise ScheduleError(f"activation_bytes must be finite and non-negative (got {activation_bytes!r})")
+        plain = self.schedule.compute_only()
+        return [peak_live_activations(acts, sizes) for acts in plain.actions]
+
 
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     """Replay ``schedule`` (lowered or not) under ``costs``.
@@ -176,13 +197,14 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     )
 
 
-def peak_live_activations(actions: Sequence[Action]) -> int:
-    """Most stage-microbatch activations alive at once along one rank's list."""
+def peak_live_activations(actions: Sequence[Action], sizes: Optional[Sequence[float]] = None):
+    """Most stage-microbatch activations alive at once along one rank's list (weighted by ``sizes[stage]`` if given)."""
     live = peak = 0
     for action in actions:
+        size = 1 if sizes is None else sizes[action.stage]
         if action.kind is ActionKind.F:
-            live += 1
+            live += size
             peak = max(peak, live)
         elif action.kind in (ActionKind.B, ActionKind.W):
-            live -= 1
+            live -= size
     return peak
