@@ -44,7 +44,13 @@ class LMStage(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-def lm_stages(num_stages: int, seed: int = 0) -> list[nn.Module]:
+def lm_stages(num_stages: int, seed: int = 0, model: str = "lm") -> list[nn.Module]:
+    """``model``: "lm" (``LMStage``) or "gpt" (the demo's GPT: causal self-attention blocks)."""
+    if model == "gpt":
+        from pipeline_ext.demo.model import GPTConfig, gpt_stages
+
+        cfg = GPTConfig(vocab=VOCAB, seq_len=16, d_model=16, heads=2, layers=num_stages)
+        return gpt_stages(cfg, num_stages, seed)
     torch.manual_seed(seed)
     return [LMStage(i == 0, i == num_stages - 1) for i in range(num_stages)]
 
@@ -87,12 +93,12 @@ def _place(name: str, world: int, n: int) -> tuple[int, list[int]]:
     return world * v, list(S.build(name, world, n, stages_per_rank=v).stage_to_rank)
 
 
-def _every_schedule(rank: int, world: int, n: int, names: list[str]) -> dict:
+def _every_schedule(rank: int, world: int, n: int, names: list[str], model: str = "lm") -> dict:
     """Per schedule: max |difference| of the losses and the parameters after each step, and the cache sizes."""
     out = {}
     for name in names:
         num_stages, placement = _place(name, world, n)
-        full = lm_stages(num_stages)
+        full = lm_stages(num_stages, model=model)
         reference = copy.deepcopy(full)
         mine = [s for s, r in enumerate(placement) if r == rank]
         stages = [pe.PipelineStage(full[s], s, num_stages, "cpu") for s in mine]
@@ -130,6 +136,15 @@ def test_every_schedule_is_exact_with_microbatches_of_different_lengths(world, n
             assert worst < 1e-5, f"rank {rank}, {name}: differs from the unsplit model by {worst}"
             # 4 signatures learnt; the same 4 in another order are known (nothing new); then 4 new ones
             assert cached == [4, 4, 8], f"rank {rank}, {name}: microbatch signatures cached {cached}"
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_gpt_with_token_mean_loss_is_exact_with_microbatches_of_different_lengths():
+    """Causal self-attention over sequences of 4 lengths (the demo's GPT), 1F1B and ZBV."""
+    results = rank_values(_every_schedule, 2, 4, ["1f1b", "zbv"], "gpt", timeout=100)
+    for rank, per_schedule in results.items():
+        for name, (worst, cached) in per_schedule.items():
+            assert worst < 1e-5 and cached == [4, 4, 8], (rank, name, worst, cached)
 
 
 def _disagreements(rank: int, world: int) -> list[str]:
