@@ -197,6 +197,27 @@ def _torch_private_name(rank: int, world: int) -> bool:
     return ok
 
 
+def _eval(rank: int, world: int) -> bool:
+    """``eval_microbatches``: each microbatch's output and loss as the unsplit model's, no gradient anywhere."""
+    full = lm_stages(2)
+    sched = pe.Schedule1F1B(pe.PipelineStage(full[rank], rank, 2, "cpu"), 4, loss_fn=pe.TokenMeanLoss())
+    xs, ys = lm_microbatches(STEPS_2[0], seed=5)
+    losses: list = []
+    outs = sched.eval_microbatches(xs if rank == 0 else None, target_mbs=ys if rank == 1 else None, losses=losses)
+    ok = all(p.grad is None for p in full[rank].parameters())
+    if rank == 1:
+        with torch.no_grad():
+            want = [full[1](full[0](x)) for x in xs]
+        ok = ok and len(outs) == 4 and all(torch.allclose(o, w, rtol=RTOL, atol=ATOL) for o, w in zip(outs, want))
+        ce = [nn.functional.cross_entropy(w.flatten(0, 1), y.flatten(), ignore_index=-100) for w, y in zip(want, ys)]
+        ok = ok and len(losses) == 4 and all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(losses, ce))
+    return ok
+
+
+def test_eval_microbatches_gives_each_microbatchs_output_and_loss():
+    assert all(rank_values(_eval, 2, timeout=60).values())
+
+
 def test_torch_private_step_microbatches_name_runs_the_same_step():
     assert all(rank_values(_torch_private_name, 2, timeout=60).values())
 
