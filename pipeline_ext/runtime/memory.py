@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pipeline_ext.runtime.stage import _storage_key
+
 __all__ = ["ActivationMeter", "saved_tensors"]
 
 
@@ -80,7 +82,7 @@ class ActivationMeter:
         """Record the storages of ``tensors`` (nested tuples/lists/dicts); returns the bytes newly recorded."""
         added = 0
         for t in _flatten(tensors):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
+            if not isinstance(t, torch.Tensor) or _storage_key(t) is None:
                 continue
             storage = t.untyped_storage()
             ref = StorageWeakRef(storage)
@@ -102,10 +104,10 @@ class ActivationMeter:
             out = call(mb, module, args, kwargs)
             outs = list(_flatten(out))
             # the module's parameters and buffers are no activations (a Linear saves its weight)
-            skip = {_key(t) for t in (*module.parameters(), *module.buffers()) if t.layout == torch.strided}
+            skip = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
             if not inputs:
-                skip |= {_key(t) for t in _flatten(args) if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-            saved = [t for t in saved_tensors(outs) if t.layout != torch.strided or _key(t) not in skip]
+                skip |= {_storage_key(t) for t in _flatten(args) if isinstance(t, torch.Tensor)}
+            saved = [t for t in saved_tensors(outs) if _storage_key(t) not in skip]
             added = self.track(list(args)) if inputs else 0
             added += self.track(outs) + self.track(saved)
             self.forward_bytes = max(self.forward_bytes, added)
@@ -133,10 +135,6 @@ class ActivationMeter:
 
     def record(self, action: Any, start: float, end: float) -> None:
         self.sample()
-
-
-def _key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
 
 
 def _flatten(x: Any) -> Iterator[Any]:

@@ -186,7 +186,7 @@ class StageRunner(StagePosition):
     the same engine call, so gradients are bitwise those without it. Outputs
     where that is not plainly so keep the tensor: a leaf (a parameter, an input
     returned as is), a view (its gradient function can be rebuilt by an
-    in-place op on its base), a non-contiguous tensor, one sharing storage with
+    in-place op on its base), a non-contiguous tensor, a tensor subclass, one sharing storage with
     an input or a parameter or buffer (nothing to free, and the user's tensor).
     Off: every output is held until its backward (for debugging, or a caller
     reading ``held()`` outputs).
@@ -464,28 +464,36 @@ class StageRunner(StagePosition):
 
 def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any], module: nn.Module) -> list[Any]:
     """``outputs`` with each one that may be let go of replaced by its ``ReleasedOutput`` (see there)."""
-    owned: Optional[set[int]] = None  # storages of the inputs, parameters and buffers, computed once if needed
+    owned: Optional[set[tuple[torch.device, int]]] = None  # storages of the inputs, parameters and buffers
     kept: list[Any] = []
     for o in outputs:
-        if o.requires_grad and (o.is_leaf or o._base is not None):
-            kept.append(o)  # a parameter, an input as is, or a view
+        if type(o) is not torch.Tensor or (o.requires_grad and (o.is_leaf or o._base is not None)):
+            kept.append(o)  # a parameter, an input as is, a view, a tensor subclass (DTensor: storage is its own)
             continue
-        if o.layout != torch.strided or o.is_nested or not o.is_contiguous() or o.untyped_storage().nbytes() == 0:
+        key = _storage_key(o)
+        if key is None or key[1] == 0 or not o.is_contiguous() or o.untyped_storage().nbytes() == 0:
             kept.append(o)  # nothing to free, or not the plain dense tensor this reasoning is about
             continue
         if owned is None:
             tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
             tensors += list(module.parameters()) + list(module.buffers())
-            owned = {_storage_key(t) for t in tensors if t.layout == torch.strided}
-        if _storage_key(o) in owned:
+            owned = {k for k in map(_storage_key, tensors) if k is not None}
+        if key in owned:
             kept.append(o)
             continue
         kept.append(ReleasedOutput(o.shape, get_gradient_edge(o) if o.requires_grad else None))
     return kept
 
 
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
+def _storage_key(t: torch.Tensor) -> Optional[tuple[torch.device, int]]:
+    """Where ``t``'s bytes are; None when it has no storage of its own to read (a sharded or
+    otherwise wrapped parameter, a nested or sparse tensor)."""
+    if t.layout != torch.strided or t.is_nested:
+        return None
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _root(o: Any) -> Root:
