@@ -110,7 +110,7 @@ class DeferredWeightGrad:
 
     branches: list[_WeightBranch] = field(default_factory=list)
     # outputs backpropagated whole in W (they do not depend on any input)
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)  # tensors or GradientEdges
     output_grads: list[Optional[torch.Tensor]] = field(default_factory=list)
     # fallback: the whole backward restricted to these leaves
     fallback_params: Optional[list[torch.Tensor]] = None
@@ -160,15 +160,25 @@ def _all_leaves(roots: Sequence[Any], stops: set[Any]) -> list[torch.Tensor]:
     return leaves
 
 
+def _edge(root: Any) -> GradientEdge:
+    """Where ``root`` (a tensor, or an edge already: a released output, see ``runtime/stage.py``) enters the graph."""
+    return root if isinstance(root, GradientEdge) else get_gradient_edge(root)
+
+
+def _needs_grad(root: Any) -> bool:
+    return isinstance(root, GradientEdge) or root.requires_grad
+
+
 def backward_input(
-    outputs: Sequence[torch.Tensor],
+    outputs: Sequence[Any],
     grad_outputs: Sequence[Optional[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
 ) -> tuple[list[Optional[torch.Tensor]], DeferredWeightGrad]:
     """Compute the grads of ``inputs`` only; return them and what W needs.
 
-    ``outputs`` with their ``grad_outputs`` (None for a scalar loss); outputs
-    that do not require grad are ignored. ``inputs`` are the stage inputs that
+    ``outputs`` (tensors, or the ``GradientEdge`` of outputs the caller let go
+    of) with their ``grad_outputs`` (None for a scalar loss); outputs that do
+    not require grad are ignored. ``inputs`` are the stage inputs that
     require grad. An input that gets no gradient comes back as None.
 
     If the graph cannot be split exactly (``split_obstacles``), the whole
@@ -176,20 +186,20 @@ def backward_input(
     ``DeferredWeightGrad`` has ``unsplit`` set and nothing left for W.
     """
     deferred = DeferredWeightGrad()
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if _needs_grad(o)]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
     if not input_nodes:  # nothing to do at I: W backpropagates everything in one engine call
         deferred.outputs, deferred.output_grads = [o for o, _ in pairs], [g for _, g in pairs]
         return [None] * len(inputs), deferred
-    leads = _reachability([get_gradient_edge(o).node for o, _ in pairs], input_nodes)
+    leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
     traits = graph_traits(leads)
     if traits.obstacle is not None:
         return _backward_whole(pairs, inputs, traits.obstacle)
     deferred.recomputes = traits.recomputes
     region = {n for n, ok in leads.items() if ok}
-    in_region = [(o, g) for o, g in pairs if get_gradient_edge(o).node in region]
+    in_region = [(o, g) for o, g in pairs if _edge(o).node in region]
     for o, g in pairs:
-        if get_gradient_edge(o).node not in region:
+        if _edge(o).node not in region:
             deferred.outputs.append(o)
             deferred.output_grads.append(g)
     if not in_region:
@@ -197,7 +207,7 @@ def backward_input(
 
     branches = _weight_branches(region)
     if branches is None:
-        deferred.fallback_params = _all_leaves([get_gradient_edge(o).node for o, _ in pairs], input_nodes)
+        deferred.fallback_params = _all_leaves([_edge(o).node for o, _ in pairs], input_nodes)
         deferred.outputs = [o for o, _ in pairs]
         deferred.output_grads = [g for _, g in pairs]
     for b in branches or []:
@@ -226,7 +236,7 @@ def backward_input(
 
 
 def _backward_whole(
-    pairs: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]], inputs: Sequence[torch.Tensor], why: str
+    pairs: Sequence[tuple[Any, Optional[torch.Tensor]]], inputs: Sequence[torch.Tensor], why: str
 ) -> tuple[list[Optional[torch.Tensor]], DeferredWeightGrad]:
     """I as a full backward (what B does): weight grads accumulate now, W gets nothing.
 
@@ -245,7 +255,7 @@ def _backward_whole(
             torch.autograd.backward(roots, grads)
             got = [t.grad for t in inputs]
         else:
-            leaves = _all_leaves([get_gradient_edge(o).node for o in roots], {get_gradient_edge(t).node for t in inputs})
+            leaves = _all_leaves([_edge(o).node for o in roots], {get_gradient_edge(t).node for t in inputs})
             got = _grads_of(roots, grads, list(inputs), leaves)
     finally:
         for t, g in zip(inputs, before):
@@ -255,7 +265,7 @@ def _backward_whole(
 
 
 def _grads_of(
-    roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]], inputs: list[torch.Tensor], leaves: list[torch.Tensor]
+    roots: list[Any], grads: list[Optional[torch.Tensor]], inputs: list[torch.Tensor], leaves: list[torch.Tensor]
 ) -> list[Optional[torch.Tensor]]:
     """Full backward restricted to ``inputs`` + ``leaves``: leaves accumulate, inputs' grads are returned."""
     captured: dict[int, torch.Tensor] = {}

@@ -24,6 +24,11 @@ Conventions, shared with the executor:
   inputs; the skips this stage stashes for later stages leave with F
   (``take_stashed``) and become backward roots like outputs, their gradients
   arriving with B/I (``skip_grads``).
+- sent outputs are released (``release_outputs``, on by default): the runner
+  keeps each eligible output's autograd edge and shape, not the tensor, so the
+  activation's bytes live only as long as someone else needs them (the
+  channel until its send has copied them, the next stage on this rank, a
+  saved tensor of the graph). See ``ReleasedOutput``.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from pipeline_ext.runtime.split_backward import (
     DeferredWeightGrad,
@@ -46,7 +52,8 @@ from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 Skips = dict[SkipKey, Optional[torch.Tensor]]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
-__all__ = ["StagePosition", "StageRunner", "StageError", "as_output_tuple", "is_differentiable", "detach_tree"]
+__all__ = ["StagePosition", "StageRunner", "StageError", "ReleasedOutput", "as_output_tuple", "is_differentiable",
+           "detach_tree"]
 
 
 class GradientSync:
@@ -106,13 +113,49 @@ def as_output_tuple(out: Any, stage: int) -> tuple[torch.Tensor, ...]:
     return tuple(items)
 
 
+@dataclass(frozen=True)
+class ReleasedOutput:
+    """An output the runner no longer holds: where its gradient enters the graph, and its shape.
+
+    Megatron's ``deallocate_output_tensor`` frees a sent output by swapping its
+    ``.data`` for a 1-element tensor and then bypasses ``autograd.backward``'s
+    shape check. Swapping ``.data`` mutates a tensor others may hold: the
+    user's module (an output it keeps), or a node of the graph that saved the
+    output as *its input* (``y * y`` saves ``y`` itself, so the swap changes
+    what that backward reads, silently). Here nothing is mutated: the runner
+    drops its reference and keeps the output's ``GradientEdge`` (the node and
+    input slot autograd would start from; backward through it is the same
+    engine call as through the tensor, and ``autograd.backward``/``grad`` take
+    edges, checking the gradient against the node's recorded shape). The
+    bytes are then freed exactly when nobody needs them: after the channel's
+    send has copied them (every channel owns its bytes when ``send`` returns
+    for activations, ``owned=False``), never while the next stage on this
+    rank reads them (it holds the tensor), never while backward needs them (a
+    saved tensor holds the storage).
+
+    ``edge`` is None for an output that does not require grad: it is no root
+    of backward, only a place in the gradient message (``shape`` checks it).
+    """
+
+    shape: torch.Size
+    edge: Optional[GradientEdge]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.edge is not None
+
+
+Root = Any  # a backward root: a tensor, or a ReleasedOutput's edge
+
+
 @dataclass
 class _State:
     """What one microbatch leaves behind between its actions."""
 
     # roots of backward: the weighted loss on the last stage, else every floating-point
-    # output (one received gradient each, in order; those not requiring grad are skipped)
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    # output (one received gradient each, in order; those not requiring grad are skipped);
+    # a released output is a ReleasedOutput
+    outputs: list[Any] = field(default_factory=list)
     grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
     deferred: Optional[DeferredWeightGrad] = None
     # checkpointed microbatch: (args, kwargs, target, loss_weight, skips) to re-run F with autograd before backward
@@ -136,6 +179,17 @@ class StageRunner(StagePosition):
     ``grad_sync`` (with ``n_microbatches``, the microbatches of one training
     step) syncs a data-parallel wrapped stage once per step; see
     ``dist/data_parallel.py``.
+
+    ``release_outputs`` (default on; also an attribute, read at each F): keep
+    only the autograd edge of each sent output, not the tensor, so its bytes
+    are freed once the send has copied them (``ReleasedOutput``). Backward is
+    the same engine call, so gradients are bitwise those without it. Outputs
+    where that is not plainly so keep the tensor: a leaf (a parameter, an input
+    returned as is), a view (its gradient function can be rebuilt by an
+    in-place op on its base), a non-contiguous tensor, a tensor subclass, one sharing storage with
+    an input or a parameter or buffer (nothing to free, and the user's tensor).
+    Off: every output is held until its backward (for debugging, or a caller
+    reading ``held()`` outputs).
     """
 
     def __init__(
@@ -148,6 +202,7 @@ class StageRunner(StagePosition):
         checkpoint: Optional[Callable[[int], bool]] = None,
         grad_sync: Optional[GradientSync] = None,
         n_microbatches: Optional[int] = None,
+        release_outputs: bool = True,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -159,6 +214,7 @@ class StageRunner(StagePosition):
         self.loss_fn = loss_fn
         self.call = call if call is not None else _plain_call
         self.checkpoint = checkpoint
+        self.release_outputs = release_outputs
         self._states: dict[int, _State] = {}
         #: most microbatches held at once since construction (or ``reset_peak``)
         self.peak_live_microbatches = 0
@@ -266,6 +322,8 @@ class StageRunner(StagePosition):
             outs = as_output_tuple(out, self.stage_index)
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple(o.detach() for o in outs)
+            if state.outputs and self.release_outputs:
+                state.outputs = _release(state.outputs, [*args, *skips.values()], self.module)
         if grad_on:
             self._keep(mb, state)
         return sent
@@ -306,7 +364,7 @@ class StageRunner(StagePosition):
 
     def _grad_pairs(
         self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]], skip_grads: Optional[Skips]
-    ) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+    ) -> tuple[list[Root], list[Optional[torch.Tensor]]]:
         """Backward roots and their gradients (None for the loss), stashed skips included."""
         if self.is_last:
             outputs, grads = list(state.outputs), [None] * len(state.outputs)
@@ -315,7 +373,7 @@ class StageRunner(StagePosition):
                 raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
             all_grads = _match_grads(state.outputs, grad_outputs, self.stage_index)
             keep = [i for i, o in enumerate(state.outputs) if o.requires_grad]
-            outputs, grads = [state.outputs[i] for i in keep], [all_grads[i] for i in keep]
+            outputs, grads = [_root(state.outputs[i]) for i in keep], [all_grads[i] for i in keep]
         for key, root in state.skip_roots:
             g = (skip_grads or {}).get(key)
             if g is None or g.shape != root.shape:
@@ -402,6 +460,44 @@ class StageRunner(StagePosition):
         if self._sync_left == 0:
             self._sync_left = None
             self.grad_sync.finish()
+
+
+def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any], module: nn.Module) -> list[Any]:
+    """``outputs`` with each one that may be let go of replaced by its ``ReleasedOutput`` (see there)."""
+    owned: Optional[set[tuple[torch.device, int]]] = None  # storages of the inputs, parameters and buffers
+    kept: list[Any] = []
+    for o in outputs:
+        if type(o) is not torch.Tensor or (o.requires_grad and (o.is_leaf or o._base is not None)):
+            kept.append(o)  # a parameter, an input as is, a view, a tensor subclass (DTensor: storage is its own)
+            continue
+        key = _storage_key(o)
+        if key is None or key[1] == 0 or not o.is_contiguous() or o.untyped_storage().nbytes() == 0:
+            kept.append(o)  # nothing to free, or not the plain dense tensor this reasoning is about
+            continue
+        if owned is None:
+            tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+            tensors += list(module.parameters()) + list(module.buffers())
+            owned = {k for k in map(_storage_key, tensors) if k is not None}
+        if key in owned:
+            kept.append(o)
+            continue
+        kept.append(ReleasedOutput(o.shape, get_gradient_edge(o) if o.requires_grad else None))
+    return kept
+
+
+def _storage_key(t: torch.Tensor) -> Optional[tuple[torch.device, int]]:
+    """Where ``t``'s bytes are; None when it has no storage of its own to read (a sharded or
+    otherwise wrapped parameter, a nested or sparse tensor)."""
+    if t.layout != torch.strided or t.is_nested:
+        return None
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _root(o: Any) -> Root:
+    return o.edge if isinstance(o, ReleasedOutput) else o
 
 
 def _zeros_where_none(leaves: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:

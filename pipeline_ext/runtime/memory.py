@@ -1,0 +1,148 @@
+"""Counting activation bytes: a deterministic peak-memory measure that needs no device allocator.
+
+On CUDA, ``torch.cuda.max_memory_allocated`` says how much a rank held at its
+peak. On CPU there is no such counter, and a process's resident size moves
+with the allocator's caching and with everything else in the process. What a
+pipeline schedule changes is how many activations are alive at once, so that
+is what ``ActivationMeter`` counts:
+
+- at each forward of a stage (``wrap`` its runner's ``call``) it records the
+  storages of the stage's tensor inputs, its outputs, and every tensor the
+  autograd graph of that forward saved for backward (walking the graph from
+  the outputs, down to the parameters' and inputs' leaves), but not the
+  module's parameters and buffers (a Linear saves its weight);
+- a storage is recorded once (by identity), with its size in bytes, as a
+  weak reference: recording keeps nothing alive;
+- ``live_bytes()`` is the sum over the recorded storages still alive, and
+  ``sample()`` keeps the largest value seen; the executor's ``on_action`` hook
+  (``record``, the ``Tracer``'s signature) samples after every action.
+
+Liveness is reference counting, so the count is the same on every run of the
+same schedule. What it leaves out: parameters, gradients, optimizer state,
+the channels' own buffers (packed copies, receive buffers not yet handed to a
+stage), and the last stage's loss. Saved tensors under a
+``saved_tensors_hooks`` unpack hook (a checkpointed region) are not unpacked
+(that would recompute them); such a stage is counted by its inputs and outputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from pipeline_ext.runtime.stage import _storage_key
+
+__all__ = ["ActivationMeter", "saved_tensors"]
+
+
+def saved_tensors(roots: Sequence[Any]) -> Iterator[torch.Tensor]:
+    """Every tensor saved for backward in the graph below ``roots`` (tensors), without running unpack hooks."""
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if not name.startswith("_raw_saved_"):
+                continue
+            try:
+                raw = getattr(node, name)
+                items = raw if isinstance(raw, (list, tuple)) else (raw,)
+                if any(getattr(r, "unpack_hook", None) is not None for r in items):
+                    continue  # unpacking could recompute (checkpoint) or move (offload) it
+                value = getattr(node, name[len("_raw"):])
+            except RuntimeError:  # freed already (a backward ran)
+                continue
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    yield t
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+
+
+class ActivationMeter:
+    """The bytes of recorded activation storages alive now, and the most seen alive at once (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        #: the most bytes alive at one sample
+        self.peak_bytes = 0
+        #: the most bytes one forward recorded (one stage, one microbatch)
+        self.forward_bytes = 0
+
+    def reset(self) -> None:
+        """Forget everything recorded and the peak (between measured configurations)."""
+        self._refs.clear()
+        self.peak_bytes = 0
+        self.forward_bytes = 0
+
+    def track(self, tensors: Any) -> int:
+        """Record the storages of ``tensors`` (nested tuples/lists/dicts); returns the bytes newly recorded."""
+        added = 0
+        for t in _flatten(tensors):
+            if not isinstance(t, torch.Tensor) or _storage_key(t) is None:
+                continue
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref.cdata in self._refs and not self._refs[ref.cdata][0].expired():
+                continue
+            self._refs[ref.cdata] = (ref, storage.nbytes())
+            added += storage.nbytes()
+        return added
+
+    def wrap(self, call: Callable[..., Any], inputs: bool = True) -> Callable[..., Any]:
+        """A runner's ``call`` that records each forward's inputs, outputs and saved tensors.
+
+        ``inputs=False`` leaves the inputs' storages out, also where the graph
+        saved them (a first stage's: the user's batch, alive the whole step
+        whatever the schedule).
+        """
+
+        def measured(mb: int, module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+            out = call(mb, module, args, kwargs)
+            outs = list(_flatten(out))
+            # the module's parameters and buffers are no activations (a Linear saves its weight)
+            skip = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
+            if not inputs:
+                skip |= {_storage_key(t) for t in _flatten(args) if isinstance(t, torch.Tensor)}
+            saved = [t for t in saved_tensors(outs) if _storage_key(t) not in skip]
+            added = self.track(list(args)) if inputs else 0
+            added += self.track(outs) + self.track(saved)
+            self.forward_bytes = max(self.forward_bytes, added)
+            return out
+
+        return measured
+
+    def live_bytes(self) -> int:
+        """Bytes of the recorded storages still alive (expired ones are forgotten)."""
+        total = 0
+        for key in [k for k, (ref, _) in self._refs.items() if ref.expired()]:
+            del self._refs[key]
+        for _, nbytes in self._refs.values():
+            total += nbytes
+        return total
+
+    def sample(self) -> int:
+        live = self.live_bytes()
+        self.peak_bytes = max(self.peak_bytes, live)
+        return live
+
+    # the executor's on_action hook, with the Tracer's signature
+    def begin_step(self) -> None:
+        self.sample()
+
+    def record(self, action: Any, start: float, end: float) -> None:
+        self.sample()
+
+
+def _flatten(x: Any) -> Iterator[Any]:
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _flatten(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _flatten(item)
+    else:
+        yield x
