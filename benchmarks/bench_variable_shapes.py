@@ -31,7 +31,7 @@ import itertools
 import random
 import statistics
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn

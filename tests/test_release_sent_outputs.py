@@ -129,7 +129,9 @@ CASES = {
 RELEASED = {
     "linear": [True], "relu": [True], "sigmoid": [True], "tanh": [True],
     "view_of_input": [False, True], "view_of_param": [True, False], "identity": [False, True],
-    "saved_by_later": [True, True, True], "no_grad": [True, True, False], "non_contiguous": [False],
+    "saved_by_later": [True, True, True], "non_contiguous": [False],
+    # the buffer is let go of too (the module keeps it: nothing is freed, nothing changes)
+    "no_grad": [True, True, True],
     "keeps": [True],
 }
 

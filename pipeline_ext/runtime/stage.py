@@ -184,10 +184,10 @@ class StageRunner(StagePosition):
     only the autograd edge of each sent output, not the tensor, so its bytes
     are freed once the send has copied them (``ReleasedOutput``). Backward is
     the same engine call, so gradients are bitwise those without it. Outputs
-    where that is not plainly so keep the tensor: a leaf (a parameter, an input
-    returned as is), a view (its gradient function can be rebuilt by an
-    in-place op on its base), a non-contiguous tensor, a tensor subclass, one sharing storage with
-    an input or a parameter or buffer (nothing to free, and the user's tensor).
+    where that is not plainly so keep the tensor: a leaf that requires grad (a
+    parameter, an input returned as is), a view (its gradient function can be
+    rebuilt by an in-place op on its base), a non-contiguous tensor, a tensor
+    subclass, one sharing storage with an input (nothing to free).
     Off: every output is held until its backward (for debugging, or a caller
     reading ``held()`` outputs).
     """
@@ -323,7 +323,7 @@ class StageRunner(StagePosition):
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple(o.detach() for o in outs)
             if state.outputs and self.release_outputs:
-                state.outputs = _release(state.outputs, [*args, *skips.values()], self.module)
+                state.outputs = _release(state.outputs, [*args, *skips.values()])
         if grad_on:
             self._keep(mb, state)
         return sent
@@ -462,12 +462,23 @@ class StageRunner(StagePosition):
             self.grad_sync.finish()
 
 
-def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any], module: nn.Module) -> list[Any]:
-    """``outputs`` with each one that may be let go of replaced by its ``ReleasedOutput`` (see there)."""
-    owned: Optional[set[tuple[torch.device, int]]] = None  # storages of the inputs, parameters and buffers
+def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> list[Any]:
+    """``outputs`` with each one that may be let go of replaced by its ``ReleasedOutput`` (see there).
+
+    Letting go never changes a tensor, so it is never wrong; it only frees
+    bytes when nobody else holds them. What is kept is what backward could
+    read differently through an edge taken now (a view: an in-place op on its
+    base rebuilds its gradient function; a leaf that requires grad), what is
+    not a plain dense tensor, and the caller's own inputs (returned as they
+    are, or sharing their storage: nothing to free). Parameters and buffers
+    are not looked at: an output sharing their storage is a leaf or a view,
+    or nothing is freed; walking them at every forward would cost more than
+    the forward's host time on a small stage.
+    """
+    owned: Optional[set[tuple[torch.device, int]]] = None  # storages of the inputs
     kept: list[Any] = []
     for o in outputs:
-        if type(o) is not torch.Tensor or (o.requires_grad and (o.is_leaf or o._base is not None)):
+        if type(o) is not torch.Tensor or o._base is not None or (o.requires_grad and o.is_leaf):
             kept.append(o)  # a parameter, an input as is, a view, a tensor subclass (DTensor: storage is its own)
             continue
         key = _storage_key(o)
@@ -475,9 +486,7 @@ def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any], module: nn.
             kept.append(o)  # nothing to free, or not the plain dense tensor this reasoning is about
             continue
         if owned is None:
-            tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-            tensors += list(module.parameters()) + list(module.buffers())
-            owned = {k for k in map(_storage_key, tensors) if k is not None}
+            owned = {k for k in map(_storage_key, (t for t in inputs if isinstance(t, torch.Tensor))) if k is not None}
         if key in owned:
             kept.append(o)
             continue
