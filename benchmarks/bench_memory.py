@@ -27,6 +27,7 @@ microbatches saves at most k - 1 outputs at its peak, and the last stage
 (which sends no activation) nothing.
 
     PYTHONPATH=. python benchmarks/bench_memory.py
+    PYTHONPATH=. python benchmarks/bench_memory.py --schedules 1f1b zb_h1 zb_h2 zbv v_half v_min --repeats 5
     PYTHONPATH=. python benchmarks/bench_memory.py --schedules 1f1b zb_h1 --d 256 --microbatches 16
 """
 from __future__ import annotations
@@ -59,7 +60,11 @@ def stages(d: int, num_stages: int) -> list[nn.Module]:
     return [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in range(num_stages)]
 
 
-def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str) -> list[dict]:
+def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str, repeats: int = 0,
+           steps: int = 3) -> list[dict]:
+    import statistics
+    import time
+
     import torch.distributed as dist
 
     import pipeline_ext as pe
@@ -76,6 +81,7 @@ def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str)
     x = torch.randn(m * 2, TOKENS, d, generator=g).to(dev)
     y = torch.randn(m * 2, TOKENS, d, generator=g).to(dev)
     rows = []
+    timed: dict[str, Any] = {}  # schedule -> its training step with the release (timed after every measurement)
     for name in names:
         v = STAGES_PER_RANK.get(name, 1)
         sched_ir = S.build(name, world, m, stages_per_rank=v)
@@ -106,7 +112,25 @@ def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str)
                 torch.cuda.synchronize(dev)
                 row[f"cuda_{key}"] = torch.cuda.max_memory_allocated(dev) - before
             dist.barrier()
+            if release:
+                sched._tracer = None
+                timed[name] = lambda sched=sched, args=args, last=n - 1 in mine: sched.step(
+                    *args, target=y if last else None)
+        row["bubble"] = S.simulate(sched_ir, S.Costs(1.0, 1.0, 1.0)).bubble_rate
         rows.append(row)
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(repeats):  # interleaved: every schedule timed in each repeat, side by side
+        for name, step in timed.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / steps)
+    for row in rows:
+        row["ms"] = statistics.median(times[row["schedule"]]) * 1e3 if repeats else float("nan")
     return rows
 
 
@@ -116,10 +140,13 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--repeats", type=int, default=0, help="interleaved repeats timing each schedule's step (0: none)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     a = ap.parse_args()
     from pipeline_ext.dist.launch import spawn
 
-    res = spawn(worker, WORLD, a.schedules, a.d, a.microbatches, a.device, timeout=600)
+    res = spawn(worker, WORLD, a.schedules, a.d, a.microbatches, a.device, a.repeats, a.steps, timeout=1800,
+                threads=1)
     rows = sorted((r for _, (_, rs) in res.items() for r in rs), key=lambda r: (a.schedules.index(r["schedule"]), r["rank"]))
     units = {r["schedule"]: r["unit"] for r in rows if r["rank"] == 1}
     print(f"{WORLD} ranks, {BLOCKS} residual MLP blocks d={a.d}, {TOKENS} tokens x 2 rows per microbatch, "
@@ -138,6 +165,15 @@ def main() -> None:
         print(line)
     print("sim: the simulator's peak in microbatches of the whole rank's layers (stage activations / v); "
           "unit: one stage, one microbatch, measured on rank 1")
+    print()
+    print("per schedule, the largest over the ranks (units: microbatches of one rank's layers; KiB with the release)")
+    print(f"{'schedule':<9} {'sim peak':>9} {'sim bubble':>11} {'measured peak KiB':>18} {'predicted KiB':>14} "
+          f"{'ms/step':>9}")
+    for name in a.schedules:
+        mine = [r for r in rows if r["schedule"] == name]
+        pred = max(r["sim_units"] for r in mine) * units[name]
+        print(f"{name:<9} {max(r['sim'] for r in mine):>9g} {mine[0]['bubble']:>11.3f} "
+              f"{max(r['on'] for r in mine) / 1024:>18.0f} {pred / 1024:>14.0f} {mine[0]['ms']:>9.1f}")
 
 
 if __name__ == "__main__":

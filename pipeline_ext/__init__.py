@@ -64,6 +64,7 @@ _EXPORTS = {
     "save_checkpoint": "pipeline_ext.training.checkpoint",
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
+    "activation_bytes": "pipeline_ext.runtime.memory",
 }
 #: subpackages, and the modules users reach as ``pipeline_ext.<name>`` (``from pipeline_ext import ops``)
 _SUBMODULES = {

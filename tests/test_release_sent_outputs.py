@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from mp_utils import run_ranks
 from models import build, loss_fn, make_batch, run_stages
+import pipeline_ext as pe
 from pipeline_ext.runtime.stage import ReleasedOutput, StageRunner
 
 D = 6
@@ -327,3 +328,11 @@ def test_release_lowers_held_activation_bytes(name):
     assert first[True] < first[False], first
     last = results[1][1]
     assert last[True] == last[False], last
+
+
+def test_activation_bytes_counts_what_one_microbatch_leaves_for_backward():
+    """Input, the two hidden activations GELU and the second Linear saved, the output; no parameter."""
+    module = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    assert pe.activation_bytes(module, x) == 4 * 32 * (64 + 256 + 256 + 64)
+    assert all(p.grad is None for p in module.parameters())

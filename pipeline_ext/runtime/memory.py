@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pipeline_ext.runtime.stage import _storage_key
 
-__all__ = ["ActivationMeter", "saved_tensors"]
+__all__ = ["ActivationMeter", "activation_bytes", "saved_tensors"]
 
 
 def saved_tensors(roots: Sequence[Any]) -> Iterator[torch.Tensor]:
@@ -135,6 +135,21 @@ class ActivationMeter:
 
     def record(self, action: Any, start: float, end: float) -> None:
         self.sample()
+
+
+def activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> int:
+    """Bytes one microbatch leaves on a stage between its forward and its backward: its inputs, its outputs
+    and what autograd saved, parameters and buffers left out.
+
+    Run ``module`` (one rank's share of the model) on one example microbatch
+    to get the unit ``schedules.select(budget_bytes=..., activation_bytes=...)``
+    counts schedules' memory in. The forward runs with autograd on; its graph
+    is dropped on return.
+    """
+    meter = ActivationMeter()
+    with torch.enable_grad():
+        meter.wrap(lambda mb, m, a, k: m(*a, **k))(0, module, args, kwargs)
+    return meter.forward_bytes
 
 
 def _flatten(x: Any) -> Iterator[Any]:
