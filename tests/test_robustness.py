@@ -221,6 +221,19 @@ def test_rank0_holds_at_most_its_schedules_activations(name, bound):
     assert pipe.peak_live_microbatches[0] == bound(p, m), pipe.peak_live_microbatches
 
 
+def test_a_rank_holding_more_microbatches_than_its_schedule_promises_raises(monkeypatch):
+    """The executor holds every rank to the simulator's peak (what choosing a schedule by memory relies on)."""
+    from pipeline_ext.runtime.stage import StageError, StageRunner
+
+    # a runner that kept one microbatch too many (as a leak past its backward would)
+    monkeypatch.setattr(StageRunner, "live_microbatches", property(lambda self: len(self._states) + 1))
+    pipe = pe.Pipe(nn.Sequential(*build("mlp", 2)), balance=[1, 1], devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    x, y = make_batch("mlp", 8)
+    with pytest.raises(StageError, match=r"rank 0 holds the activations of 3 microbatches after the F of stage 0, "
+                                         r"microbatch 1, more than the 2 schedule '1f1b' promises"):
+        pipe.step(x, target=y, loss_fn=loss_fn)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

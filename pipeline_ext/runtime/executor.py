@@ -52,7 +52,8 @@ from pipeline_ext.runtime.channel import Handle, StepChannel
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.runtime.skips import pack_skip_grads, pack_skips, unpack_skips
-from pipeline_ext.runtime.stage import LossFn
+from pipeline_ext.runtime.stage import LossFn, StageError
+from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
 
 __all__ = ["Runner", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError"]
@@ -193,6 +194,9 @@ class Executor:
                                  for i in range(len(self.actions))]
         self._send_run_ends = [is_send[i] and not is_send[i + 1] and i > 0 and is_send[i - 1]
                                for i in range(len(self.actions))]
+        #: the most microbatches' activations this rank may hold at once: what the simulator counts on the
+        #: schedule (an F adds one, a B or W drops one); ``_forward`` holds the runners to it
+        self.promised_peak = peak_live_activations(self.actions)
         #: where the last step failed (None when it did not)
         self.failed_action: Optional[Action] = None
 
@@ -301,6 +305,7 @@ class Executor:
         if routes is not None:
             extra["skips"] = self._skips_in(a.stage, m, st, routes, gradient=False)
         outs = runner.forward(m, args, kwargs, **extra)
+        self._check_peak(a)
         if routes is not None:
             self._skips_out(a.stage, m, st, routes, runner.take_stashed(m), gradient=False)
         if runner.is_last:
@@ -309,6 +314,22 @@ class Executor:
             st.activations[(a.stage + 1, m)] = outs
         else:
             st.to_send[Action(a.stage, ActionKind.SEND_F, m)] = list(outs)
+
+    def _check_peak(self, a: Action) -> None:
+        """The schedule's memory promise, kept: never more microbatches held than the simulator counted.
+
+        Choosing a schedule for its memory (``schedules.select``) relies on
+        it; a runner that kept a microbatch past its backward would break it
+        silently, step after step, until the device ran out of memory.
+        """
+        live = sum(getattr(r, "live_microbatches", 0) for r in self.runners.values())
+        if live > self.promised_peak:
+            raise StageError(
+                f"rank {self.rank} holds the activations of {live} microbatches after the F of stage {a.stage}, "
+                f"microbatch {a.microbatch}, more than the "
+                f"{self.promised_peak} schedule {self.schedule.name!r} promises (its simulated peak): a stage "
+                "kept a microbatch past its backward"
+            )
 
     def _backward(self, a: Action, st: _StepState) -> None:
         runner = self.runners[a.stage]
