@@ -119,13 +119,15 @@ def _stage_bytes(layers: Sequence[LayerCost], sizes: Sequence[int]) -> tuple[lis
 @dataclass
 class Balance:
     """A split and what the simulator says of it. ``sizes[s]``: layers of stage s; ``peak_bytes[r]``: rank r's
-    most activation bytes alive at once plus its parameter bytes."""
+    most activation bytes alive at once plus its parameter bytes; ``layers``: the per-layer costs it was found
+    for (to judge another split by them: ``evaluate_split(b.schedule, b.layers, sizes)``)."""
 
     sizes: list[int]
     schedule: Schedule
     costs: Costs
     result: SimResult
     peak_bytes: list[float]
+    layers: list[LayerCost]
 
     @property
     def makespan(self) -> float:
@@ -153,7 +155,7 @@ def evaluate_split(schedule: Schedule, layers: Sequence[LayerCost], sizes: Seque
     held = [0.0] * schedule.num_ranks
     for s, r in enumerate(schedule.compute_only().stage_to_rank):
         held[r] += par[s]
-    return Balance(list(sizes), schedule, costs, res, [a + p for a, p in zip(peaks, held)])
+    return Balance(list(sizes), schedule, costs, res, [a + p for a, p in zip(peaks, held)], list(layers))
 
 
 def _compositions(k: int, n: int):
