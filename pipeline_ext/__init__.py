@@ -65,6 +65,12 @@ _EXPORTS = {
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
     "activation_bytes": "pipeline_ext.runtime.memory",
+    "profile_layers": "pipeline_ext.training.balance",
+    "balance_layers": "pipeline_ext.training.balance",
+    "stage_modules": "pipeline_ext.training.balance",
+    "LayerChain": "pipeline_ext.training.balance",
+    "balance_stages": "pipeline_ext.schedules.balance",
+    "LayerCost": "pipeline_ext.schedules.balance",
 }
 #: subpackages, and the modules users reach as ``pipeline_ext.<name>`` (``from pipeline_ext import ops``)
 _SUBMODULES = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GPTConfig", "gpt_stages", "synthetic_batch", "lm_loss"]
+__all__ = ["GPTConfig", "gpt_stages", "gpt_layers", "synthetic_batch", "lm_loss"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,17 @@ def gpt_stages(cfg: GPTConfig, num_stages: int, seed: int = 0) -> list[nn.Module
     torch.manual_seed(seed)
     per = [cfg.layers // num_stages + (1 if i < cfg.layers % num_stages else 0) for i in range(num_stages)]
     return [GPTStage(cfg, n, i == 0, i == num_stages - 1) for i, n in enumerate(per)]
+
+
+def gpt_layers(cfg: GPTConfig, seed: int = 0) -> list[nn.Module]:
+    """The model as a flat layer list for ``pe.balance_layers``: the embedding, each block, the final norm and head.
+
+    Each entry is a ``GPTStage`` (no blocks for the two ends) or a block, so
+    any contiguous slice run in order is a stage of the same model; the ends
+    cost unlike the blocks, which is what balancing by measured cost is for.
+    """
+    torch.manual_seed(seed)
+    return [GPTStage(cfg, 0, True, False), *(Block(cfg) for _ in range(cfg.layers)), GPTStage(cfg, 0, False, True)]
 
 
 def synthetic_batch(cfg: GPTConfig, batch: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

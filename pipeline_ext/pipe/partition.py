@@ -5,7 +5,10 @@ largest per-stage cost. ``balance_by_params`` uses parameter counts (free, a
 fair proxy for compute in uniform stacks); ``balance_by_time`` profiles each
 layer's forward and backward on a sample batch; ``balance_by_size`` balances
 memory (torchgpipe's): measured CUDA memory of each layer's forward on a GPU,
-parameter and activation sizes on the CPU.
+parameter and activation sizes on the CPU. The min-max split itself
+(``split_min_max``) is the schedules package's, shared with
+``schedules.balance_stages``, which minimises a schedule's simulated step
+time instead (for the multi-process stages, ``pipeline_ext.training.balance``).
 
 Profiling leaves the model as it was: it runs on deep copies of the layers in
 training mode (BatchNorm running statistics and ``.grad`` untouched, the
@@ -16,44 +19,15 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from pipeline_ext.schedules.balance import split_min_max
 from pipeline_ext.skip.tracker import SkipKey, SkipTracker, use_skip_tracker
 
 __all__ = ["balance_by_params", "balance_by_time", "balance_by_size", "split_min_max"]
-
-
-def split_min_max(costs: Sequence[float], n: int) -> list[int]:
-    """Sizes of ``n`` contiguous non-empty blocks of ``costs`` minimising the largest block sum.
-
-    Exact dynamic programme, O(n * len(costs)^2): layer counts are small.
-    """
-    k = len(costs)
-    if not 1 <= n <= k:
-        raise ValueError(f"cannot split {k} layers into {n} stages: need 1 <= stages <= layers")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[j][i]: minimal max-block cost splitting the first i layers into j blocks
-    best = [[inf] * (k + 1) for _ in range(n + 1)]
-    cut = [[0] * (k + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for j in range(1, n + 1):
-        for i in range(j, k - (n - j) + 1):
-            for t in range(j - 1, i):
-                v = max(best[j - 1][t], prefix[i] - prefix[t])
-                if v < best[j][i]:
-                    best[j][i], cut[j][i] = v, t
-    sizes, i = [], k
-    for j in range(n, 0, -1):
-        t = cut[j][i]
-        sizes.append(i - t)
-        i = t
-    return sizes[::-1]
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:

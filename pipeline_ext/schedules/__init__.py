@@ -7,6 +7,8 @@ produced here. See docs/schedules.md.
 from __future__ import annotations
 
 from pipeline_ext.schedules.auto import auto
+from pipeline_ext.schedules.balance import (Balance, LayerCost, balance_stages, equal_sizes, evaluate_split, split_min_max,
+                                          stage_costs)
 from pipeline_ext.schedules.builtin import available, build, default_stages_per_rank
 from pipeline_ext.schedules.csv_io import dump_csv, from_cells, load_csv
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
@@ -24,4 +26,5 @@ __all__ = [
     "Action", "ActionKind", "Costs", "Schedule", "ScheduleError", "SimResult", "auto", "available", "build",
     "check_deadlock", "forward_only", "lower", "render_ascii", "render_png", "select", "Selection", "simulate",
     "to_chrome_trace", "validate",
+    "Balance", "LayerCost", "balance_stages", "equal_sizes", "evaluate_split", "split_min_max", "stage_costs",
 ]

@@ -7,7 +7,9 @@ A schedule computes each stage's gradients. A training loop also needs:
 - ``checkpoint``: DCP checkpoints named as the unsplit model, so they load into
   it, or into a pipeline cut differently, and resume bitwise;
 - ``loss``: what the per-microbatch losses mean, and an exact token mean;
-- ``stages``: the one description of "this rank's stages" the tools share.
+- ``stages``: the one description of "this rank's stages" the tools share;
+- ``balance``: each layer's measured cost, and the cut into stages with the
+  least simulated step time under the chosen schedule.
 
 Names load lazily (as in ``pipeline_ext``): the schedules import
 ``training.loss`` without paying for torch.distributed.checkpoint.
@@ -28,6 +30,10 @@ _EXPORTS = {
     "FQNMap": "checkpoint",
     "TokenMeanLoss": "loss",
     "loss_weights": "loss",
+    "profile_layers": "balance",
+    "balance_layers": "balance",
+    "LayerChain": "balance",
+    "stage_modules": "balance",
 }
 
 __all__ = sorted(_EXPORTS)
