@@ -12,7 +12,11 @@ sequences, 1280 real tokens in every row):
 - ``bucketed, new shapes``: 4 lengths summing to 640 that no earlier step had
   (every step learns its layouts: one extra small message per message);
 - ``padded, ours`` and ``padded, torch``: the bucketed batch padded to 256
-  (2048 tokens, 1280 real; padding masked out of the loss).
+  (2048 tokens, 1280 real; padding masked out of the loss);
+- ``unsplit, 1 rank``: the whole model on rank 0 alone over the equal and the
+  new-shape microbatches: new tensor sizes cost the allocator and the kernels
+  something whatever runs them, so the pipeline's own cost of new shapes is
+  its ratio over this one.
 
 The model is a token-wise residual MLP with a causal running mean for mixing
 (``TokenMLP``): its cost is linear in the tokens, so every row but the padded
@@ -125,7 +129,26 @@ def worker(rank: int, world: int, d: int, blocks: int, repeats: int, steps: int,
         torch_mod.zero_grad(set_to_none=True)
         theirs.step(x) if first else theirs.step(target=y)
 
+    full = stages(d, blocks)  # the unsplit model, run by rank 0 alone over the same microbatches
+    ce_sum = nn.CrossEntropyLoss(ignore_index=-100, reduction="sum")
+
+    def sequential(lengths: Callable[[], list[int]]) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            shapes = lengths()  # on every rank: the lengths' sequence stays the same on both
+            if rank != 0:
+                return  # the other rank waits at the barrier
+            xs, ys = microbatches(shapes, seed=i)
+            for m in full:
+                m.zero_grad(set_to_none=True)
+            for x, y in zip(xs, ys):
+                out = full[1](full[0](x))
+                (ce_sum(out.flatten(0, 1), y.flatten()) / real).backward()
+        return step
+
+    real = MICROBATCHES * ROWS * EQUAL
     rows: dict[str, Callable[[int], None]] = {
+        "equal (unsplit, 1 rank)": sequential(lambda: [EQUAL] * MICROBATCHES),
+        "new shapes (unsplit, 1 rank)": sequential(new_lengths),
         "equal (ours)": ours_mbs(lambda: [EQUAL] * MICROBATCHES),
         "bucketed (ours)": ours_mbs(shuffled),
         "bucketed, new shapes (ours)": ours_mbs(new_lengths),
@@ -171,7 +194,13 @@ def main() -> None:
           f"{args.repeats} interleaved repeats x {args.steps} steps")
     print(f"  {'row':<30}{'ms/step':>10}{'real tok/s':>12}{'vs equal':>10}")
     for k, t in med.items():
-        print(f"  {k:<30}{t * 1e3:>10.1f}{real / t:>12.0f}{t / base:>10.3f}")
+        ref = med["equal (unsplit, 1 rank)"] if "unsplit" in k else base
+        print(f"  {k:<30}{t * 1e3:>10.1f}{real / t:>12.0f}{t / ref:>10.3f}")
+    pipe = med["bucketed, new shapes (ours)"] / base
+    alone = med["new shapes (unsplit, 1 rank)"] / med["equal (unsplit, 1 rank)"]
+    print(f"new shapes every step: {pipe:.3f} x equal in the pipeline, {alone:.3f} x in the unsplit model on one "
+          f"process (new tensor sizes cost the allocator and kernels there too): the pipeline's own extra cost "
+          f"{pipe / alone:.3f}x")
 
 
 if __name__ == "__main__":
