@@ -239,21 +239,27 @@ def _stage_modules(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
     return [nn.Sequential(*list(model)[i * per:(i + 1) * per]) for i in range(num_stages)]
 
 
+def _unet_pipeline(name: str, rank: int, world: int, m: int) -> tuple:
+    """The U-Net under schedule ``name`` on this rank: (model, reference copy, schedule, holds the first stage,
+    holds the last stage, ids of this rank's parameters)."""
+    v = pe.schedules.default_stages_per_rank(name)
+    model, ref = unet(), unet()
+    stages = _stage_modules(model, world * v)
+    placement = pe.schedules.build(name, world, m, stages_per_rank=v).stage_to_rank
+    mine = [s for s, r in enumerate(placement) if r == rank]
+    sched = pe.PipelineSchedule([pe.PipelineStage(stages[s], s, world * v, "cpu") for s in mine], name, m,
+                                loss_fn=F.mse_loss)
+    held = {id(p) for s in mine for p in stages[s].parameters()}
+    return model, ref, sched, placement[0] == rank, placement[-1] == rank, held
+
+
 def _multiprocess(rank: int, world: int, schedules: list[str]) -> list[str]:
     bad: list[str] = []
     x, y = batch(12)
     m = 6  # DualPipeV needs 2 microbatches per rank
     for name in schedules:
-        v = pe.schedules.default_stages_per_rank(name)
-        model, ref = unet(), unet()
-        stages = _stage_modules(model, world * v)
-        placement = pe.schedules.build(name, world, m, stages_per_rank=v).stage_to_rank
-        mine = [s for s, r in enumerate(placement) if r == rank]
-        pstages = [pe.PipelineStage(stages[s], s, world * v, "cpu") for s in mine]
-        sched = pe.PipelineSchedule(pstages, name, m, loss_fn=F.mse_loss)
-        first, last = placement[0] == rank, placement[-1] == rank
+        model, ref, sched, first, last, held = _unet_pipeline(name, rank, world, m)
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
-        held = {id(p) for s in mine for p in stages[s].parameters()}
         for k in range(2):  # two training steps (the second on a known communication plan)
             opt.zero_grad()
             ref_opt.zero_grad()
@@ -294,15 +300,7 @@ def _variable_rows(rank: int, world: int, schedules: list[str]) -> list[str]:
     m = 6
     steps = [[1, 3, 2, 4, 2, 3], [4, 2, 3, 1, 3, 2], [5, 1, 1, 2, 6, 1]]  # new order, then new rows
     for name in schedules:
-        v = pe.schedules.default_stages_per_rank(name)
-        model, ref = unet(), unet()
-        stages = _stage_modules(model, world * v)
-        placement = pe.schedules.build(name, world, m, stages_per_rank=v).stage_to_rank
-        mine = [s for s, r in enumerate(placement) if r == rank]
-        sched = pe.PipelineSchedule([pe.PipelineStage(stages[s], s, world * v, "cpu") for s in mine], name, m,
-                                    loss_fn=F.mse_loss)
-        first, last = placement[0] == rank, placement[-1] == rank
-        held = {id(p) for s in mine for p in stages[s].parameters()}
+        model, ref, sched, first, last, held = _unet_pipeline(name, rank, world, m)
         for k, rows in enumerate(steps):
             model.zero_grad(), ref.zero_grad()
             pairs = [batch(r, seed=10 * k + i) for i, r in enumerate(rows)]

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from pipeline_ext.runtime.microbatch import to_device
+from pipeline_ext.runtime.stage import detach_tree
 from pipeline_ext.schedules.balance import split_min_max
 from pipeline_ext.skip.tracker import SkipKey, SkipTracker, use_skip_tracker
 
@@ -61,7 +63,7 @@ class _ProfilingSkips(SkipTracker):
     """
 
     def save(self, key: SkipKey, tensor: Any) -> None:
-        self.tensors[key] = _detach(tensor)
+        self.tensors[key] = detach_tree(tensor)
 
     def load(self, key: SkipKey) -> Any:
         return _leaf(self.tensors[key])
@@ -69,13 +71,13 @@ class _ProfilingSkips(SkipTracker):
 
 def _profile(module: nn.Sequential, sample: Any, device: torch.device | None, measure) -> list[float]:
     """``measure(layer, input) -> (cost, output)`` per layer, each fed the previous layer's output."""
-    x = sample if device is None else _to(sample, device)
+    x = sample if device is None else to_device(sample, device)
     costs = []
     with use_skip_tracker(_ProfilingSkips()):
         for layer in _sandbox(module, device):
             cost, x = measure(layer, _leaf(x))
             costs.append(cost)
-            x = _detach(x)
+            x = detach_tree(x)
     return costs
 
 
@@ -140,18 +142,6 @@ def _backward(out: Any) -> None:
     tensors = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
     if tensors:
         torch.autograd.backward(tensors, [torch.ones_like(o) for o in tensors])
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(t) for t in x)
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def _device_of(x: Any) -> torch.device:

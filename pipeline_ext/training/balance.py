@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from pipeline_ext.runtime.memory import activation_bytes
+from pipeline_ext.runtime.microbatch import to_device
+from pipeline_ext.runtime.stage import detach_tree
 from pipeline_ext.schedules import Balance, LayerCost, Schedule, balance_stages
 
 __all__ = ["profile_layers", "balance_layers", "LayerChain", "stage_modules"]
@@ -103,7 +105,7 @@ def profile_layers(layers: Sequence[nn.Module], example_args: Union[tuple, Any],
     args = tuple(example_args) if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
     if dev is not None:
-        args, kwargs, target = _to(args, dev), _to(kwargs, dev), _to(target, dev)
+        args, kwargs, target = to_device(args, dev), to_device(kwargs, dev), to_device(target, dev)
     out: list[LayerCost] = []
     for i, original in enumerate(layers):
         layer = copy.deepcopy(original)
@@ -153,7 +155,7 @@ def profile_layers(layers: Sequence[nn.Module], example_args: Union[tuple, Any],
             param_bytes=float(sum(p.numel() * p.element_size() for p in {id(p): p for p in layer.parameters()}.values())),
         ))
         with torch.no_grad():
-            args, kwargs = _detach(_as_args(layer(*inputs[0], **inputs[1]))), {}
+            args, kwargs = detach_tree(_as_args(layer(*inputs[0], **inputs[1]))), {}
     return out
 
 
@@ -209,17 +211,3 @@ def stage_modules(layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Lay
         out.append(LayerChain(*layers[lo:lo + s]))
         lo += s
     return out
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(t) for t in x)
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x.to(device) if isinstance(x, torch.Tensor) else x
