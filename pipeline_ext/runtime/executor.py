@@ -36,6 +36,16 @@ gradients go back the same way around B/I. These messages are not actions of
 the schedule: they ride on F, B and I, whose order already guarantees that a
 skip is sent before it is waited for (``runtime/skips.py``).
 
+Custom functions (torch's ``register_custom_function``): ``run`` may be handed,
+per compute kind (or ``OVERLAP_F_B`` for an overlapped pair of
+``Schedule.overlapped``), a plain callable to call instead of running those
+actions. It gets the action(s) and a ``GroupRun`` that runs each through the
+handler above, once; all must have run when it returns. Only when compute
+runs changes: receives were waited on before (lowering puts a pair's receives
+before it) and sends go after, so the messages are those of the plain run.
+The callable is built by the schedule (pipelining/), which keeps torch's
+objects there.
+
 Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
