@@ -26,7 +26,8 @@ comes in a later step.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
+import warnings
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -44,6 +45,7 @@ from pipeline_ext.runtime.microbatch import merge_chunks
 from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.trace import Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
+from pipeline_ext.schedules.ir import OVERLAP_F_B
 
 # torch's Schedule* names are in schedule_classes.py
 __all__ = ["PipelineSchedule"]
@@ -58,6 +60,61 @@ def _is_stand_in(stage: Any) -> bool:
     """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so)."""
     return (not isinstance(stage, PipelineStage) and getattr(stage, "submod", False) is None
             and all(hasattr(stage, a) for a in ("num_stages", "group_size", "group_rank")))
+
+
+_TORCH_KINDS = {"F": S.ActionKind.F, "B": S.ActionKind.B, "I": S.ActionKind.I, "W": S.ActionKind.W,
+                "OVERLAP_F_B": OVERLAP_F_B}
+_TORCH_FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_TORCH_NAMES = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def _custom_key(computation_type: Any) -> Any:
+    """Our key for torch's computation type (or its spelling); None for torch's FSDP kinds (nothing to call)."""
+    name = computation_type.value if isinstance(computation_type, S.ActionKind) else str(computation_type)
+    torch_name = getattr(computation_type, "name", None)  # torch's _ComputationType: FORWARD, OVERLAP_F_B, ...
+    if isinstance(torch_name, str) and not isinstance(computation_type, S.ActionKind):
+        name = _TORCH_NAMES.get(torch_name, torch_name)
+    if name in _TORCH_FSDP_KINDS:
+        return None
+    if name not in _TORCH_KINDS:
+        raise ValueError(f"Invalid computation type {computation_type}. Only FORWARD, FULL_BACKWARD, BACKWARD_INPUT, "
+                         "BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD and REDUCE_GRAD are supported.")
+    return _TORCH_KINDS[name]
+
+
+def _torch_action(actions: tuple) -> Any:
+    """torch's ``_Action`` for an action, or for an overlapped pair (stage -1, forward first, as torch has it)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
+
+    subs = sorted((_Action.from_str(str(a)) for a in actions), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
+    return subs[0] if len(subs) == 1 else _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
+
+
+class _Done:
+    """A finished receive, for torch's ``_wait_batch_p2p`` (the executor waited on it already)."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+
+class _ReceivedView:
+    """torch's ``fwd_recv_ops`` / ``bwd_recv_ops`` inside a custom function: keys whose input is here."""
+
+    def __init__(self, schedule: "PipelineSchedule", forward: bool) -> None:
+        self._schedule, self._forward = schedule, forward
+
+    def _run(self) -> Any:
+        return next((st._run for st in self._schedule.stages.values() if st._run is not None), None)
+
+    def __contains__(self, key: Any) -> bool:
+        run, (stage, mb) = self._run(), key
+        kind = S.ActionKind.F if self._forward else S.ActionKind.B
+        return run is not None and run.ready(S.Action(stage, kind, mb))
+
+    def pop(self, key: Any, *default: Any) -> list:
+        if key not in self and not default:
+            raise KeyError(key)
+        return [_Done()] if key in self else default[0]
 
 
 class PipelineSchedule:
@@ -132,6 +189,10 @@ class PipelineSchedule:
         if schedule is not None:  # None: a torch-style subclass assigns pipeline_order next
             self._set_schedule(schedule)
         self.enable_tracing(trace)
+        #: functions registered with ``register_custom_function``, by our key (an ActionKind or OVERLAP_F_B)
+        self._custom_functions: dict[Any, Callable[[Any, Any], None]] = {}
+        #: torch's per-step count of finished backwards per stage (B or W), read by torch-style custom functions
+        self.backward_counter: Counter[int] = Counter()
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_post_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
@@ -158,6 +219,83 @@ class PipelineSchedule:
             self._executors[TRAIN] = Executor(self.schedule, self.rank, self._runners, timeout=self.timeout)
         if self._tracer is not None:  # a new schedule: the steps traced so far were another's
             self.enable_tracing(True)
+
+    # -- torch's custom functions (torchtitan's DualPipeV overlap) -------------------------------
+    def register_custom_function(self, computation_type: Any, custom_function: Callable[[Any, Any], None]) -> None:
+        """Run ``custom_function(action, ctx)`` instead of this schedule's own work for every action of a kind.
+
+        torch's hook (``_PipelineScheduleRuntime.register_custom_function``), so
+        that torchtitan's DualPipeV overlap plugs in unchanged. ``computation_type``:
+        torch's ``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``,
+        ``BACKWARD_WEIGHT`` or ``OVERLAP_F_B`` (or their spellings "F", "B",
+        "I", "W", "OVERLAP_F_B"); torch's FSDP kinds (UNSHARD, RESHARD,
+        REDUCE_GRAD) are accepted and never called: we have no such actions.
+        ``action`` is torch's ``_Action`` (an OVERLAP_F_B pair has the forward
+        and the backward as ``sub_actions``, forward first), ``ctx`` torch's
+        ``_PipelineContext`` (this schedule as ``schedule_ref``, the step's
+        microbatches, targets and losses). The function runs each microbatch
+        with the stages' ``forward_one_chunk`` / ``backward_one_chunk`` /
+        ``backward_weight_one_chunk``, in any order it likes; every action it
+        was handed must have run when it returns. Why it is built this way: the
+        executor only knows "call this for that kind, with a way to run each
+        action"; receives were posted and waited on before, sends go after,
+        exactly as without the function, so a registered function changes when
+        the compute runs, never what travels. Registering again replaces.
+        """
+        key = _custom_key(computation_type)
+        if key is None:
+            return
+        if not callable(custom_function):
+            raise TypeError(f"custom_function must be callable, got {type(custom_function).__name__}")
+        if key in self._custom_functions:
+            warnings.warn(f"a custom function for {key} was registered already; it is replaced", stacklevel=2)
+        self._custom_functions[key] = custom_function
+
+    def _custom_for_step(self, step_inputs: Any, losses: Optional[list]) -> dict[Any, Callable[..., None]]:
+        """Per kind, the plain callable the executor calls: builds torch's context, binds the stages."""
+        if not self._custom_functions:
+            return {}
+        from torch.distributed.pipelining.schedules import _PipelineContext
+
+        n = self.n_microbatches
+        ctx = _PipelineContext(self, list(step_inputs.args) or [()] * n, list(step_inputs.kwargs) or [{}] * n,
+                               list(step_inputs.targets) or None, losses)
+        self.backward_counter.clear()
+
+        def call(fn: Callable[[Any, Any], None], actions: tuple, run: Any) -> None:
+            action = _torch_action(actions)
+            for stage in self.stages.values():
+                stage._bind(run)
+            try:
+                fn(action, ctx)
+            finally:
+                for stage in self.stages.values():
+                    stage._bind(None)
+
+        return {key: functools.partial(call, fn) for key, fn in self._custom_functions.items()}
+
+    # torch's runtime state that torch-style custom functions read; ours lives in the executor, so these are views
+    @property
+    def _n_microbatches(self) -> int:
+        return self.n_microbatches
+
+    @property
+    def fwd_recv_ops(self) -> "_ReceivedView":
+        """torch's pending forward receives, as the custom function sees them: (stage, mb) whose input is here."""
+        return _ReceivedView(self, forward=True)
+
+    @property
+    def bwd_recv_ops(self) -> "_ReceivedView":
+        """torch's pending backward receives: (stage, mb) whose output gradient is here."""
+        return _ReceivedView(self, forward=False)
+
+    def _maybe_compute_loss(self, stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any) -> None:
+        """torch's step after a last-stage forward; here the forward computed the loss already (nothing to do)."""
+
+    def _maybe_get_loss(self, stage: Any, mb_index: int) -> Any:
+        """The loss of microbatch ``mb_index`` on the last stage (None elsewhere), as torch's method."""
+        runner = self._runners.get(getattr(stage, "stage_index", stage))
+        return None if runner is None else runner.losses.get(mb_index)
 
     # -- step hooks (pipeline_ext.training: tied parameters) -------------------------------------
     def register_step_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
@@ -312,9 +450,10 @@ class PipelineSchedule:
         if self._tracer is not None and training:
             self._tracer.begin_step()
             on_action = self._tracer.record
+        custom = self._custom_for_step(step.inputs, losses)
         try:
             with step:
-                executor.run(step.inputs, step, on_action)
+                executor.run(step.inputs, step, on_action, custom)
         except BaseException:
             for r in self._runners.values():
                 r.reset()

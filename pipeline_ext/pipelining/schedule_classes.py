@@ -186,25 +186,25 @@ class ScheduleZBH2(PipelineScheduleSingle):
     schedule_name = "zb_h2"
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+class ScheduleInterleaved1F1B(_PipelineScheduleRuntime):
     """Interleaved 1F1B: several looped stages per rank (Megatron order); one per rank also runs."""
 
     schedule_name = "interleaved_1f1b"
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+class ScheduleInterleavedZeroBubble(_PipelineScheduleRuntime):
     """Interleaved zero bubble (ZB1P): interleaved 1F1B's order, backward split, W filling the bubble."""
 
     schedule_name = "interleaved_zb"
 
 
-class ScheduleLoopedBFS(PipelineScheduleMulti):
+class ScheduleLoopedBFS(_PipelineScheduleRuntime):
     """Looped BFS: several looped stages per rank, breadth first; one per rank also runs."""
 
     schedule_name = "looped_bfs"
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+class ScheduleZBVZeroBubble(_PipelineScheduleRuntime):
     """ZB-V: zero-bubble V, two stages per rank in a V."""
 
     schedule_name = "zbv"
@@ -213,19 +213,19 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
 ScheduleZBV = ScheduleZBVZeroBubble  # our earlier name for the same class
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti):
+class ScheduleDualPipeV(_PipelineScheduleRuntime):
     """DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank."""
 
     schedule_name = "dualpipev"
 
 
-class ScheduleVHalf(PipelineScheduleMulti):
+class ScheduleVHalf(_PipelineScheduleRuntime):
     """V-Half: V placement, backward split, about half of 1F1B's activation memory (controllable-memory V)."""
 
     schedule_name = "v_half"
 
 
-class ScheduleVMin(PipelineScheduleMulti):
+class ScheduleVMin(_PipelineScheduleRuntime):
     """V-Min: V placement, backward split, about a third of 1F1B's activation memory (controllable-memory V)."""
 
     schedule_name = "v_min"

@@ -70,6 +70,9 @@ class PipelineStage(StagePosition):
         self.output_chunks: list[Any] = []
         self._runner: Optional[StageRunner] = None
         self._has_backward = False
+        #: while a registered custom function runs: the executor's ``GroupRun`` for its actions
+        self._run: Any = None
+        self._bwd_outputs: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
@@ -104,11 +107,88 @@ class PipelineStage(StagePosition):
         self._has_backward = bool(value)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
-        """Divide this stage's parameter gradients by ``grad_scale_factor`` (torch's stage method)."""
-        if grad_scale_factor != 1:
+        """Divide this stage's parameter gradients by ``grad_scale_factor`` (torch's stage method).
+
+        Inside a custom function it does nothing: our schedule weights each
+        microbatch's loss by its share of the batch (``scale_grads=True``), so
+        the gradients are scaled already when torch-style code asks again.
+        """
+        if grad_scale_factor != 1 and self._run is None:
             for p in self.submod.parameters():
                 if p.grad is not None:
                     p.grad.div_(grad_scale_factor)
+
+    # -- torch's per-microbatch API, for functions given to register_custom_function -------------
+    def _bind(self, run: Any) -> None:
+        """The executor's runner of the actions handed to a custom function (None when it returns)."""
+        self._run = run
+        if run is None:
+            self._bwd_outputs.clear()
+
+    def _handed(self, api: str, mb: int, kinds: tuple[str, ...]) -> Any:
+        run = self._run
+        found = None if run is None else next(
+            (a for a in run.actions if a.stage == self.stage_index and a.microbatch == mb and a.kind.value in kinds),
+            None)
+        if found is None:
+            raise RuntimeError(
+                f"stage {self.stage_index}: {api}({mb}) runs a microbatch inside a step, from a function given to "
+                "register_custom_function, for an action it was handed"
+                + ("" if run is None else f" ({' '.join(map(str, run.actions))})"))
+        return found
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: Any = (), kwargs: Optional[dict] = None,
+                          save_forward_output: bool = True) -> Any:
+        """torch's F of one microbatch, inside a custom function: returns the stage's output.
+
+        The input is the one the schedule has for this stage and microbatch
+        (the step's microbatch on stage 0, the received or handed-over
+        activation elsewhere), so ``args``/``kwargs`` are not read; on the last
+        stage the loss is computed here (torch's ``_maybe_compute_loss`` then
+        has nothing to do). The output goes on to the next stage by itself.
+        """
+        out = self._run(self._handed("forward_one_chunk", fwd_chunk_id, ("F",)))
+        if isinstance(out, tuple) and len(out) == 1:
+            return out[0]
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        """torch's backward of one microbatch inside a custom function: B, or I with ``full_backward=False``.
+
+        The gradient of the output (received, handed over, or the weighted
+        loss on the last stage) is the schedule's; ``loss`` is not read.
+        """
+        if not self.has_backward:
+            return
+        action = self._handed("backward_one_chunk", bwd_chunk_id, ("B", "I"))
+        if (action.kind.value == "B") != bool(full_backward):
+            raise ValueError(f"stage {self.stage_index}: the schedule has {action} here, but backward_one_chunk was "
+                             f"called with full_backward={full_backward}")
+        self._bwd_outputs[bwd_chunk_id] = self._run(action)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """torch's W of one microbatch inside a custom function (after its ``backward_one_chunk(full_backward=False)``)."""
+        if not self.has_backward:
+            return
+        run = self._run
+        if run is None or not any(a.stage == self.stage_index and a.microbatch == bwd_chunk_id
+                                  and a.kind.value == "W" for a in run.actions):
+            raise AssertionError(
+                f"stage {self.stage_index}: backward_weight_one_chunk for chunk {bwd_chunk_id} without first calling "
+                "`backward_one_chunk(full_backward=False)` (it runs a W handed to a function given to "
+                "register_custom_function)")
+        self._run(self._handed("backward_weight_one_chunk", bwd_chunk_id, ("W",)))
+
+    def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
+        """torch's hand-over between two stages of one rank: the executor hands outputs on already (nothing to do)."""
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        """torch's hand-over of input gradients between two stages of one rank: done by the executor already."""
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        """The input gradients of the last ``backward_one_chunk`` of ``mb_index`` in this custom function call."""
+        return self._bwd_outputs.get(mb_index)
 
     def clear_runtime_states(self) -> None:
         """Drop what the last step left on this stage (activations, losses, outputs), as torch's method does."""

@@ -36,6 +36,16 @@ gradients go back the same way around B/I. These messages are not actions of
 the schedule: they ride on F, B and I, whose order already guarantees that a
 skip is sent before it is waited for (``runtime/skips.py``).
 
+Custom functions (torch's ``register_custom_function``): ``run`` may be handed,
+per compute kind (or ``OVERLAP_F_B`` for an overlapped pair of
+``Schedule.overlapped``), a plain callable to call instead of running those
+actions. It gets the action(s) and a ``GroupRun`` that runs each through the
+handler above, once; all must have run when it returns. Only when compute
+runs changes: receives were waited on before (lowering puts a pair's receives
+before it) and sends go after, so the messages are those of the plain run.
+The callable is built by the schedule (pipelining/), which keeps torch's
+objects there.
+
 Every wait has a timeout and reports rank, peer, action and microbatch.
 """
 from __future__ import annotations
@@ -51,12 +61,13 @@ import torch
 from pipeline_ext.runtime.channel import Handle, StepChannel
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag
 from pipeline_ext.schedules import Action, ActionKind, Schedule
+from pipeline_ext.schedules.ir import OVERLAP_F_B
 from pipeline_ext.runtime.skips import pack_skip_grads, pack_skips, unpack_skips
 from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["Runner", "Executor", "StepInputs", "PeerError", "PipelineTimeoutError"]
+__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -141,6 +152,45 @@ class _StepState:
     pending: deque = field(default_factory=deque)  # receives not posted yet
 
 
+class GroupRun:
+    """What a registered function gets to run the action(s) it was handed, in the executor's step.
+
+    ``run(action)`` runs one of them (each once) as the executor would have:
+    its input is the step's microbatch, a received or handed-over value, and
+    its result goes where the schedule's next actions expect it. It returns
+    what the stage produced: an F's outputs (on the last stage, the stage's
+    output), a B's or I's input gradients, None for W. ``ready(action)`` says
+    whether the input of a not-yet-run F, B or I is here (received or handed
+    over). Valid only while the function runs.
+    """
+
+    def __init__(self, executor: "Executor", group: tuple[Action, ...], st: _StepState) -> None:
+        self._executor, self._st = executor, st
+        self.actions = group
+        self.done: dict[Action, Any] = {}
+        self.closed = False
+
+    def ready(self, action: Action) -> bool:
+        key = (action.stage, action.microbatch)
+        if action.kind == ActionKind.F:
+            return action.stage == 0 or key in self._st.activations
+        return self._executor.runners[action.stage].is_last or key in self._st.grads
+
+    def __call__(self, action: Action) -> Any:
+        if self.closed:
+            raise RuntimeError(f"{action} was run after the function registered for it returned")
+        if action not in self.actions:
+            raise ValueError(f"{action} is not among the actions handed to this function: "
+                             f"{' '.join(map(str, self.actions))}")
+        if action in self.done:
+            raise StageError(f"{action} ran twice in one step")
+        self.done[action] = self._executor._dispatch[action.kind](action, self._st)
+        return self.done[action]
+
+
+CustomFunction = Callable[[tuple[Action, ...], GroupRun], None]
+
+
 class Executor:
     """Runs ``schedule.actions[rank]`` with the given stage runners, one step per ``run``.
 
@@ -196,7 +246,16 @@ class Executor:
                                for i in range(len(self.actions))]
         #: the most microbatches' activations this rank may hold at once: what the simulator counts on the
         #: schedule (an F adds one, a B or W drops one); ``_forward`` holds the runners to it
-        self.promised_peak = peak_live_activations(self.actions)
+        pos = {a: i for i, a in enumerate(self.actions)}
+        #: overlapped pairs on this rank: lowered position of the first -> position of the second (the lowering put
+        #: both receives before the first and both sends after the second, so only the pair lies between)
+        self._pair_end = {pos[x]: pos[y] for x, y in schedule.overlapped if x in pos and y in pos}
+        # a function registered for a pair may run its F first: the promise counts the pair so
+        forward_first = list(self.actions)
+        for i, j in self._pair_end.items():
+            if forward_first[j].kind == ActionKind.F:
+                forward_first[i], forward_first[j] = forward_first[j], forward_first[i]
+        self.promised_peak = peak_live_activations(forward_first)
         #: where the last step failed (None when it did not)
         self.failed_action: Optional[Action] = None
 
@@ -225,17 +284,31 @@ class Executor:
 
     # -- step ----------------------------------------------------------------------------------
     def run(self, inputs: StepInputs, step: StepChannel,
-            on_action: Optional[Callable[[Action, float, float], None]] = None) -> None:
+            on_action: Optional[Callable[[Action, float, float], None]] = None,
+            custom: Optional[Mapping[Any, CustomFunction]] = None) -> None:
         """Execute this rank's actions for one step over ``step``'s messages; raise on the first failure.
 
         ``on_action(action, start, end)`` is called after each action when
-        given (tracing).
+        given (tracing). ``custom``: per compute kind (``ActionKind.F`` ...,
+        or ``OVERLAP_F_B`` for an overlapped pair) a function called instead
+        of running those actions: ``fn(actions, run)`` with the action (or
+        the pair) and a ``GroupRun`` that runs each of them, once, when the
+        function says (see ``GroupRun``).
         """
         st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions))
         clock = time.perf_counter
         self.failed_action = None
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
+        custom = custom or {}
+        skip_to = -1  # the second action of a pair that ran with its first
         for i, action in enumerate(self.actions):
+            if i <= skip_to:
+                continue
+            group: tuple[Action, ...] = (action,)
+            fn = custom.get(action.kind)
+            if i in self._pair_end and OVERLAP_F_B in custom:
+                skip_to = self._pair_end[i]
+                group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
             if not st.posting and action.kind in _MESSAGES:
                 st.posting = True  # from the first message on, receives are posted ahead
                 step.open()
@@ -244,7 +317,10 @@ class Executor:
             try:
                 if self._send_run_starts[i]:
                     sends.enter_context(step.batch())
-                self._dispatch[action.kind](action, st)
+                if fn is None:
+                    self._dispatch[action.kind](action, st)
+                else:
+                    self._custom(fn, group, st)
                 if self._send_run_ends[i]:
                     sends.close()
             except BaseException as exc:
@@ -255,11 +331,25 @@ class Executor:
                 self._post(st)
             self._reap(st, block=False)
             if on_action is not None:
-                on_action(action, begin, clock())
+                end = clock()
+                for a in group:
+                    on_action(a, begin, end)
         self._reap(st, block=True)
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
+
+    def _custom(self, fn: "CustomFunction", group: tuple[Action, ...], st: _StepState) -> None:
+        """Hand ``group`` to a registered function; each of its actions must have run when it returns."""
+        run = GroupRun(self, group, st)
+        try:
+            fn(group, run)
+        finally:
+            run.closed = True
+        missing = [str(a) for a in group if a not in run.done]
+        if missing:
+            raise StageError(f"rank {self.rank}: the function registered for {' '.join(map(str, group))} returned "
+                             f"without running {', '.join(missing)} (each action it is handed must run once)")
 
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""
@@ -291,7 +381,7 @@ class Executor:
             handle.wait(self.timeout, self._what(action, st.step.step).replace("waiting on", "finishing"))
 
     # -- actions -------------------------------------------------------------------------------
-    def _forward(self, a: Action, st: _StepState) -> None:
+    def _forward(self, a: Action, st: _StepState) -> Any:
         runner, inputs = self.runners[a.stage], st.inputs
         m = a.microbatch
         if a.stage == 0:
@@ -309,11 +399,12 @@ class Executor:
         if routes is not None:
             self._skips_out(a.stage, m, st, routes, runner.take_stashed(m), gradient=False)
         if runner.is_last:
-            return
+            return getattr(runner, "outputs", {}).get(m)
         if self._local(a.stage + 1):
             st.activations[(a.stage + 1, m)] = outs
         else:
             st.to_send[Action(a.stage, ActionKind.SEND_F, m)] = list(outs)
+        return outs
 
     def _check_peak(self, a: Action) -> None:
         """The schedule's memory promise, kept: never more microbatches held than the simulator counted.
@@ -331,7 +422,7 @@ class Executor:
                 "kept a microbatch past its backward"
             )
 
-    def _backward(self, a: Action, st: _StepState) -> None:
+    def _backward(self, a: Action, st: _StepState) -> Any:
         runner = self.runners[a.stage]
         m = a.microbatch
         grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
@@ -342,11 +433,12 @@ class Executor:
         if routes is not None:
             self._skips_out(a.stage, m, st, routes, runner.take_skip_grads(m), gradient=True)
         if a.stage == 0:
-            return
+            return grad_in
         if self._local(a.stage - 1):
             st.grads[(a.stage - 1, m)] = grad_in
         else:
             st.to_send[Action(a.stage, ActionKind.SEND_B, m)] = grad_in
+        return grad_in
 
     def _weight(self, a: Action, st: _StepState) -> None:
         self.runners[a.stage].backward_weight(a.microbatch)

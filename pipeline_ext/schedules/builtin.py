@@ -252,6 +252,8 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
     """
     _require(m >= 2 * p, "dualpipev", "n_microbatches >= 2 * num_ranks", n_microbatches=m, num_ranks=p)
 
+    pairs: list[tuple[Action, Action]] = []
+
     def rank(r: int) -> list[Action]:
         lo, hi = r, 2 * p - 1 - r
         rb = RankBuilder(m)
@@ -262,10 +264,11 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
             rb.pop_w()
             rb.emit((hi, F))
         for _ in range(m - 2 * p + r + 1):
-            rb.backward(hi)
-            rb.emit((lo, F))
-            rb.backward(lo)
-            rb.emit((hi, F))
+            for b_stage, f_stage in ((hi, lo), (lo, hi)):
+                rb.backward(b_stage)
+                rb.emit((f_stage, F))
+                if rb.actions[-2].kind == B:  # the main phase's overlapped pair (torch's OVERLAP_F_B)
+                    pairs.append((rb.actions[-2], rb.actions[-1]))
         for _ in range(p - r - 1):
             rb.backward(hi)
             rb.backward(lo)
@@ -280,7 +283,9 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
         rb.finish_w()
         return rb.actions
 
-    return _make("dualpipev", m, v_placement(p), rank)
+    schedule = _make("dualpipev", m, v_placement(p), rank)
+    schedule.overlapped = tuple(pairs)
+    return schedule
 
 
 @register("v_half", stages_per_rank=2)

@@ -5,7 +5,10 @@ One row per rank, one action per cell, spelled as torch spells them (``0F1``,
 empty cell is torch's idle slot. torch's FSDP bookkeeping actions (UNSHARD,
 RESHARD, REDUCE_GRAD) are dropped on reading: our runtime reshards and
 reduces data-parallel gradients itself (dist/data_parallel.py). An
-overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order.
+overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order, and is
+kept as a pair (``Schedule.overlapped``): a function registered for
+OVERLAP_F_B gets both at once, and writing the schedule back spells the pair
+as torch does.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import csv
 import re
 from typing import Any, Optional, Sequence
 
-from pipeline_ext.schedules.ir import Action, Schedule, ScheduleError
+from pipeline_ext.schedules.ir import OVERLAP_F_B, Action, Schedule, ScheduleError, check_pairs
 
 __all__ = ["dump_csv", "load_csv", "from_cells", "torch_order", "FORMATS"]
 
@@ -21,12 +24,25 @@ FORMATS = ("compute_only", "compute_comms")
 _FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 
 
+def _grouped(schedule: Schedule, acts: Sequence[Action]) -> list[tuple[Action, ...]]:
+    """A rank's actions, each overlapped pair as one group (its two actions), every other action alone."""
+    second_of = dict(schedule.overlapped)
+    out: list[tuple[Action, ...]] = []
+    for a in acts:
+        if out and second_of.get(out[-1][0]) == a and len(out[-1]) == 1:
+            out[-1] = (out[-1][0], a)
+        else:
+            out.append((a,))
+    return out
+
+
 def dump_csv(schedule: Schedule, path: str) -> None:
-    """Write every rank's compute actions as torch's ``compute_only`` CSV."""
+    """Write every rank's compute actions as torch's ``compute_only`` CSV (pairs as ``(a;b)OVERLAP_F_B``)."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         for acts in schedule.actions:
-            writer.writerow([str(a) for a in acts if a.is_compute])
+            groups = _grouped(schedule, [a for a in acts if a.is_compute])
+            writer.writerow([str(g[0]) if len(g) == 1 else f"({g[0]};{g[1]}){OVERLAP_F_B}" for g in groups])
 
 
 def torch_order(schedule: Schedule, compute_only: bool = True) -> dict[int, list[Any]]:
@@ -36,21 +52,31 @@ def torch_order(schedule: Schedule, compute_only: bool = True) -> dict[int, list
     it with ``_Action(stage, F, mb)``; the spelling is shared, so each action
     is converted through its string.
     """
-    from torch.distributed.pipelining.schedules import _Action
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
 
-    return {r: [_Action.from_str(str(a)) for a in acts if a.is_compute or not compute_only]
+    def one(group: tuple[Action, ...]) -> Any:
+        if len(group) == 1:
+            return _Action.from_str(str(group[0]))
+        # torch's pair: stage -1, no microbatch, the forward first (torch's sub-action order)
+        subs = sorted((_Action.from_str(str(a)) for a in group), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
+        return _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
+
+    return {r: [one(g) for g in _grouped(schedule, [a for a in acts if a.is_compute or not compute_only])]
             for r, acts in enumerate(schedule.actions)}
 
 
-def _cell(text: str, rank: int, col: int) -> list[Action]:
+def _cell(text: str, rank: int, col: int, pairs: Optional[list] = None) -> list[Action]:
     text = text.strip()
     if not text or text == "None" or _FSDP_ONLY.fullmatch(text):
         return []
     if text.startswith("("):
         inner, _, kind = text[1:].partition(")")
-        if kind != "OVERLAP_F_B":
+        if kind != OVERLAP_F_B:
             raise ScheduleError(f"rank {rank}, column {col}: unknown grouped action {text!r}")
-        return [a for part in inner.split(";") for a in _cell(part, rank, col)]
+        acts = [a for part in inner.split(";") for a in _cell(part, rank, col)]
+        if pairs is not None and len(acts) == 2:
+            pairs.append((acts[0], acts[1]))
+        return acts
     try:
         return [Action.parse(text)]
     except ScheduleError as exc:
@@ -78,7 +104,8 @@ def from_cells(rows: Sequence[Sequence[Any]], format: str = "compute_only", n_mi
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    actions = [[a for col, cell in enumerate(row) for a in _cell("" if cell is None else str(cell), rank, col)]
+    pairs: list[tuple[Action, Action]] = []
+    actions = [[a for col, cell in enumerate(row) for a in _cell("" if cell is None else str(cell), rank, col, pairs)]
                for rank, row in enumerate(rows)]
     while actions and not actions[-1]:
         actions.pop()
@@ -94,4 +121,6 @@ def from_cells(rows: Sequence[Sequence[Any]], format: str = "compute_only", n_mi
     found = schedule.n_microbatches
     if n_microbatches is not None and found != n_microbatches:
         raise ScheduleError(f"{where} has {found} microbatches, the schedule is for n_microbatches={n_microbatches}")
-    return Schedule(schedule.actions, schedule.stage_to_rank, schedule.n_microbatches, name)
+    result = Schedule(schedule.actions, schedule.stage_to_rank, schedule.n_microbatches, name, tuple(pairs))
+    check_pairs(result)
+    return result

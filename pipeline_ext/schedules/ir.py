@@ -21,7 +21,7 @@ microbatches is the largest microbatch index plus one and the name is
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
@@ -32,6 +32,10 @@ class ScheduleError(ValueError):
     Messages name the rank, the position in that rank's list and the action
     wherever those exist, because the person reading it has to find the line.
     """
+
+
+#: the key under which an overlapped pair (``Schedule.overlapped``) is named: torch's spelling
+OVERLAP_F_B = "OVERLAP_F_B"
 
 
 class ActionKind(str, Enum):
@@ -110,6 +114,13 @@ class Schedule:
     stage_to_rank: list[int]
     n_microbatches: int
     name: str = "custom"
+    #: overlapped pairs (torch's ``OVERLAP_F_B``): two compute actions of one rank, next to each other in
+    #: its compute order, in execution order. Running them one after the other is always correct; a function
+    #: registered for OVERLAP_F_B (``register_custom_function``) gets both at once and may interleave them.
+    #: Lowering puts both pairs' receives before the pair and its sends after it, so both inputs are there
+    #: when the pair starts. Kept by ``lower`` and the CSV round trip; other transformations (and the text
+    #: format) drop it, and it is left out of ``==``: the order is the same with or without it.
+    overlapped: tuple[tuple[Action, Action], ...] = field(default=(), compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -277,3 +288,19 @@ def check_structure(schedule: Schedule) -> None:
             if not 0 <= j < n_mb:
                 raise ScheduleError(f"{where} names microbatch {j}, but microbatches are 0..{n_mb - 1}")
             raise ScheduleError(f"{where} belongs on rank {placement[stage]}, which holds stage {stage}")
+    check_pairs(schedule)
+
+
+def check_pairs(schedule: Schedule) -> None:
+    """Each overlapped pair: two compute actions of one rank, next to each other in its compute order."""
+    in_pair: set[Action] = set()
+    for first, second in schedule.overlapped:
+        rows = [r for r, acts in enumerate(schedule.actions) if first in acts]
+        row = [a for a in schedule.actions[rows[0]] if a.is_compute] if rows else []
+        if not (first.is_compute and second.is_compute and first in row and second in row
+                and row.index(second) == row.index(first) + 1):
+            raise ScheduleError(f"overlapped pair ({first};{second}): the two must be compute actions of one rank, "
+                                "the second right after the first")
+        if first in in_pair or second in in_pair:
+            raise ScheduleError(f"overlapped pair ({first};{second}): an action is in two pairs")
+        in_pair.update((first, second))

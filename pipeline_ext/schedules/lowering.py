@@ -91,7 +91,8 @@ def lower(schedule: Schedule) -> Schedule:
     check_structure(schedule)
     placement = list(schedule.stage_to_rank)
     if schedule.lowered:
-        return Schedule([list(a) for a in schedule.actions], placement, schedule.n_microbatches, schedule.name)
+        return Schedule([list(a) for a in schedule.actions], placement, schedule.n_microbatches, schedule.name,
+                        tuple(schedule.overlapped))
     compute = schedule.actions
     send_order: dict[Channel, list[Action]] = defaultdict(list)  # expected RECVs, in send order
     for rank, acts in enumerate(compute):
@@ -99,12 +100,18 @@ def lower(schedule: Schedule) -> Schedule:
             for send in sends_for(action, placement):
                 peer, recv = counterpart(send, placement)
                 send_order[(rank, peer)].append(recv)
+    second_of = {first: second for first, second in schedule.overlapped}
     lowered = []
     for rank, acts in enumerate(compute):
+        # an overlapped pair is one slot: both receives before its first action, both sends after its second
+        slot = list(range(len(acts)))
+        for i in range(1, len(acts)):
+            if second_of.get(acts[i - 1]) == acts[i]:
+                slot[i] = slot[i - 1]
         deadline: dict[Action, int] = {}  # RECV -> index of the compute action it must precede
         for i, action in enumerate(acts):
             for recv in receives_for(action, placement):
-                deadline[recv] = i
+                deadline[recv] = slot[i]
         order_key: dict[Action, tuple[int, int, int]] = {}
         for (src, dst), recvs in send_order.items():
             if dst != rank:
@@ -117,13 +124,18 @@ def lower(schedule: Schedule) -> Schedule:
         for recv in sorted(order_key, key=order_key.__getitem__):
             at[order_key[recv][0]].append(recv)
         row: list[Action] = []
+        held: list[Action] = []  # the sends of a pair's first action, issued after its second
         for i, action in enumerate(acts):
             row.extend(at.pop(i, []))
             row.append(action)
-            row.extend(sends_for(action, placement))
+            held.extend(sends_for(action, placement))
+            if action not in second_of:
+                row.extend(held)
+                held = []
+        row.extend(held)
         row.extend(a for rest in at.values() for a in rest)  # receives nobody consumes: validate reports them
         lowered.append(row)
-    return Schedule(lowered, placement, schedule.n_microbatches, schedule.name)
+    return Schedule(lowered, placement, schedule.n_microbatches, schedule.name, tuple(schedule.overlapped))
 
 
 def forward_only(schedule: Schedule) -> Schedule:
