@@ -107,7 +107,10 @@ def _train_moe(rank: int, world: int) -> dict:
     p, e, ep_group, pp_group = _groups(rank)
     n = 2 * 2
     out: dict = {}
+    from pipeline_ext.runtime.overlap import handover_count
+
     for mode in ("off", "on", "ref"):
+        before = handover_count()
         modules = moe_stages(n, e, ep_group)
         mine = [p, n - 1 - p] if mode != "ref" else list(range(n))
         opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.1)
@@ -129,6 +132,7 @@ def _train_moe(rank: int, world: int) -> dict:
             opt.step()
         if sched is not None:
             out["pairs"] = sum(1 for f, _ in sched.schedule.overlapped if f.stage in mine)
+        out[f"handovers {mode}"] = handover_count() - before
         out[mode] = {s: [q.detach().tolist() for q in modules[s].parameters()] for s in mine}
     return out
 
@@ -137,6 +141,8 @@ def _train_moe(rank: int, world: int) -> dict:
 def test_moe_with_expert_all_to_all_overlapped_equals_sequential_and_unsplit():
     said = rank_values(_train_moe, 4, timeout=280)
     assert all(v["pairs"] > 0 for v in said.values())  # every rank has pairs to overlap
+    # the expert all-to-alls (forward and backward) inside pairs handed over; nothing did without overlap
+    assert all(v["handovers on"] >= 4 * v["pairs"] * 3 and v["handovers off"] == 0 for v in said.values()), said
     for rank, v in said.items():
         assert v["on"].keys() == v["off"].keys()
         for s in v["on"]:

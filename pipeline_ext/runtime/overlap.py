@@ -49,7 +49,9 @@ Exactness
 ---------
 Only one half computes at a time and each half runs its own ops in its own
 order, so each floating-point result is that of running the pair one after
-the other (F then B). F does not touch ``.grad``; B accumulates into its
+the other (F then B). F runs in the caller's thread, B in a pooled thread
+(kept between pairs: starting a thread per pair costs milliseconds on a
+loaded host). F does not touch ``.grad``; B accumulates into its
 stage's ``.grad`` in its own order, as before. Torch's CPU autograd engine
 runs a backward on the calling thread, so the B half's ``backward`` (and the
 backward of a model's autograd.Function that issues a collective) runs in the
@@ -88,13 +90,19 @@ import torch
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["run_overlapped", "comm_region", "overlap_point", "in_overlap", "PAIR_COLLECTIVES"]
+__all__ = ["run_overlapped", "comm_region", "overlap_point", "in_overlap", "handover_count", "PAIR_COLLECTIVES"]
 
 #: the torch.distributed collectives that are handover points while a pair runs
 PAIR_COLLECTIVES = ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                     "reduce_scatter_tensor", "all_reduce")
 
 _tls = threading.local()
+_handovers = [0]  # in this process, since it started: tests check that a model's waits did hand over
+
+
+def handover_count() -> int:
+    """How many times a pair half has handed the baton over at a wait in this process (for tests and tools)."""
+    return _handovers[0]
 
 
 class _Stopped(BaseException):
@@ -141,6 +149,7 @@ class _Half:
         self.holding = True
 
     def give(self) -> None:
+        _handovers[0] += 1  # only the baton's holder gets here: no race
         self.holding = False
         self.baton.release(self.h)
 
@@ -275,6 +284,21 @@ def _thread_state() -> Callable[[], contextlib.ExitStack]:
     return enter
 
 
+_pool_lock = threading.Lock()
+_pool_executor: list = []
+
+
+def _pool() -> Any:
+    """Threads for B halves, kept between pairs (one per pair running at once in this process)."""
+    with _pool_lock:
+        if not _pool_executor:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # a B half must start while its F runs (they alternate): never queue one behind another pair's
+            _pool_executor.append(ThreadPoolExecutor(max_workers=256, thread_name_prefix="pipeline_ext-pair-B"))
+        return _pool_executor[0]
+
+
 def describe_pair(actions: Sequence[Action]) -> str:
     return "overlapped pair " + " + ".join(
         f"{a.kind.value} of stage {a.stage} microbatch {a.microbatch}" for a in actions)
@@ -316,12 +340,10 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
             baton.finish(h, failed)
 
     with _collectives_wrapped():
-        threads = [threading.Thread(target=body, args=(h,), name=f"pipeline_ext-pair-{'FB'[h]}", daemon=True)
-                   for h in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # B in a pooled thread (a new thread per pair costs milliseconds on a loaded host), F in the caller's
+        b_done = _pool().submit(body, 1)
+        body(0)
+        b_done.result()
     if errors:
         errors.sort(key=lambda e: e[0])
         _, h, exc = errors[0]
