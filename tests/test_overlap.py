@@ -7,6 +7,7 @@
   close to those of the same EP-parallel model run unpipelined.
 - A model with no collective: the same with overlap on and off.
 - A half that raises fails the step on every rank, the pair named.
+- The measured trace shows each pair's F and B spans overlapping.
 """
 from __future__ import annotations
 
@@ -207,3 +208,44 @@ def test_a_half_that_raises_fails_the_step_on_every_rank_naming_the_pair(half):
     assert all(e for e in errors.values()), errors  # every rank is told, none hangs
     named = [e for e in errors.values() if "refused" in e and "overlapped pair" in e]
     assert named, errors
+
+
+class _Yield(nn.Module):
+    """Hands the turn to the other half of a pair mid-forward (``pe.overlap_point``): a declared wait."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import pipeline_ext as pe
+
+        pe.overlap_point()
+        return x
+
+
+def _traced(rank: int, world: int) -> dict:
+    import pipeline_ext as pe
+
+    from models import build, make_batch
+
+    n = 2 * world
+    modules = [nn.Sequential(_Yield(), m) for m in build("mlp", n)]
+    mine = [rank, n - 1 - rank]
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+    sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, trace=True, timeout=30.0)
+    x, y = make_batch("mlp", 8)
+    sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+    report = sched.trace_report(dst=0)
+    if report is None:
+        return {}
+    spans = {(s.rank, s.action): (s.start, s.end) for step in report.steps for s in step}
+    pairs = []
+    for a, b in sched.schedule.overlapped:
+        r = sched.schedule.stage_to_rank[a.stage]
+        (a0, a1), (b0, b1) = spans[(r, a)], spans[(r, b)]
+        pairs.append((str(a), str(b), a0 < b1 and b0 < a1))  # the two spans overlap in the measured timeline
+    return {"pairs": pairs, "bubble": report.bubble_per_step[0]}
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_pairs_overlap_in_the_measured_trace():
+    said = rank_values(_traced, 2, timeout=100)
+    assert said[0]["pairs"] and all(ok for _, _, ok in said[0]["pairs"]), said[0]
+    assert 0.0 <= said[0]["bubble"] < 1.0  # busy time is the union of spans: never more than the wall clock
