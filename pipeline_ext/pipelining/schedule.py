@@ -42,6 +42,7 @@ from pipeline_ext.pipelining.stage import PipelineStage, _match_meta
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
+from pipeline_ext.runtime.overlap import run_overlapped
 from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.trace import Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
@@ -133,6 +134,7 @@ class PipelineSchedule:
         timeout: Optional[float] = 300.0,
         trace: bool = False,
         transport: Optional[str] = None,
+        overlap: Optional[bool] = None,
     ) -> None:
         given = [stages] if not isinstance(stages, (list, tuple)) else list(stages)
         if not given:
@@ -189,6 +191,11 @@ class PipelineSchedule:
         if schedule is not None:  # None: a torch-style subclass assigns pipeline_order next
             self._set_schedule(schedule)
         self.enable_tracing(trace)
+        #: run each overlapped pair (``Schedule.overlapped``: DualPipeV's OVERLAP_F_B) as two threads that hand
+        #: over at communication waits (``runtime/overlap.py``). None (default): on; results are bitwise those of
+        #: the sequential pair (tested), so the only thing it changes is when compute runs. Off when False, and
+        #: whenever the user registered a function for OVERLAP_F_B, F, B or I (theirs is what runs those actions).
+        self.overlap = overlap
         #: functions registered with ``register_custom_function``, by our key (an ActionKind or OVERLAP_F_B)
         self._custom_functions: dict[Any, Callable[[Any, Any], None]] = {}
         #: torch's per-step count of finished backwards per stage (B or W), read by torch-style custom functions
@@ -252,9 +259,12 @@ class PipelineSchedule:
         self._custom_functions[key] = custom_function
 
     def _custom_for_step(self, step_inputs: Any, losses: Optional[list]) -> dict[Any, Callable[..., None]]:
-        """Per kind, the plain callable the executor calls: builds torch's context, binds the stages."""
+        """Per kind, the plain callable the executor calls: builds torch's context, binds the stages.
+
+        With no user function for a pair or its halves' kinds, a pair goes to the overlapping runner (``overlap``).
+        """
         if not self._custom_functions:
-            return {}
+            return self._overlap_for_step()
         from torch.distributed.pipelining.schedules import _PipelineContext
 
         n = self.n_microbatches
@@ -272,7 +282,19 @@ class PipelineSchedule:
                 for stage in self.stages.values():
                     stage._bind(None)
 
-        return {key: functools.partial(call, fn) for key, fn in self._custom_functions.items()}
+        custom = {key: functools.partial(call, fn) for key, fn in self._custom_functions.items()}
+        if not set(custom) & {OVERLAP_F_B, S.ActionKind.F, S.ActionKind.B, S.ActionKind.I}:
+            custom.update(self._overlap_for_step())
+        return custom
+
+    def _overlap_for_step(self) -> dict[Any, Callable[..., None]]:
+        """``{OVERLAP_F_B: run_overlapped}`` when overlap is on and this rank has a pair, else nothing."""
+        if self.overlap is False or self.schedule is None:
+            return {}
+        mine = set(self.stages)
+        if not any(f.stage in mine for f, _ in self.schedule.overlapped):
+            return {}
+        return {OVERLAP_F_B: run_overlapped}
 
     # torch's runtime state that torch-style custom functions read; ours lives in the executor, so these are views
     @property

@@ -102,13 +102,14 @@ class PipelineScheduleMulti(PipelineSchedule):
         timeout: float = 300.0,
         trace: bool = False,
         transport: Optional[str] = None,
+        overlap: Optional[bool] = None,
     ) -> None:
         # Without a schedule_name (torch's way of writing a custom schedule: subclass, then assign
         # self.pipeline_order), nothing runs until the order is assigned.
         super().__init__(stages, self.schedule_name or None, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace,
-                         transport=transport)
+                         transport=transport, overlap=overlap)
         self._stages = list(self.stages.values())
         self._backward_requires_autograd = backward_requires_autograd
 

@@ -162,12 +162,18 @@ class GroupRun:
     output), a B's or I's input gradients, None for W. ``ready(action)`` says
     whether the input of a not-yet-run F, B or I is here (received or handed
     over). Valid only while the function runs.
+
+    ``run`` may be called from other threads (an overlapped pair's halves,
+    ``runtime/overlap.py``) as long as only one of them runs an action's
+    code at a time; ``spans`` keeps each action's own measured start and end
+    for the trace, so overlapped actions show as overlapping.
     """
 
     def __init__(self, executor: "Executor", group: tuple[Action, ...], st: _StepState) -> None:
         self._executor, self._st = executor, st
         self.actions = group
         self.done: dict[Action, Any] = {}
+        self.spans: dict[Action, tuple[float, float]] = {}
         self.closed = False
 
     def ready(self, action: Action) -> bool:
@@ -184,7 +190,9 @@ class GroupRun:
                              f"{' '.join(map(str, self.actions))}")
         if action in self.done:
             raise StageError(f"{action} ran twice in one step")
+        start = time.perf_counter()
         self.done[action] = self._executor._dispatch[action.kind](action, self._st)
+        self.spans[action] = (start, time.perf_counter())
         return self.done[action]
 
 
@@ -314,13 +322,14 @@ class Executor:
                 step.open()
                 self._post(st)
             begin = clock()
+            spans: dict[Action, tuple[float, float]] = {}
             try:
                 if self._send_run_starts[i]:
                     sends.enter_context(step.batch())
                 if fn is None:
                     self._dispatch[action.kind](action, st)
                 else:
-                    self._custom(fn, group, st)
+                    spans = self._custom(fn, group, st)
                 if self._send_run_ends[i]:
                     sends.close()
             except BaseException as exc:
@@ -332,15 +341,19 @@ class Executor:
             self._reap(st, block=False)
             if on_action is not None:
                 end = clock()
-                for a in group:
-                    on_action(a, begin, end)
+                for a in group:  # a function's actions each with its own span (an overlapped pair's overlap)
+                    on_action(a, *spans.get(a, (begin, end)))
         self._reap(st, block=True)
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
 
-    def _custom(self, fn: "CustomFunction", group: tuple[Action, ...], st: _StepState) -> None:
-        """Hand ``group`` to a registered function; each of its actions must have run when it returns."""
+    def _custom(self, fn: "CustomFunction", group: tuple[Action, ...],
+                st: _StepState) -> dict[Action, tuple[float, float]]:
+        """Hand ``group`` to a registered function; each of its actions must have run when it returns.
+
+        Returns each action's measured (start, end), for the trace.
+        """
         run = GroupRun(self, group, st)
         try:
             fn(group, run)
@@ -350,6 +363,7 @@ class Executor:
         if missing:
             raise StageError(f"rank {self.rank}: the function registered for {' '.join(map(str, group))} returned "
                              f"without running {', '.join(missing)} (each action it is handed must run once)")
+        return run.spans
 
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""

@@ -99,14 +99,27 @@ def measured_bubble(spans: Sequence[Span], num_ranks: int) -> float:
 
     T is the longest first-compute-start to last-compute-end of any rank and
     busy_r the rank's compute time; SEND/RECV time counts as idle, as the
-    simulator's model charges comm only on dependencies.
+    simulator's model charges comm only on dependencies. Busy time is the
+    union of a rank's compute spans: an overlapped pair's F and B
+    (``runtime/overlap.py``) overlap, and counting both in full would make a
+    rank busier than the wall clock.
     """
     compute = [[s for s in spans if s.rank == r and s.action.kind in _COMPUTE] for r in range(num_ranks)]
     lengths = [max(s.end for s in c) - min(s.start for s in c) for c in compute if c]
     longest = max(lengths, default=0.0)
     if longest <= 0:
         return 0.0
-    return sum((longest - sum(s.end - s.start for s in c)) / longest for c in compute) / num_ranks
+    return sum((longest - _busy(c)) / longest for c in compute) / num_ranks
+
+
+def _busy(spans: Sequence[Span]) -> float:
+    """The length of the union of the spans' [start, end] intervals."""
+    total, reach = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.end > reach:
+            total += s.end - max(s.start, reach)
+            reach = s.end
+    return total
 
 
 @dataclass

@@ -1,0 +1,357 @@
+"""Run an overlapped pair (``OVERLAP_F_B``) as two threads that pass a baton: one computes while the other waits.
+
+DualPipe's point is that a rank runs the forward of one microbatch and the
+backward of another at the same time, so that one half's communication (expert
+all-to-all, tensor-parallel collectives, FSDP all-gathers) hides behind the
+other half's compute. ``run_overlapped`` is the executor's function for such a
+pair (``Executor.run(..., custom={OVERLAP_F_B: run_overlapped})``): the F half
+and the B (or I) half each run in their own thread, and a *baton* says which
+one may compute.
+
+The baton
+---------
+Exactly one half holds it at a time. A half gives it up only at a *handover
+point*, i.e. while it waits on communication, and takes it back when that
+communication is done and it is its turn. Turns strictly alternate (F, B, F,
+B, ...; once a half is finished the other has every turn), starting with F.
+Why strict turns and not "whoever is ready first": the order in which the two
+halves *issue* collectives on one process group must be the same on every rank
+of that group (collectives are matched by their order). With fixed turns the
+sequence of compute segments, and so the order of issued collectives, is a
+function of the program alone, never of timing: every rank of an
+expert-parallel group issues them in the same order.
+
+Handover points
+---------------
+- The ``torch.distributed`` collectives a model calls while the pair runs
+  (``all_to_all``, ``all_to_all_single``, ``all_gather``,
+  ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``,
+  ``all_reduce``), looked up as ``torch.distributed.<name>`` at call time:
+  the wrapper issues the collective with ``async_op=True`` *while still
+  holding the baton* (so the issue order is the fixed one), hands the baton
+  over, waits, and takes it back. Only calls from a pair's own threads are
+  touched; every other thread gets the original function. A call that asks
+  for ``async_op=True`` itself is passed through (it is not a wait).
+- ``comm_region()``: a context manager a model wraps around a wait of its own
+  (a ``Work.wait()``, a socket, the ``sleep`` standing for a slow network in
+  the benchmark). Its body runs *without* the baton, concurrently with the
+  other half's compute, so it must only wait: issue collectives before it
+  (``async_op=True``) and wait inside. Outside a pair it does nothing.
+- ``overlap_point()``: gives the turn to the other half and takes it back at
+  the next turn (a yield with nothing to wait on).
+
+What is not covered: functional collectives and DTensor
+(``torch.ops._c10d_functional``), collectives imported by name before the
+pair runs (``from torch.distributed import all_to_all_single``): wrap those
+waits in ``comm_region()``.
+
+Exactness
+---------
+Only one half computes at a time and each half runs its own ops in its own
+order, so each floating-point result is that of running the pair one after
+the other (F then B). F runs in the caller's thread, B in a pooled thread
+(kept between pairs: starting a thread per pair costs milliseconds on a
+loaded host). F does not touch ``.grad``; B accumulates into its
+stage's ``.grad`` in its own order, as before. Torch's CPU autograd engine
+runs a backward on the calling thread, so the B half's ``backward`` (and the
+backward of a model's autograd.Function that issues a collective) runs in the
+B thread and sees its handover points. Thread-local torch state that the
+step runs under (grad mode, autocast) is carried into both threads; other
+thread-local state set around ``step()`` (e.g. ``saved_tensors_hooks``) is
+not, and a model whose F and B both draw from the global RNG across a
+handover (dropout in an activation-checkpointing recompute that issues a
+collective) would see its draws in another order.
+
+No deadlock
+-----------
+The halves never wait on each other's messages: the lowering put both of the
+pair's receives before it and both sends after it (what the validator checks
+for every lowered schedule), so a half waits only on collectives that the
+same half on the other ranks issues in the same order, or on its own waits.
+A half that waits without a handover point (a skip message, a blocking call
+not wrapped) simply keeps the baton: that is the sequential run, not a hang.
+
+Failures
+--------
+When a half raises, the other half is stopped at its next handover (it would
+have not run at all in the sequential order if F failed first); the first
+exception is re-raised, its type kept, with a note naming the pair and the
+half that failed.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from pipeline_ext.schedules import Action, ActionKind
+
+__all__ = ["run_overlapped", "comm_region", "overlap_point", "in_overlap", "handover_count", "PAIR_COLLECTIVES"]
+
+#: the torch.distributed collectives that are handover points while a pair runs
+PAIR_COLLECTIVES = ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                    "reduce_scatter_tensor", "all_reduce")
+
+_tls = threading.local()
+_handovers = [0]  # in this process, since it started: tests check that a model's waits did hand over
+
+
+def handover_count() -> int:
+    """How many times a pair half has handed the baton over at a wait in this process (for tests and tools)."""
+    return _handovers[0]
+
+
+class _Stopped(BaseException):
+    """Raised inside a half at its handover when the other half failed: unwinds it without being an error."""
+
+
+class _Baton:
+    """Who of the two halves (0: F, 1: B) may compute; turns alternate, a finished half passes every turn."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.finished = [False, False]
+        self.failed = False
+
+    def acquire(self, h: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.failed or self.turn == h or self.finished[1 - h])
+            if self.failed:
+                raise _Stopped()
+
+    def release(self, h: int) -> None:
+        with self.cond:
+            if not self.finished[1 - h]:
+                self.turn = 1 - h
+            self.cond.notify_all()
+
+    def finish(self, h: int, failed: bool) -> None:
+        with self.cond:
+            self.finished[h] = True
+            self.failed = self.failed or failed
+            self.turn = 1 - h
+            self.cond.notify_all()
+
+
+class _Half:
+    """The thread-local face of a pair half: its baton, its index, whether it holds the baton now."""
+
+    def __init__(self, baton: _Baton, h: int) -> None:
+        self.baton, self.h, self.holding = baton, h, False
+
+    def take(self) -> None:
+        self.baton.acquire(self.h)
+        self.holding = True
+
+    def give(self) -> None:
+        _handovers[0] += 1  # only the baton's holder gets here: no race
+        self.holding = False
+        self.baton.release(self.h)
+
+
+def _current() -> Optional[_Half]:
+    """The calling thread's half when it holds the baton (a handover applies), else None."""
+    half = getattr(_tls, "half", None)
+    return half if half is not None and half.holding else None
+
+
+def in_overlap() -> bool:
+    """Whether the caller is a half of an overlapped pair holding the baton (its waits are handover points)."""
+    return _current() is not None
+
+
+@contextlib.contextmanager
+def comm_region() -> Iterator[None]:
+    """Declare a wait: inside a pair, the other half computes while the body runs (see the module doc).
+
+    The body must only wait (no compute, no collective that the other half
+    could also issue): it runs without the baton. Outside a pair, nothing.
+    """
+    half = _current()
+    if half is None:
+        yield
+        return
+    half.give()
+    try:
+        yield
+    finally:
+        half.take()
+
+
+def overlap_point() -> None:
+    """Give the turn to the other half of the pair and take it back at the next turn (no-op outside a pair)."""
+    with comm_region():
+        pass
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective that, called from a pair half, is issued with the baton and waited on without it."""
+    import inspect
+
+    try:
+        async_index: Optional[int] = list(inspect.signature(original).parameters).index("async_op")
+    except (ValueError, TypeError):
+        async_index = None
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        half = _current()
+        asked_async = kwargs.get("async_op", False) or (async_index is not None and len(args) > async_index
+                                                       and bool(args[async_index]))
+        if half is None or asked_async:
+            return original(*args, **kwargs)
+        if async_index is not None and len(args) > async_index:
+            args = args[:async_index] + (True,) + args[async_index + 1:]
+        else:
+            kwargs["async_op"] = True
+        work = original(*args, **kwargs)  # issued holding the baton: the issue order is the fixed one
+        if work is None:  # not a member of the group: nothing to wait on
+            return None
+        half.give()
+        try:
+            work.wait()
+        finally:
+            half.take()
+        return None
+
+    collective.__pipeline_ext_original__ = original  # type: ignore[attr-defined]
+    return collective
+
+
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patched: dict[tuple[Any, str], Any] = {}
+
+
+@contextlib.contextmanager
+def _collectives_wrapped() -> Iterator[None]:
+    """While any pair runs in this process: torch.distributed's collectives are handover points in pair threads.
+
+    Counted, so pairs of several executors (one process running several
+    ranks on threads) share one patch, removed when the last pair ends.
+    """
+    global _patch_users
+    import torch.distributed as dist
+
+    with _patch_lock:
+        if _patch_users == 0 and dist.is_available():
+            from torch.distributed import distributed_c10d as c10d
+
+            for name in PAIR_COLLECTIVES:
+                original = getattr(c10d, name, None)
+                if original is None:
+                    continue
+                wrapped = _wrap(name, original)
+                for module in (dist, c10d):
+                    if getattr(module, name, None) is original:
+                        _patched[(module, name)] = original
+                        setattr(module, name, wrapped)
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for (module, name), original in _patched.items():
+                    setattr(module, name, original)
+                _patched.clear()
+
+
+def _thread_state() -> Callable[[], contextlib.ExitStack]:
+    """The caller's thread-local torch state that a step runs under (grad mode, autocast), to enter in a half."""
+    grad = torch.is_grad_enabled()
+    autocasts = []
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                autocasts.append((device, torch.get_autocast_dtype(device)))
+        except (RuntimeError, TypeError, AttributeError):  # an older torch or a device type it lacks
+            pass
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, dtype in autocasts:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return stack
+
+    return enter
+
+
+_pool_lock = threading.Lock()
+_pool_executor: list = []
+
+
+def _pool() -> Any:
+    """Threads for B halves, kept between pairs (one per pair running at once in this process)."""
+    with _pool_lock:
+        if not _pool_executor:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # a B half must start while its F runs (they alternate): never queue one behind another pair's
+            _pool_executor.append(ThreadPoolExecutor(max_workers=256, thread_name_prefix="pipeline_ext-pair-B"))
+        return _pool_executor[0]
+
+
+def describe_pair(actions: Sequence[Action]) -> str:
+    return "overlapped pair " + " + ".join(
+        f"{a.kind.value} of stage {a.stage} microbatch {a.microbatch}" for a in actions)
+
+
+def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> None:
+    """Run an overlapped pair's two actions concurrently on two threads under a baton (the module doc).
+
+    ``run`` is the executor's ``GroupRun`` (runs each action once). A group
+    that is not one F and one B or I runs one action after the other.
+    """
+    forwards = [a for a in actions if a.kind == ActionKind.F]
+    backs = [a for a in actions if a.kind in (ActionKind.B, ActionKind.I)]
+    if len(actions) != 2 or len(forwards) != 1 or len(backs) != 1:
+        for a in actions:
+            run(a)
+        return
+    halves = (forwards[0], backs[0])  # F first: the sequential order the results equal
+    baton = _Baton()
+    errors: list[tuple[float, int, BaseException]] = []
+    state = _thread_state()
+
+    def body(h: int) -> None:
+        half = _Half(baton, h)
+        _tls.half = half
+        failed = False
+        try:
+            half.take()
+            with state():
+                run(halves[h])
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            errors.append((time.perf_counter(), h, exc))
+            failed = True
+        finally:
+            half.holding = False
+            _tls.half = None
+            baton.finish(h, failed)
+
+    with _collectives_wrapped():
+        # B in a pooled thread (a new thread per pair costs milliseconds on a loaded host), F in the caller's
+        b_done = _pool().submit(body, 1)
+        body(0)
+        b_done.result()
+    if errors:
+        errors.sort(key=lambda e: e[0])
+        _, h, exc = errors[0]
+        note = (f"pipeline_ext: raised in the {halves[h].kind.value} half ({halves[h]}) of the "
+                f"{describe_pair(halves)}, run overlapped")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+            for _, h2, other in errors[1:]:
+                exc.add_note(f"pipeline_ext: the {halves[h2].kind.value} half ({halves[h2]}) raised too: "
+                             f"{type(other).__name__}: {other}")
+        raise exc

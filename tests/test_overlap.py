@@ -1,0 +1,251 @@
+"""Overlapped pairs (DualPipeV's OVERLAP_F_B) run as two threads under a baton (runtime/overlap.py), over Gloo.
+
+- A small MoE model, experts spread over the 2 ranks of an expert-parallel
+  group (all-to-all dispatch and combine on its own ``new_group``), in a
+  DualPipeV pipeline on 2 pipeline ranks (4 processes): with overlap on, the
+  parameters after 3 steps equal those with overlap off bit for bit, and are
+  close to those of the same EP-parallel model run unpipelined.
+- A model with no collective: the same with overlap on and off.
+- A half that raises fails the step on every rank, the pair named.
+- The measured trace shows each pair's F and B spans overlapping.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mp_utils import rank_values, run_ranks
+
+D = 8
+M = 4  # microbatches (dualpipev needs m >= 2p)
+BATCH = 8
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all_to_all_single; its backward is the same exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)  # looked up at call time: a handover point
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        import torch.distributed as dist
+
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class MoEStage(nn.Module):
+    """Token i of a microbatch goes to expert i * E // n (E = EP ranks, one expert each); gated, residual."""
+
+    def __init__(self, group, last: bool = False, delay: float = 0.0) -> None:
+        super().__init__()
+        self.group, self.delay = group, delay
+        self.inp = nn.Linear(D, D)
+        self.gate = nn.Linear(D, 1)
+        self.expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))  # this EP rank's own
+        self.head = nn.Linear(D, 4) if last else None
+
+    def _exchange(self, h: torch.Tensor) -> torch.Tensor:
+        if self.delay:
+            import pipeline_ext as pe
+
+            with pe.comm_region():  # a slow network's latency, as a wait the other half can hide
+                import time
+
+                time.sleep(self.delay)
+        return _AllToAll.apply(h, self.group) if self.group is not None else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        routed = self._exchange(h)  # dispatch
+        e = self._exchange(self.expert(routed))  # combine
+        x = x + torch.sigmoid(self.gate(h)) * e
+        return self.head(x) if self.head is not None else x
+
+
+def moe_stages(num_stages: int, ep_rank: int, group, delay: float = 0.0) -> list[nn.Module]:
+    """The same replicated weights on every EP rank, each EP rank's experts its own (seeded by it)."""
+    torch.manual_seed(0)
+    stages = [MoEStage(group, last=s == num_stages - 1, delay=delay) for s in range(num_stages)]
+    torch.manual_seed(100 + ep_rank)
+    with torch.no_grad():
+        for s in stages:
+            for p in s.expert.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+    return stages
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def _data(ep_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * ep_rank + step)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def _groups(rank: int):
+    """4 processes: pipeline rank = rank // 2, EP rank = rank % 2; every process makes every group, in order."""
+    import torch.distributed as dist
+
+    ep = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return rank // 2, rank % 2, ep[rank // 2], pp[rank % 2]
+
+
+def _train_moe(rank: int, world: int) -> dict:
+    import pipeline_ext as pe
+
+    p, e, ep_group, pp_group = _groups(rank)
+    n = 2 * 2
+    out: dict = {}
+    from pipeline_ext.runtime.overlap import handover_count
+
+    for mode in ("off", "on", "ref"):
+        before = handover_count()
+        modules = moe_stages(n, e, ep_group)
+        mine = [p, n - 1 - p] if mode != "ref" else list(range(n))
+        opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.1)
+        sched = None
+        if mode != "ref":
+            stages = [pe.PipelineStage(modules[s], s, n, "cpu", group=pp_group) for s in mine]
+            sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, overlap=mode == "on", timeout=60.0)
+        for step in range(3):
+            x, y = _data(e, step)
+            opt.zero_grad()
+            if sched is not None:
+                sched.step(x if p == 0 else None, target=y if p == 0 else None)
+            else:  # the same EP-parallel model, unpipelined: microbatch by microbatch, the a2a with the EP peer
+                for xm, ym in zip(x.chunk(M), y.chunk(M)):
+                    h = xm
+                    for s in modules:
+                        h = s(h)
+                    (_loss(h, ym) / M).backward()
+            opt.step()
+        if sched is not None:
+            out["pairs"] = sum(1 for f, _ in sched.schedule.overlapped if f.stage in mine)
+        out[f"handovers {mode}"] = handover_count() - before
+        out[mode] = {s: [q.detach().tolist() for q in modules[s].parameters()] for s in mine}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_moe_with_expert_all_to_all_overlapped_equals_sequential_and_unsplit():
+    said = rank_values(_train_moe, 4, timeout=280)
+    assert all(v["pairs"] > 0 for v in said.values())  # every rank has pairs to overlap
+    # the expert all-to-alls (forward and backward) inside pairs handed over; nothing did without overlap
+    assert all(v["handovers on"] >= 4 * v["pairs"] * 3 and v["handovers off"] == 0 for v in said.values()), said
+    for rank, v in said.items():
+        assert v["on"].keys() == v["off"].keys()
+        for s in v["on"]:
+            for a, b, r in zip(v["on"][s], v["off"][s], v["ref"][s]):
+                assert torch.equal(torch.tensor(a), torch.tensor(b)), (rank, s)  # bit for bit
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(r), rtol=1e-5, atol=1e-6)
+
+
+def _mlp(rank: int, world: int, overlap: bool, fail: str = "") -> dict:
+    import pipeline_ext as pe
+
+    from models import build, make_batch
+
+    n = 2 * world
+    modules = build("mlp", n)
+    mine = [rank, n - 1 - rank]
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+    sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, overlap=overlap, timeout=30.0)
+    if fail:
+        pair = sched.schedule.overlapped[0]  # the first pair (in either order); make its F (or B) half raise
+        target = next(a for a in pair if (a.kind.value == "F") == (fail == "F"))
+        if target.stage in mine:
+            calls = {"n": 0}
+
+            def boom_grad(g):
+                raise RuntimeError(f"stage {target.stage} backward refused microbatch {target.microbatch}")
+
+            def pre(module, args):
+                m, calls["n"] = calls["n"], calls["n"] + 1  # a stage's forwards run in microbatch order
+                if m == target.microbatch:
+                    if fail == "F":
+                        raise RuntimeError(f"stage {target.stage} forward refused microbatch {m}")
+                    args[0].register_hook(boom_grad)
+            modules[target.stage].register_forward_pre_hook(pre)
+    opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.1)
+    for step in range(3 if not fail else 1):
+        x, y = make_batch("mlp", 8, seed=step)
+        opt.zero_grad()
+        try:
+            sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is the point
+            return {"error": "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])}
+        opt.step()
+    return {"params": {s: [q.detach().tolist() for q in modules[s].parameters()] for s in mine}, "error": None}
+
+
+@pytest.mark.timeout(240)
+def test_a_model_without_collectives_trains_the_same_with_and_without_overlap():
+    on = rank_values(_mlp, 2, True, timeout=100)
+    off = rank_values(_mlp, 2, False, timeout=100)
+    for rank in (0, 1):
+        for s in on[rank]["params"]:
+            for a, b in zip(on[rank]["params"][s], off[rank]["params"][s]):
+                assert torch.equal(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("half", ["F", "B"])
+def test_a_half_that_raises_fails_the_step_on_every_rank_naming_the_pair(half):
+    said = {r: v for r, (_, v) in run_ranks(_mlp, 2, True, half, timeout=100, expect_errors=True).items()}
+    errors = {r: (v["error"] if isinstance(v, dict) else str(v)) for r, v in said.items()}
+    assert all(e for e in errors.values()), errors  # every rank is told, none hangs
+    named = [e for e in errors.values() if "refused" in e and "overlapped pair" in e]
+    assert named, errors
+
+
+class _Yield(nn.Module):
+    """Hands the turn to the other half of a pair mid-forward (``pe.overlap_point``): a declared wait."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import pipeline_ext as pe
+
+        pe.overlap_point()
+        return x
+
+
+def _traced(rank: int, world: int) -> dict:
+    import pipeline_ext as pe
+
+    from models import build, make_batch
+
+    n = 2 * world
+    modules = [nn.Sequential(_Yield(), m) for m in build("mlp", n)]
+    mine = [rank, n - 1 - rank]
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+    sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, trace=True, timeout=30.0)
+    x, y = make_batch("mlp", 8)
+    sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+    report = sched.trace_report(dst=0)
+    if report is None:
+        return {}
+    spans = {(s.rank, s.action): (s.start, s.end) for step in report.steps for s in step}
+    pairs = []
+    for a, b in sched.schedule.overlapped:
+        r = sched.schedule.stage_to_rank[a.stage]
+        (a0, a1), (b0, b1) = spans[(r, a)], spans[(r, b)]
+        pairs.append((str(a), str(b), a0 < b1 and b0 < a1))  # the two spans overlap in the measured timeline
+    return {"pairs": pairs, "bubble": report.bubble_per_step[0]}
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_pairs_overlap_in_the_measured_trace():
+    said = rank_values(_traced, 2, timeout=100)
+    assert said[0]["pairs"] and all(ok for _, _, ok in said[0]["pairs"]), said[0]
+    assert 0.0 <= said[0]["bubble"] < 1.0  # busy time is the union of spans: never more than the wall clock
