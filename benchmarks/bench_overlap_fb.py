@@ -24,6 +24,8 @@ import argparse
 import statistics
 import time
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -81,7 +83,8 @@ class MoEProxy(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def worker(rank: int, world: int, d_model: int, rows: int, delay: float, repeats: int, M: int = M) -> dict:
+def worker(rank: int, world: int, d_model: int, rows: int, delay: float, repeats: int, M: int = M,
+           trace: Optional[str] = None) -> dict:
     import pipeline_ext as pe
 
     n = 2 * world
@@ -105,6 +108,16 @@ def worker(rank: int, world: int, d_model: int, rows: int, delay: float, repeats
             if i:  # the first round warms up
                 times[mode].append(time.perf_counter() - t0)
     pairs = sum(1 for f, _ in sched.schedule.overlapped if f.stage in mine)
+    if trace:  # one more step with overlap on, traced: the measured timeline shows each pair's halves overlapping
+        sched.overlap = True
+        for m in modules:
+            m.delay = delay
+        sched.enable_tracing(True)
+        sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+        report = sched.trace_report()
+        if report is not None:
+            report.write_png(trace)
+            report.write_chrome_trace(trace.rsplit(".", 1)[0] + ".json")
     return {**{k: statistics.median(v) for k, v in times.items()}, "pairs": pairs}
 
 
@@ -156,12 +169,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--microbatches", type=int, default=M, help="more: a larger share of the actions in pairs")
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--trace", default=None, help="also write one overlapped step's measured timeline (PNG, and "
+                                                  "Chrome trace JSON beside it)")
     args = ap.parse_args()
     from pipeline_ext.dist.launch import spawn
 
     alone = pair_alone(args.d_model, args.rows, args.delay, 3 * args.repeats)
-    out = spawn(worker, 2, args.d_model, args.rows, args.delay, args.repeats, args.microbatches, timeout=900,
-                threads=1)
+    out = spawn(worker, 2, args.d_model, args.rows, args.delay, args.repeats, args.microbatches, args.trace,
+                timeout=900, threads=1)
     lines = [f"DualPipeV, 2 pipeline ranks (Gloo, 1 intra-op thread each), {args.microbatches} microbatches of {args.rows} x "
              f"{args.d_model}, delay d = {args.delay * 1e3:.0f} ms per all-to-all (4 per MoE layer, 2 layers per stage), medians of "
              f"{args.repeats} interleaved steps", "",
