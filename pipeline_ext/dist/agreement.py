@@ -53,6 +53,7 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -162,9 +163,7 @@ def _microbatch_words(microbatches: Optional[Sequence[int]]) -> list[int]:
     words[0] = len(distinct)
     words[1 : 1 + len(distinct)] = distinct
     index = {sig: i for i, sig in enumerate(distinct)}
-    raw = bytes(index[sig] for sig in microbatches).ljust(8 * (_INDEX[1] - _INDEX[0]), b"\0")
-    start = _INDEX[0] - _COUNT_WORD
-    words[start:] = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    words[_INDEX[0] - _COUNT_WORD:] = _bytes_words(bytes(index[sig] for sig in microbatches), _INDEX)
     return words
 
 
@@ -175,8 +174,7 @@ def _words_microbatches(words: Sequence[int], n: int) -> Optional[tuple[int, ...
     if count == 0 or not 0 < n <= MAX_MICROBATCHES or count > MAX_SIGNATURES:
         return ()
     distinct = words[1 : 1 + count]
-    start = _INDEX[0] - _COUNT_WORD
-    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[start:])
+    raw = _words_bytes(words[_INDEX[0] - _COUNT_WORD:])
     return tuple(distinct[min(b, count - 1)] for b in raw[:n])
 
 
@@ -187,15 +185,23 @@ def describable(microbatches: Sequence[int]) -> Optional[tuple[int, ...]]:
     return tuple(microbatches)
 
 
-def _text_words(text: str, span: tuple[int, int]) -> list[int]:
+def _bytes_words(raw: bytes, span: tuple[int, int]) -> list[int]:
+    """``raw`` as the int64 words of ``span`` (cut or zero-padded to fit)."""
     n = (span[1] - span[0]) * 8
-    raw = text.encode("utf-8")[:n].ljust(n, b"\0")
+    raw = raw[:n].ljust(n, b"\0")
     return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, n, 8)]
 
 
+def _words_bytes(words: Sequence[int]) -> bytes:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+
+
+def _text_words(text: str, span: tuple[int, int]) -> list[int]:
+    return _bytes_words(text.encode("utf-8"), span)
+
+
 def _words_text(words: Sequence[int]) -> str:
-    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
-    return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+    return _words_bytes(words).rstrip(b"\0").decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -383,6 +389,7 @@ class PendingExchange:
 #: non-tensor leaves that count by value in a step signature: a stage's output shapes may depend on them
 #: (``width=64``, ``causal=True``, ``mode="train"``), so a new value is a new signature (its layouts exchanged again)
 _BY_VALUE = (bool, int, float, str, bytes, type(None))
+_FLAT = (torch.Tensor, *_BY_VALUE)  # leaves keyed without a pytree walk
 
 
 def _flat_key(args: Sequence[Any], kwargs: dict) -> Optional[tuple]:
@@ -393,22 +400,9 @@ def _flat_key(args: Sequence[Any], kwargs: dict) -> Optional[tuple]:
     general walk. A microbatch always takes the same path, so its key and
     signature are stable.
     """
-    keys = []
-    for x in args:
-        if isinstance(x, torch.Tensor):
-            keys.append((x.shape, x.dtype))
-        elif isinstance(x, _BY_VALUE):
-            keys.append((type(x).__name__, x))
-        else:
-            return None
-    for name, x in kwargs.items():
-        if isinstance(x, torch.Tensor):
-            keys.append((name, x.shape, x.dtype))
-        elif isinstance(x, _BY_VALUE):
-            keys.append((name, type(x).__name__, x))
-        else:
-            return None
-    return ("flat", len(args), tuple(keys))
+    if not all(isinstance(x, _FLAT) for x in itertools.chain(args, kwargs.values())):
+        return None
+    return ("flat", tuple(map(_leaf_key, args)), tuple((name, _leaf_key(x)) for name, x in kwargs.items()))
 
 
 def _leaf_key(x: Any) -> Any:

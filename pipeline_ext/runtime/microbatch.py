@@ -375,13 +375,14 @@ def given_microbatches(
     if kwarg_mbs is not None:
         kwarg_mbs = _given_list(kwarg_mbs, n, "kwarg_mbs")
         n = len(kwarg_mbs)
+    for k, kw in enumerate(kwarg_mbs or ()):
+        if kw is not None and not isinstance(kw, dict):
+            raise TypeError(f"kwarg_mbs[{k}] must be a dict of keyword arguments, got {type(kw).__name__}")
     args_chunks = [(a,) if isinstance(a, torch.Tensor) else tuple(a) for a in arg_mbs] if arg_mbs is not None \
         else [()] * n
     kwargs_chunks = [dict(k or {}) for k in kwarg_mbs] if kwarg_mbs is not None else [{} for _ in range(n)]
     sizes = []
     for k, (args, kwargs) in enumerate(zip(args_chunks, kwargs_chunks)):
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"kwarg_mbs[{k}] must be a dict of keyword arguments, got {type(kwargs).__name__}")
         try:
             sizes.append(microbatch_sizes(args, kwargs, 1, chunk_spec)[0])
         except ValueError as exc:
