@@ -67,14 +67,15 @@ def lm_microbatches(shapes: list[tuple[int, int]], seed: int) -> tuple[list, lis
     return xs, ys
 
 
+def run_lm(model: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for m in model:
+        x = m(x)
+    return x
+
+
 def reference_step(model: list[nn.Module], xs: list, ys: list) -> torch.Tensor:
     """The unsplit model over every microbatch: cross entropy over all valid tokens of the step."""
-    logits = []
-    for x in xs:
-        out = x
-        for m in model:
-            out = m(out)
-        logits.append(out.flatten(0, 1))
+    logits = [run_lm(model, x).flatten(0, 1) for x in xs]
     loss = nn.functional.cross_entropy(torch.cat(logits), torch.cat([y.flatten() for y in ys]), ignore_index=-100)
     loss.backward()
     return loss.detach()
@@ -118,6 +119,12 @@ def _every_schedule(rank: int, world: int, n: int, names: list[str], model: str 
                 worst = max(worst, abs(float(loss_fn.combine(losses)) - float(ref_loss)))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+            if step == 0:  # validation between training steps, on microbatches in another order
+                evals = sched.eval_microbatches(xs[::-1] if sched.has_first_stage else None)
+                if sched.has_last_stage:
+                    with torch.no_grad():
+                        want = [run_lm(reference, x) for x in xs[::-1]]
+                    worst = max(worst, max(float((o - w).abs().max()) for o, w in zip(evals, want)))
             for s in mine:
                 for p, q in zip(full[s].parameters(), reference[s].parameters()):
                     worst = max(worst, float((p - q).abs().max()))
