@@ -130,3 +130,46 @@ def test_schedule_text_with_huge_numbers_is_a_schedule_error(text, said):
     """Stage index 1e9 made validation run out of memory; now it is named at parsing."""
     with pytest.raises(ScheduleError, match=said):
         Schedule.from_text(text)
+
+
+V_ONE_MB = "# schedule stage_to_rank=0,1,1,0 n_microbatches=1\n0F0 3F0 3B0 0B0\n1F0 2F0 2B0 1B0"
+
+
+def _paired(text: str, *pairs: tuple[str, str]) -> Schedule:
+    """``text`` with overlapped pairs, each named by its two actions' text (``"3F0"``)."""
+    import dataclasses
+
+    s = sched(text)
+    by_name = {str(a): a for acts in s.actions for a in acts}
+    return dataclasses.replace(s, overlapped=tuple((by_name[x], by_name[y]) for x, y in pairs))
+
+
+@pytest.mark.parametrize("pair,match", [
+    # the second half needs what the first completes on the same rank: the halves run at the same time
+    (("3F0", "3B0"), r"overlapped pair \(3F0;3B0\): 3B0 needs what 3F0 completes"),
+    (("2F0", "2B0"), r"overlapped pair \(2F0;2B0\): 2B0 needs what 2F0 completes"),
+    (("1F0", "2F0"), r"overlapped pair \(1F0;2F0\): 2F0 needs what 1F0 completes"),
+    (("2B0", "1B0"), r"overlapped pair \(2B0;1B0\): 1B0 needs what 2B0 completes"),
+])
+def test_a_pair_whose_second_half_needs_the_first_is_rejected(pair, match):
+    with pytest.raises(ScheduleError, match=match):
+        validate(_paired(V_ONE_MB, pair))
+
+
+def test_a_pair_whose_second_half_waits_on_the_first_through_another_rank_deadlocks_and_is_named():
+    # 3F0 needs 2F0 on rank 1, which needs 0F0's activation: it leaves rank 0 only after the pair
+    s = _paired(V_ONE_MB, ("0F0", "3F0"))
+    with pytest.raises(ScheduleError, match=r"rank 0 stuck at position 1 on 3F0 waiting for 2F0; "
+                                            r"rank 1 stuck at position 0 on 1F0 waiting for 0F0"):
+        validate(s)
+    with pytest.raises(ScheduleError, match=r"deadlocks: rank 0 stuck at position 0 on 3RECV_F0"):
+        check_deadlock(lower(s))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_dualpipev_pairs_are_independent_and_lower_without_deadlock(p):
+    for m in (2 * p, 2 * p + 1, 3 * p):
+        s = build("dualpipev", p, m)
+        assert s.overlapped and s.compute_only().overlapped == s.overlapped
+        validate(s)
+        validate(lower(s))

@@ -139,12 +139,13 @@ class Schedule:
         return any(a.is_comm for acts in self.actions for a in acts)
 
     def compute_only(self) -> "Schedule":
-        """The same schedule with every SEND/RECV dropped (the unlowered view)."""
+        """The same schedule with every SEND/RECV dropped (the unlowered view; overlapped pairs kept)."""
         return Schedule(
             [[a for a in acts if a.is_compute] for acts in self.actions],
             list(self.stage_to_rank),
             self.n_microbatches,
             self.name,
+            tuple(self.overlapped),
         )
 
     def to_text(self) -> str:
@@ -292,8 +293,15 @@ def check_structure(schedule: Schedule) -> None:
 
 
 def check_pairs(schedule: Schedule) -> None:
-    """Each overlapped pair: two compute actions of one rank, next to each other in its compute order."""
+    """Each overlapped pair: two independent compute actions of one rank, next to each other in its compute order.
+
+    Independent: the second must not need what the first completes (``F(s,j)`` then ``B(s,j)``, ``F(s,j)`` then
+    ``F(s+1,j)`` of the same rank, ``I(s,j)`` then ``W(s,j)``). The two halves of a pair run at the same time, so
+    the second would read a result the first has not produced yet. A dependency that goes through another rank
+    needs a message the lowering sends after the pair, which :func:`check_deadlock` reports.
+    """
     in_pair: set[Action] = set()
+    n_stages = len(schedule.stage_to_rank)
     for first, second in schedule.overlapped:
         rows = [r for r, acts in enumerate(schedule.actions) if first in acts]
         row = [a for a in schedule.actions[rows[0]] if a.is_compute] if rows else []
@@ -303,4 +311,8 @@ def check_pairs(schedule: Schedule) -> None:
                                 "the second right after the first")
         if first in in_pair or second in in_pair:
             raise ScheduleError(f"overlapped pair ({first};{second}): an action is in two pairs")
+        if done_key(first) in dependencies(second, n_stages):
+            raise ScheduleError(f"overlapped pair ({first};{second}): {second} needs what {first} completes, but the "
+                                "two halves of a pair run at the same time; pair actions that do not depend on each "
+                                "other")
         in_pair.update((first, second))

@@ -8,7 +8,8 @@ Checks, cheapest first: the stage-to-rank map is sane; every action names an
 existing stage and microbatch on the rank that holds that stage; every
 (stage, microbatch) has exactly one F and either one B or one I and one W;
 on each stage F comes before its B/I and I before its W; cross-stage
-dependencies can be satisfied when every rank runs in order. For lowered
+dependencies can be satisfied when every rank runs in order, each overlapped
+pair completing as one unit (its halves are independent). For lowered
 schedules additionally: every SEND/RECV is needed, present once and matched by
 its peer, receives precede their consumers and sends follow their producers,
 pairs of ranks exchange messages in FIFO order, and blocking receives never
@@ -83,8 +84,16 @@ def _check_stage_order(positions: dict[Action, int], placement: list[int]) -> No
 
 
 def _check_dependencies(plain: Schedule) -> None:
+    """Every rank runs its actions in order; an overlapped pair completes as one unit.
+
+    The halves of a pair run at the same time, so what the first completes is
+    done only when the second is: neither half, nor any rank waiting on the
+    first's result, may need it earlier.
+    """
     done: set[Action] = set()
     n_stages = plain.num_stages
+    second_of = dict(plain.overlapped)
+    held: dict[Action, Action] = {}  # a pair's second -> its first, which completes with it
 
     def blocked_on(rank: int, action: Action):
         for dep in dependencies(action, n_stages):
@@ -92,8 +101,15 @@ def _check_dependencies(plain: Schedule) -> None:
                 return dep
         return None
 
-    run_in_order(plain.actions, blocked_on, lambda rank, a: done.add(done_key(a)),
-                 "cross-stage dependencies cannot be satisfied")
+    def run(rank: int, action: Action) -> None:
+        if action in second_of:
+            held[second_of[action]] = action
+            return
+        done.add(done_key(action))
+        if action in held:
+            done.add(done_key(held.pop(action)))
+
+    run_in_order(plain.actions, blocked_on, run, "cross-stage dependencies cannot be satisfied")
 
 
 def _check_messages(schedule: Schedule, positions: dict[Action, int]) -> None:
