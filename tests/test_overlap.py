@@ -6,7 +6,9 @@
   parameters after 3 steps equal those with overlap off bit for bit, and are
   close to those of the same EP-parallel model run unpipelined.
 - A model with no collective: the same with overlap on and off.
-- A half that raises fails the step on every rank, the pair named.
+- A half that raises fails the step on every rank, the pair named; a process
+  that dies inside a pair fails every surviving rank, and its expert-parallel
+  peer names the pair its half was in.
 - The measured trace shows each pair's F and B spans overlapping.
 """
 from __future__ import annotations
@@ -249,3 +251,46 @@ def test_overlapped_pairs_overlap_in_the_measured_trace():
     said = rank_values(_traced, 2, timeout=100)
     assert said[0]["pairs"] and all(ok for _, _, ok in said[0]["pairs"]), said[0]
     assert 0.0 <= said[0]["bubble"] < 1.0  # busy time is the union of spans: never more than the wall clock
+
+
+class _DiesInPair(nn.Module):
+    """Kills its own process the first time it runs inside a pair's half: a peer that dies mid-pair."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        import pipeline_ext as pe
+
+        if pe.in_overlap():
+            os._exit(3)
+        return x
+
+
+def _moe_peer_dies(rank: int, world: int) -> dict:
+    """The 4-process MoE pipeline; process 3 (pipeline rank 1, EP rank 1) dies inside its first pair."""
+    import pipeline_ext as pe
+
+    p, e, ep_group, pp_group = _groups(rank)
+    n = 2 * 2
+    modules = moe_stages(n, e, ep_group)
+    mine = [p, n - 1 - p]
+    if rank == 3:
+        modules = [nn.Sequential(_DiesInPair(), m) for m in modules]
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu", group=pp_group) for s in mine]
+    sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, overlap=True, timeout=20.0)
+    x, y = _data(e, 0)
+    try:
+        sched.step(x if p == 0 else None, target=y if p == 0 else None)
+    except Exception as exc:  # noqa: BLE001 - what each surviving rank saw is the point
+        return {"error": "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])}
+    return {"error": ""}
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_dies_inside_a_pair_fails_every_surviving_rank_and_the_pair_is_named():
+    said = run_ranks(_moe_peer_dies, 4, timeout=150, pg_timeout=20, expect_errors=True)
+    assert said[3] == ("died", 3), said[3]
+    errors = {r: (v["error"] if isinstance(v, dict) else str(v)) for r, (_, v) in said.items() if r != 3}
+    assert all(errors.values()), errors  # every surviving rank raised within the timeout, none hung
+    # process 2 is the dead one's expert-parallel peer: its own pair half waited on the dead rank's all-to-all
+    assert "overlapped pair" in errors[2], errors[2]
