@@ -178,7 +178,7 @@ def main() -> None:
     out = spawn(worker, 2, args.d_model, args.rows, args.delay, args.repeats, args.microbatches, args.trace,
                 timeout=900, threads=1)
     lines = [f"DualPipeV, 2 pipeline ranks (Gloo, 1 intra-op thread each), {args.microbatches} microbatches of {args.rows} x "
-             f"{args.d_model}, delay d = {args.delay * 1e3:.0f} ms per all-to-all (4 per MoE layer, 2 layers per stage), medians of "
+             f"{args.d_model}, delay d = {args.delay * 1e3:g} ms per all-to-all (4 per MoE layer, 2 layers per stage), medians of "
              f"{args.repeats} interleaved steps", "",
              "| rank | pairs | no delay (ms) | overlap off (ms) | overlap on (ms) | delay in the step, off (ms) | "
              "delay in pairs (ms) | actions in pairs | hidden |",

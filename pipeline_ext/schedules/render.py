@@ -65,6 +65,11 @@ def render_png(result: Union[Schedule, SimResult], path: str, xlabel: str = "tim
                width: Optional[float] = None) -> None:
     """Draw the timeline with matplotlib: one lane per rank, a box per action.
 
+    The two actions of an overlapped pair (``Schedule.overlapped``) share
+    their rank's lane, the F in its upper half and the B or I in its lower
+    half, so a measured step whose pairs ran at the same time shows them side
+    by side instead of drawn over each other.
+
     ``width`` (inches) defaults to one that grows with the makespan in cost
     units; measured timelines (runtime/trace.py) pass their own, with times in ms.
     """
@@ -81,13 +86,16 @@ def render_png(result: Union[Schedule, SimResult], path: str, xlabel: str = "tim
     makespan = max((s.end for s in result.timeline), default=1.0)
     width = min(4 + makespan / 2, 40) if width is None else width
     fig, ax = plt.subplots(figsize=(width, 1 + 0.6 * sched.num_ranks))
+    half_lane = {a: int(a.kind is not ActionKind.F) for pair in sched.overlapped for a in pair}
     for span in result.timeline:
         later = span.action.stage != sched.stages_of(span.rank)[0]
         color = _COLORS[span.action.kind][int(later)]
-        ax.broken_barh([(span.start, span.end - span.start)], (span.rank - 0.4, 0.8),
+        half = half_lane.get(span.action)
+        bottom, height = (span.rank - 0.4, 0.8) if half is None else (span.rank - 0.4 + 0.4 * half, 0.4)
+        ax.broken_barh([(span.start, span.end - span.start)], (bottom, height),
                        facecolors=color, edgecolors="black", linewidth=0.4)
-        ax.text((span.start + span.end) / 2, span.rank, _label(span, result), ha="center", va="center",
-                fontsize=6, clip_on=True)
+        ax.text((span.start + span.end) / 2, bottom + height / 2, _label(span, result), ha="center",
+                va="center", fontsize=6 if half is None else 5, clip_on=True)
     ax.set_yticks(range(sched.num_ranks), [f"rank {r}" for r in range(sched.num_ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
