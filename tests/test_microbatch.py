@@ -109,3 +109,24 @@ def test_split_is_differentiable_for_inputs_that_require_grad():
 def test_errors_name_the_problem(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((torch.arange(8.0).reshape(4, 2), 3, "s"), {"b": torch.ones(4), "a": torch.zeros(4, 1), "k": None}),
+    (([torch.arange(4.0)],), {"m": {"x": torch.arange(4.0)}}),  # one-leaf containers are not flat
+    ((torch.arange(4.0), None), {}),  # None is an empty node, not a leaf
+    ((torch.return_types.max((torch.arange(4.0), torch.arange(4))),), {}),  # a namedtuple
+])
+def test_split_rebuilds_every_structure_as_pytree_does(args, kwargs):
+    import torch.utils._pytree as pytree
+
+    got_args, got_kwargs = split_args_kwargs(args, kwargs, 2)
+    for k in range(2):
+        for got, whole in ((got_args[k], args), (got_kwargs[k], kwargs)):
+            leaves, tree = pytree.tree_flatten(whole)
+            want = pytree.tree_unflatten([x.tensor_split(2)[k] if isinstance(x, torch.Tensor) else x
+                                          for x in leaves], tree)
+            assert pytree.tree_structure(got) == tree and type(got) is type(want)
+            assert list(got) == list(want) if isinstance(got, dict) else True  # keys in the caller's order
+            for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+                assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
