@@ -19,6 +19,13 @@ one file:
 - **tied embeddings** (``tie_word_embeddings``): ``pe.tie_parameters`` keeps the
   first stage's embedding and the last stage's head one weight;
 - **clipping**: ``pe.clip_grad_norm_`` over the whole pipeline;
+- **stages by measured cost** (``--balance``): layer counts assume every layer
+  costs the same, but the LM head with its loss costs several decoder layers
+  at a large vocabulary, so the last stage sets the pace. ``--balance`` times
+  the embedding, each decoder layer and the norm + head + loss on rank 0
+  (``pe.balance_layers``; every rank takes rank 0's split, as timings differ
+  by process) and cuts where the schedule's simulated step is shortest; a
+  stage may then hold only the embedding or only the head;
 - **PP x DP** from torch's ``DeviceMesh`` (``pe.pipeline_mesh``, dims "dp" and
   "pp"; ``pe.pipeline_layout`` says which stages this rank holds): each stage
   is wrapped in ``DistributedDataParallel`` over its replicas, and the schedule
@@ -28,12 +35,16 @@ Run it (random weights, no downloads; ``pip install "pipeline_ext[llama]"``)::
 
     torchrun --nproc-per-node 4 examples/llama_pipeline.py --pp 2        # 2 stages x 2 replicas
     python examples/llama_pipeline.py --spawn 4 --pp 2 --check           # no torchrun; compare with unsplit
+    python examples/llama_pipeline.py --spawn 4 --pp 4 --balance --check # stages cut by measured cost
 
 At start it prints the layout it runs (``layout: pp=2 x dp=2, schedule 1f1b,
-1 stage per rank; rank 0: stage 0 (dp replica 0), ...``). ``--check`` also runs
-the unsplit model on the global batch, compares the pipeline's first-step loss,
-gradient norm and gradients with it, prints one ``check: PASS (...)`` or
-``check: FAIL (...)`` line and exits with status 1 on FAIL.
+1 stage per rank; rank 0: stage 0 (dp replica 0), ...``); with ``--balance``
+rank 0 prints it once the split is measured, the split included (``..., split
+[2, 3, 3, 2] of [embedding, 8 decoder layers, head]; ...``: entries per
+stage). ``--check`` also runs the unsplit model on the global batch, compares
+the pipeline's first-step loss, gradient norm and gradients with it, prints
+one ``check: PASS (...)`` or ``check: FAIL (...)`` line and exits with status
+1 on FAIL.
 """
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,8 +80,9 @@ SIZES = {  # (hidden, layers, heads, kv heads, vocab)
 }
 
 
-def llama_config(size: str, seq: int) -> LlamaConfig:
-    hidden, layers, heads, kv, vocab = SIZES[size]
+def llama_config(size: str, seq: int, vocab: Optional[int] = None) -> LlamaConfig:
+    """The model of ``SIZES[size]``, its vocabulary replaced by ``vocab`` when given (the head's cost grows with it)."""
+    hidden, layers, heads, kv, vocab = SIZES[size][:4] + (vocab or SIZES[size][4],)
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(64, seq),
                        tie_word_embeddings=True, attention_dropout=0.0)
@@ -111,6 +123,49 @@ class LlamaStage(nn.Module):
         return x, position_ids, attention_mask
 
 
+def llama_layers(full: LlamaForCausalLM) -> list[LlamaStage]:
+    """The model as ``[embedding, decoder layer 0, ..., norm + head]`` for ``pe.balance_layers``.
+
+    Each entry is a ``LlamaStage`` (the ends hold no decoder layer), so it
+    follows the stages' calling convention and is timed as a stage runs it,
+    mask and rotary embeddings included. ``pe.block_ranges`` turns a split of
+    this list into each stage's decoder layers.
+    """
+    n = full.config.num_hidden_layers
+    return [LlamaStage(full, 0, 0, first=True, last=False),
+            *(LlamaStage(full, i, i + 1, first=False, last=False) for i in range(n)),
+            LlamaStage(full, n, n, first=False, last=True)]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unsplit model's loss: token mean of cross entropy over pre-shifted labels (-100 ignored)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def balanced_split(full: LlamaForCausalLM, schedule: str, pp: int, microbatches: int, rows: int, seq: int,
+                   device: torch.device, repeats: int = 5) -> list[int]:
+    """Entries of ``llama_layers(full)`` per stage, cut by measured cost for ``schedule`` on ``pp`` ranks.
+
+    Times one microbatch of ``rows`` rows (step 0's batch) through each entry,
+    the loss on the head; with torch.distributed up, rank 0 times and every
+    rank gets its split (``pe.balance_layers``).
+    """
+    ids, mask, labels = make_batch(rows, seq, full.config.vocab_size, 0)
+    bal = pe.balance_layers(llama_layers(full), (ids.to(device),), schedule, num_ranks=pp, microbatches=microbatches,
+                            stages_per_rank=stages_per_rank(schedule),
+                            example_kwargs={"attention_mask": mask.to(device)}, loss_fn=lm_loss,
+                            target=labels.to(device), repeats=repeats)
+    return bal.sizes
+
+
+def check_balance_fits(layers: int, pp: int, schedule: str) -> None:
+    """``--balance`` cuts ``[embedding, layers, head]``: a ValueError when the schedule has more stages."""
+    n = pp * stages_per_rank(schedule)
+    if n > layers + 2:
+        raise ValueError(f"--balance: {schedule} on --pp {pp} has {n} stages, more than the {layers + 2} entries "
+                         f"(embedding, {layers} decoder layers, head) it can cut")
+
+
 def make_batch(rows: int, seq: int, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counting sequences (learnable) with right padding: ids, attention mask, labels shifted left (-100 masked)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -148,12 +203,18 @@ def planned_layout(world: int, pp: int, schedule: str) -> list[tuple[int, tuple[
     return [(r // pp, tuple(s for s, owner in enumerate(placement) if owner == r % pp)) for r in range(world)]
 
 
-def describe_layout(world: int, pp: int, schedule: str) -> str:
-    """One line: ``layout: pp=2 x dp=2, schedule 1f1b, 1 stage per rank; rank 0: stage 0 (dp replica 0), ...``."""
+def describe_layout(world: int, pp: int, schedule: str, split: Optional[Sequence[int]] = None) -> str:
+    """One line: ``layout: pp=2 x dp=2, schedule 1f1b, 1 stage per rank; rank 0: stage 0 (dp replica 0), ...``.
+
+    ``split`` (a ``--balance`` split of ``llama_layers``) goes after the stages
+    per rank: ``..., split [2, 3, 3, 2] of [embedding, 8 decoder layers, head]; rank 0: ...``.
+    """
     v = stages_per_rank(schedule)
     ranks = ", ".join(f"rank {r}: stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))} (dp replica {dp})"
                       for r, (dp, held) in enumerate(planned_layout(world, pp, schedule)))
-    return f"layout: pp={pp} x dp={world // pp}, schedule {schedule}, {v} stage{'s' if v > 1 else ''} per rank; {ranks}"
+    cut = "" if split is None else f", split {list(split)} of [embedding, {sum(split) - 2} decoder layers, head]"
+    per_rank = f"{v} stage{'s' if v > 1 else ''} per rank"
+    return f"layout: pp={pp} x dp={world // pp}, schedule {schedule}, {per_rank}{cut}; {ranks}"
 
 
 def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -174,13 +235,22 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"rank {rank} holds stages {mine} of dp replica {dp_rank}, the printed layout says "
                            f"{planned_layout(world, pp, name)[rank]}")
     dp_group = layout.dp_group if dp > 1 else None
+    rows = cfg["batch"] // dp
 
     config = llama_config(cfg["size"], cfg["seq"])
     torch.manual_seed(0)  # the same random weights on every rank
     full = LlamaForCausalLM(config).to(device)
     reference = copy.deepcopy(full) if cfg.get("check") else None
 
-    ranges = split_layers(config.num_hidden_layers, n)
+    if cfg.get("balance"):  # rank 0 times each layer; every rank cuts where rank 0 says
+        check_balance_fits(config.num_hidden_layers, pp, name)
+        split = balanced_split(full, name, pp, cfg["microbatches"], max(1, rows // cfg["microbatches"]), cfg["seq"],
+                               device)
+        ranges = pe.block_ranges(split)
+        if rank == 0 and cfg.get("verbose", True):  # the split is known only now: rank 0 prints the layout
+            print(describe_layout(world, pp, name, split), flush=True)
+    else:
+        ranges = split_layers(config.num_hidden_layers, n)
     modules = {s: LlamaStage(full, *ranges[s], first=s == 0, last=s == n - 1) for s in mine}
     del full  # the stages hold what this rank needs
     # data parallel: each stage in DDP over its replicas (synchronised once per step by the schedule)
@@ -194,7 +264,6 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
 
-    rows = cfg["batch"] // dp
     out: dict[str, Any] = {"losses": [], "tokens_per_s": []}
     for step in range(cfg["steps"]):
         ids, mask, labels = make_batch(cfg["batch"], cfg["seq"], config.vocab_size, step)
@@ -231,7 +300,7 @@ def _compare_first_step(reference: LlamaForCausalLM, modules: dict[int, LlamaSta
     """The unsplit model on the global batch vs this rank's stages after one step (grads before clipping)."""
     position_ids = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
     logits = reference(ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device)).logits
-    ref_loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.to(device).flatten(), ignore_index=-100)
+    ref_loss = lm_loss(logits, labels.to(device))
     ref_loss.backward()
     ref_loss = ref_loss.detach()
     grad_err = 0.0
@@ -295,18 +364,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="compare the first step with the unsplit model")
+    ap.add_argument("--balance", action="store_true",
+                    help="cut the stages by measured cost (rank 0 times each layer) instead of equal layer counts")
     ap.add_argument("--spawn", type=int, default=0, help="start this many local ranks (Gloo) instead of torchrun")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("pp", "schedule", "size", "batch", "seq", "microbatches", "steps", "lr",
-                                         "clip", "check")}
+                                         "clip", "check", "balance")}
+    if args.balance:
+        try:
+            check_balance_fits(SIZES[args.size][1], args.pp, args.schedule)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.spawn:
         from pipeline_ext.dist.launch import spawn
 
         try:
-            print(describe_layout(args.spawn, args.pp, args.schedule), flush=True)
+            layout = describe_layout(args.spawn, args.pp, args.schedule)
         except ValueError as exc:
             ap.error(str(exc))
-        results = spawn(train, args.spawn, cfg, timeout=3600, threads=1)
+        if not args.balance:  # with --balance, rank 0 prints it with the measured split
+            print(layout, flush=True)
+        # with --balance the other ranks wait in a broadcast while rank 0 profiles: a longer group timeout
+        results = spawn(train, args.spawn, cfg, timeout=3600, pg_timeout=600 if args.balance else 60, threads=1)
         return _report({r: v for r, (_, v) in results.items()}, args.check)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
@@ -316,7 +395,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg["device"] = f"cuda:{local}"
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        if rank == 0:
+        if rank == 0 and not args.balance:  # with --balance, train prints it with the measured split
             print(describe_layout(world, args.pp, args.schedule), flush=True)
         res = train(rank, world, cfg)
         gathered: list[Any] = [None] * world

@@ -71,6 +71,8 @@ _EXPORTS = {
     "profile_layers": "pipeline_ext.training.balance",
     "balance_layers": "pipeline_ext.training.balance",
     "stage_modules": "pipeline_ext.training.balance",
+    "block_ranges": "pipeline_ext.training.balance",
+    "sizes_with_ends": "pipeline_ext.training.balance",
     "LayerChain": "pipeline_ext.training.balance",
     "balance_stages": "pipeline_ext.schedules.balance",
     "LayerCost": "pipeline_ext.schedules.balance",

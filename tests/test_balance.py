@@ -181,3 +181,17 @@ def test_model_split_by_the_balancer_matches_unsplit_on_two_ranks():
     results = run_ranks(_split_run, 2, timeout=100)
     bad = [b for _, (_, errs) in sorted(results.items()) for b in errs]
     assert not bad, bad
+
+
+def test_block_ranges_put_the_ends_on_the_first_and_last_stages():
+    assert pe.block_ranges([2, 3, 3, 2]) == [(0, 1), (1, 4), (4, 7), (7, 8)]
+    assert pe.block_ranges([1, 4, 4, 1]) == [(0, 0), (0, 4), (4, 8), (8, 8)]  # embedding alone, head alone
+    assert pe.block_ranges([10]) == [(0, 8)]
+    assert pe.block_ranges([3, 1], first=2, last=0) == [(0, 1), (1, 2)]
+    for blocks in ([1, 3, 3, 1], [0, 4, 4, 0], [8], [8, 0]):
+        ranges = pe.block_ranges(pe.sizes_with_ends(blocks))
+        assert [hi - lo for lo, hi in ranges] == blocks and ranges[0][0] == 0 and ranges[-1][1] == 8
+    with pytest.raises(ValueError, match="non-empty"):
+        pe.block_ranges([2, 0, 2])
+    with pytest.raises(ValueError, match="middle stage empty"):
+        pe.sizes_with_ends([2, 0, 2])

@@ -34,6 +34,8 @@ _EXPORTS = {
     "balance_layers": "balance",
     "LayerChain": "balance",
     "stage_modules": "balance",
+    "block_ranges": "balance",
+    "sizes_with_ends": "balance",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,6 +12,12 @@ both and, across processes, makes every rank take rank 0's split (timings
 differ between processes; the stages must not). ``LayerChain`` groups a slice
 of layers into one stage module.
 
+A language model's layer list is usually ``[embedding, blocks..., head]``
+while its stage class takes a range of blocks plus "first"/"last" flags (a
+Hugging Face model's stages, ``demo.gpt_stages``): ``block_ranges`` turns a
+split of that list into each stage's block range, ``sizes_with_ends`` a
+blocks-per-stage count into a split of the list (to simulate it).
+
 Layers follow the multi-process stages' calling convention: a tuple output is
 the next layer's positional arguments (a Hugging Face decoder stage passes
 ``(hidden, position_ids, attention_mask)``), anything else its one argument.
@@ -35,7 +41,7 @@ from pipeline_ext.runtime.microbatch import to_device
 from pipeline_ext.runtime.stage import detach_tree
 from pipeline_ext.schedules import Balance, LayerCost, Schedule, balance_stages
 
-__all__ = ["profile_layers", "balance_layers", "LayerChain", "stage_modules"]
+__all__ = ["profile_layers", "balance_layers", "LayerChain", "stage_modules", "block_ranges", "sizes_with_ends"]
 
 
 def _flat(x: Any) -> list[torch.Tensor]:
@@ -210,4 +216,40 @@ def stage_modules(layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Lay
     for s in sizes:
         out.append(LayerChain(*layers[lo:lo + s]))
         lo += s
+    return out
+
+
+def block_ranges(sizes: Sequence[int], first: int = 1, last: int = 1) -> list[tuple[int, int]]:
+    """Each stage's ``(lo, hi)`` range of blocks (end exclusive) for a split of ``[first ends, blocks, last ends]``.
+
+    ``sizes`` splits a layer list whose ``first`` leading entries (the
+    embedding) and ``last`` trailing ones (the norm and head) are not blocks,
+    as ``balance_layers`` returns it for ``demo.gpt_layers`` or the Llama
+    example's layers; block ``i`` is entry ``first + i``. The ends fall on the
+    first and last stages, which may then hold no block (``(0, 0)``: only the
+    embedding). ``block_ranges([2, 3, 3, 2])`` is ``[(0, 1), (1, 4), (4, 7), (7, 8)]``.
+    """
+    if any(s < 1 for s in sizes) or sum(sizes) < first + last:
+        raise ValueError(f"sizes {list(sizes)} are not a split of {first} + blocks + {last} layers into "
+                         "non-empty stages")
+    blocks, out, lo = sum(sizes) - first - last, [], 0
+    for s in sizes:
+        out.append((min(max(lo - first, 0), blocks), min(max(lo + s - first, 0), blocks)))
+        lo += s
+    return out
+
+
+def sizes_with_ends(blocks: Sequence[int], first: int = 1, last: int = 1) -> list[int]:
+    """Blocks per stage as a split of ``[first ends, blocks, last ends]``: the inverse of ``block_ranges``.
+
+    ``sizes_with_ends([1, 3, 3, 1])`` is ``[2, 3, 3, 2]`` (what an equal block
+    split is, for ``schedules.evaluate_split`` over ``balance_layers``' costs).
+    """
+    if not blocks or any(b < 0 for b in blocks):
+        raise ValueError(f"blocks per stage must be >= 0, got {list(blocks)}")
+    out = list(blocks)
+    out[0] += first
+    out[-1] += last
+    if any(s < 1 for s in out):
+        raise ValueError(f"blocks per stage {list(blocks)} leave a middle stage empty")
     return out
