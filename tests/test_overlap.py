@@ -1,6 +1,7 @@
 """Overlapped pairs (DualPipeV's OVERLAP_F_B) run as two threads under a baton (runtime/overlap.py), over Gloo.
 
-- A small MoE model, experts spread over the 2 ranks of an expert-parallel
+- A small MoE model (its all-to-alls torch.distributed's or functional
+  collectives), experts spread over the 2 ranks of an expert-parallel
   group (all-to-all dispatch and combine on its own ``new_group``), in a
   DualPipeV pipeline on 2 pipeline ranks (4 processes): with overlap on, the
   parameters after 3 steps equal those with overlap off bit for bit, and are
@@ -48,9 +49,9 @@ class _AllToAll(torch.autograd.Function):
 class MoEStage(nn.Module):
     """Token i of a microbatch goes to expert i * E // n (E = EP ranks, one expert each); gated, residual."""
 
-    def __init__(self, group, last: bool = False, delay: float = 0.0) -> None:
+    def __init__(self, group, last: bool = False, delay: float = 0.0, funcol: bool = False) -> None:
         super().__init__()
-        self.group, self.delay = group, delay
+        self.group, self.delay, self.funcol = group, delay, funcol
         self.inp = nn.Linear(D, D)
         self.gate = nn.Linear(D, 1)
         self.expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))  # this EP rank's own
@@ -64,7 +65,13 @@ class MoEStage(nn.Module):
                 import time
 
                 time.sleep(self.delay)
-        return _AllToAll.apply(h, self.group) if self.group is not None else h
+        if self.group is None:
+            return h
+        if self.funcol:  # a functional collective: issued here, waited on at the result's first use
+            import torch.distributed._functional_collectives as funcol
+
+            return funcol.all_to_all_single_autograd(h, None, None, self.group)
+        return _AllToAll.apply(h, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
@@ -74,10 +81,10 @@ class MoEStage(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def moe_stages(num_stages: int, ep_rank: int, group, delay: float = 0.0) -> list[nn.Module]:
+def moe_stages(num_stages: int, ep_rank: int, group, delay: float = 0.0, funcol: bool = False) -> list[nn.Module]:
     """The same replicated weights on every EP rank, each EP rank's experts its own (seeded by it)."""
     torch.manual_seed(0)
-    stages = [MoEStage(group, last=s == num_stages - 1, delay=delay) for s in range(num_stages)]
+    stages = [MoEStage(group, last=s == num_stages - 1, delay=delay, funcol=funcol) for s in range(num_stages)]
     torch.manual_seed(100 + ep_rank)
     with torch.no_grad():
         for s in stages:
@@ -104,7 +111,7 @@ def _groups(rank: int):
     return rank // 2, rank % 2, ep[rank // 2], pp[rank % 2]
 
 
-def _train_moe(rank: int, world: int) -> dict:
+def _train_moe(rank: int, world: int, funcol: bool = False) -> dict:
     import pipeline_ext as pe
 
     p, e, ep_group, pp_group = _groups(rank)
@@ -114,7 +121,7 @@ def _train_moe(rank: int, world: int) -> dict:
 
     for mode in ("off", "on", "ref"):
         before = handover_count()
-        modules = moe_stages(n, e, ep_group)
+        modules = moe_stages(n, e, ep_group, funcol=funcol)
         mine = [p, n - 1 - p] if mode != "ref" else list(range(n))
         opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.1)
         sched = None
@@ -141,8 +148,9 @@ def _train_moe(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_moe_with_expert_all_to_all_overlapped_equals_sequential_and_unsplit():
-    said = rank_values(_train_moe, 4, timeout=280)
+@pytest.mark.parametrize("funcol", [False, True], ids=["c10d", "functional"])
+def test_moe_with_expert_all_to_all_overlapped_equals_sequential_and_unsplit(funcol):
+    said = rank_values(_train_moe, 4, funcol, timeout=280)
     assert all(v["pairs"] > 0 for v in said.values())  # every rank has pairs to overlap
     # the expert all-to-alls (forward and backward) inside pairs handed over; nothing did without overlap
     assert all(v["handovers on"] >= 4 * v["pairs"] * 3 and v["handovers off"] == 0 for v in said.values()), said

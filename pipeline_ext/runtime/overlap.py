@@ -40,10 +40,16 @@ Handover points
 - ``overlap_point()``: gives the turn to the other half and takes it back at
   the next turn (a yield with nothing to wait on).
 
-What is not covered: functional collectives and DTensor
-(``torch.ops._c10d_functional``), collectives imported by name before the
-pair runs (``from torch.distributed import all_to_all_single``): wrap those
-waits in ``comm_region()``.
+- The wait of a functional collective (``torch.distributed._functional_collectives``,
+  which DTensor uses too): it is issued when called, with the baton, and
+  waited on by ``wait_tensor`` when its result is first used (or in its
+  backward function); that wait runs without the baton.
+
+What is not covered: collectives imported by name before the pair runs
+(``from torch.distributed import all_to_all_single``), and waits inside
+torch's C++ (a functional collective's backward on a torch whose backward is
+C++): wrap those waits in ``comm_region()``; without a handover a half keeps
+the baton through its wait, which is the sequential run.
 
 Exactness
 ---------
@@ -82,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -223,6 +230,29 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return collective
 
 
+def _wrap_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A functional collective's wait (``wait_tensor``), called from a pair half: waited on without the baton.
+
+    The collective itself was issued earlier, with the baton (functional
+    collectives are issued when called and waited on when their result is
+    first used), so only the wait moves.
+    """
+
+    @functools.wraps(original)
+    def wait_tensor(*args: Any, **kwargs: Any) -> Any:
+        half = _current()
+        if half is None:
+            return original(*args, **kwargs)
+        half.give()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            half.take()
+
+    wait_tensor.__pipeline_ext_original__ = original  # type: ignore[attr-defined]
+    return wait_tensor
+
+
 _patch_lock = threading.Lock()
 _patch_users = 0
 _patched: dict[tuple[Any, str], Any] = {}
@@ -251,6 +281,14 @@ def _collectives_wrapped() -> Iterator[None]:
                     if getattr(module, name, None) is original:
                         _patched[(module, name)] = original
                         setattr(module, name, wrapped)
+            # functional collectives (DTensor's too) wait through this module's ``wait_tensor``, looked up at
+            # call time: by an AsyncCollectiveTensor's first use, and by their backward functions. Only a model
+            # that uses them has imported the module.
+            funcol = sys.modules.get("torch.distributed._functional_collectives")
+            original = getattr(funcol, "wait_tensor", None)
+            if original is not None:
+                _patched[(funcol, "wait_tensor")] = original
+                funcol.wait_tensor = _wrap_wait(original)
         _patch_users += 1
     try:
         yield
