@@ -178,6 +178,11 @@ def split_args_kwargs(
     args = tuple(args)
     kwargs = dict(kwargs or {})
     args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
+    if args_spec is None and kwargs_spec is None and not kwargs and args and all(
+            isinstance(a, torch.Tensor) for a in args):
+        # the common step: a few tensors split along dim 0 (no pytree walk: it cost more than the split)
+        pieces = [_split_leaf(x, _leaf_spec(None), n_microbatches, f"args leaf {i}") for i, x in enumerate(args)]
+        return list(zip(*pieces)), [{} for _ in range(n_microbatches)]
     per_part = []
     for what, values, spec in (("args", args, args_spec), ("kwargs", kwargs, kwargs_spec)):
         leaves, tree = pytree.tree_flatten(values)
@@ -194,12 +199,14 @@ def _rebuild(values: Any, leaves: list[Any], pieces: list[list[Any]], tree: Any,
     itself a leaf: the common case) is rebuilt directly: ``tree_unflatten``
     per microbatch cost most of a step's split at 32 microbatches.
     """
+    if not values and type(values) in (tuple, dict):
+        return [type(values)() for _ in range(n)]
     if type(values) is tuple and len(leaves) == len(values) and all(a is b for a, b in zip(leaves, values)):
-        return [tuple(p[k] for p in pieces) for k in range(n)]
+        return list(zip(*pieces))
     if (type(values) is dict and len(leaves) == len(values)
             and all(a is b for a, b in zip(leaves, values.values()))):  # pytree flattens a dict in insertion order
         keys = list(values)
-        return [dict(zip(keys, (p[k] for p in pieces))) for k in range(n)]
+        return [dict(zip(keys, chunk)) for chunk in zip(*pieces)]
     return [pytree.tree_unflatten([p[k] for p in pieces], tree) for k in range(n)]
 
 
