@@ -6,7 +6,8 @@
   DualPipeV pipeline on 2 pipeline ranks (4 processes): with overlap on, the
   parameters after 3 steps equal those with overlap off bit for bit, and are
   close to those of the same EP-parallel model run unpipelined.
-- A model with no collective: the same with overlap on and off.
+- A model with no collective: the same with overlap on and off; and so is a
+  training loop with an eval between steps (losses and parameters).
 - A half that raises fails the step on every rank, the pair named; a process
   that dies inside a pair fails every surviving rank, and its expert-parallel
   peer names the pair its half was in.
@@ -302,3 +303,43 @@ def test_a_peer_that_dies_inside_a_pair_fails_every_surviving_rank_and_the_pair_
     assert all(errors.values()), errors  # every surviving rank raised within the timeout, none hung
     # process 2 is the dead one's expert-parallel peer: its own pair half waited on the dead rank's all-to-all
     assert "overlapped pair" in errors[2], errors[2]
+
+
+def _train_and_eval(rank: int, world: int) -> dict:
+    """A user's loop: training steps with an eval between them, overlap on and off in the same processes."""
+    import pipeline_ext as pe
+
+    from models import build, make_batch
+
+    n = 2 * world
+    mine = [rank, n - 1 - rank]
+    out: dict = {}
+    for overlap in (True, False):
+        modules = build("mlp", n)
+        stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+        sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, overlap=overlap, timeout=30.0)
+        opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.1)
+        evals = []
+        for step in range(3):
+            x, y = make_batch("mlp", 8, seed=step)
+            opt.zero_grad()
+            sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+            opt.step()
+            losses: list = []
+            xe, ye = make_batch("mlp", 8, seed=100 + step)
+            sched.eval(xe if rank == 0 else None, target=ye if rank == 0 else None, losses=losses)
+            evals.append([float(v) for v in losses])
+        out[overlap] = {"params": {s: [q.detach().tolist() for q in modules[s].parameters()] for s in mine},
+                        "evals": evals}
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_training_with_eval_between_steps_is_bitwise_the_same_with_and_without_overlap():
+    said = rank_values(_train_and_eval, 2, timeout=200)
+    assert any(v[True]["evals"][0] for v in said.values())  # the rank holding the loss saw eval losses
+    for rank, v in said.items():
+        assert v[True]["evals"] == v[False]["evals"], rank
+        for s in v[True]["params"]:
+            for a, b in zip(v[True]["params"][s], v[False]["params"][s]):
+                assert torch.equal(torch.tensor(a), torch.tensor(b)), (rank, s)
