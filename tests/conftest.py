@@ -5,7 +5,9 @@ import os
 import signal
 
 import pytest
+import torch
 
+from mp_utils import TEST_DEVICE_ENV
 from pipeline_ext.dist.shm import TRANSPORT_ENV
 
 
@@ -17,6 +19,41 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     the test instead of quietly running on Gloo.
     """
     monkeypatch.setenv(TRANSPORT_ENV, request.param)
+    return request.param
+
+
+@pytest.fixture(params=[
+    pytest.param(("cpu", "gloo"), id="gloo"),
+    pytest.param(("cpu", "shm"), id="shm"),
+    pytest.param(("cuda", "process_group"), id="cuda-nccl", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def rank_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a multi-process test once per transport on CPU stages, and once with every stage on ``cuda:0``.
+
+    The spawned ranks inherit both choices (``$PIPELINE_EXT_TRANSPORT``, and
+    ``$PIPELINE_EXT_TEST_DEVICE`` that ``tests/models.py`` and ``mp_utils``
+    read): on the GPU the default group is Gloo + NCCL and every rank is an
+    NCCL host of its own (``dist.launch.spawn(own_nccl_host=True)``), so
+    ranks sharing one GPU run the NCCL path. The reference model runs on the
+    same device.
+    """
+    device, transport = request.param
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
+    monkeypatch.setenv(TEST_DEVICE_ENV, device)
+    return device
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda-nccl", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def stage_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``rank_device`` for tests that run on one CPU transport (the default): CPU stages, then ``cuda:0`` over NCCL."""
+    monkeypatch.setenv(TEST_DEVICE_ENV, request.param)
+    if request.param == "cuda":
+        monkeypatch.setenv(TRANSPORT_ENV, "process_group")
     return request.param
 
 

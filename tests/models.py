@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mp_utils import test_device
+
 D = 16
 
 
@@ -78,14 +80,16 @@ MODELS: dict[str, Callable[[int], list[nn.Module]]] = {"mlp": mlp, "blocks": blo
 
 
 def make_batch(model: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch (drawn on the CPU, the same numbers everywhere) on the test's device."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, D, generator=g) if model == "blocks" else torch.randn(n, D, generator=g)
-    return x, torch.randn(n, 4, generator=g)
+    return x.to(test_device()), torch.randn(n, 4, generator=g).to(test_device())
 
 
 def build(model: str, num_stages: int, seed: int = 0) -> list[nn.Module]:
+    """The seeded stages (initialised on the CPU, the same weights everywhere) on the test's device."""
     torch.manual_seed(seed)
-    return MODELS[model](num_stages)
+    return [m.to(test_device()) for m in MODELS[model](num_stages)]
 
 
 def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:

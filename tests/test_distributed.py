@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_utils import run_ranks
+from mp_utils import run_ranks, test_device
 from models import D, build, loss_fn, make_batch, reference, run_stages
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev", "v_half", "v_min"]
@@ -36,7 +36,7 @@ def _make_schedule(name: str, rank: int, world: int, m: int, modules: list, **kw
     v = _stages_per_rank(name)
     placement = S.build(name, world, m, stages_per_rank=v).stage_to_rank
     mine = [s for s, r in enumerate(placement) if r == rank]
-    stages = [pe.PipelineStage(modules[s], s, world * v, "cpu") for s in mine]
+    stages = [pe.PipelineStage(modules[s], s, world * v, test_device()) for s in mine]
     cls = pe.get_schedule_class(name)
     return cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn, **kw), mine
 
@@ -100,7 +100,7 @@ def _matrix(rank: int, world: int, model: str) -> tuple[int, list[str]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model", ["mlp", "blocks", "tuple"])
-@pytest.mark.usefixtures("transport")
+@pytest.mark.usefixtures("rank_device")
 def test_every_schedule_matches_unsplit_model(world, model):
     results = run_ranks(_matrix, world, model, timeout=200)
     ran = {r: v[1][0] for r, v in results.items()}
@@ -139,7 +139,7 @@ def _optimizer_steps(rank: int, world: int, name: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b", "v_half", "v_min"])
-@pytest.mark.usefixtures("transport")
+@pytest.mark.usefixtures("rank_device")
 def test_three_optimizer_steps_match(name):
     _expect_no_mismatches(_optimizer_steps, 2, name)
 
@@ -151,7 +151,7 @@ def _shape_changes(rank: int, world: int) -> list[str]:
     bad = []
     for n, seq in ((8, 3), (11, 3), (8, 5), (8, 3)):
         g = torch.Generator().manual_seed(10 * n + seq)
-        x, y = torch.randn(n, seq, D, generator=g), torch.randn(n, 4, generator=g)
+        x, y = (t.to(test_device()) for t in (torch.randn(n, seq, D, generator=g), torch.randn(n, 4, generator=g)))
         _, ref_grads, _ = reference("blocks", world, x, y)
         for mod in modules:
             mod.zero_grad()
@@ -162,6 +162,7 @@ def _shape_changes(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("stage_device")
 def test_step_with_new_batch_size_and_sequence_length():
     _expect_no_mismatches(_shape_changes, 2)
 
@@ -282,7 +283,7 @@ def _eval_then_step(rank: int, world: int, model: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.usefixtures("transport")
+@pytest.mark.usefixtures("rank_device")
 def test_eval_then_step_every_schedule():
     """eval() and step() with one batch shape are different plans: neither may reuse the other's layouts."""
     _expect_no_mismatches(_eval_then_step, 2, "blocks", timeout=150)

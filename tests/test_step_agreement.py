@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from models import build, loss_fn, make_batch, run_stages
-from mp_utils import no_complaints, rank_values, run_ranks
+from mp_utils import no_complaints, rank_values, run_ranks, test_device
 from pipeline_ext.dist.agreement import (MAX_MICROBATCHES, MAX_SIGNATURES, StepAgreementError, StepRecord,
                                          StepRejectedError, agree, sizes_digest)
 
@@ -104,7 +104,7 @@ def test_record_round_trip_and_a_foreign_record_is_named():
 def _schedule(rank: int, world: int, modules, name="1f1b", m=4, loss=loss_fn, timeout=TIMEOUT):
     import pipeline_ext as pe
 
-    stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
+    stage = pe.PipelineStage(modules[rank], rank, world, test_device())
     return pe.get_schedule_class(name)(stage, m, loss_fn=loss, timeout=timeout)
 
 
@@ -154,7 +154,7 @@ def _catch_and_skip(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.usefixtures("transport")
+@pytest.mark.usefixtures("rank_device")
 def test_catch_and_skip_loop_stays_in_step_and_exact():
     said = rank_values(_catch_and_skip, 2, timeout=90)
     assert not [s for v in said.values() for s in v if "gradients differ" in s], said

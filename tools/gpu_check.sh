@@ -8,7 +8,8 @@
 # version: nothing is downloaded), then runs, each step logged to
 # REPORT_DIR/logs/ and summarised in REPORT_DIR/report.md:
 #   1. build of the CUDA extension; torch, CUDA and device versions
-#   2. pytest -m cuda, then the whole suite (run last, in the time left)
+#   2. pytest -m cuda (single process), then the whole suite (run last, in the time left)
+#   2a. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
 #   3. benchmarks/bench_kernels.py on CUDA (split/concat/pack vs torch and vs a plain copy)
 #   4. Pipe on cuda:0: every schedule x checkpoint mode x fp32/autocast bf16 (tests/test_cuda_paths.py)
 #   5. benchmarks/bench_overlap.py: copy time hidden behind compute, copy streams vs compute stream
@@ -96,8 +97,25 @@ assert "libstdc++.so" in subprocess.run(["ldd", _C.__file__], capture_output=Tru
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOGS/versions.log" 2>&1
 nvcc --version | tail -n 2 >>"$LOGS/versions.log" 2>&1
 
-# 2. tests
-step pytest_cuda 900 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
+# 2. tests (single process; the multi-process ones are step 2a)
+step pytest_cuda 900 "$PY" -m pytest -m "cuda and not slow" -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
+
+# 2a. multi-process pipelines on the GPU: the multi-process equivalence, agreement and PP x DP tests,
+# parametrised by device (tests/conftest.py: rank_device, stage_device), every rank's stages on cuda:0,
+# the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, dist.launch.spawn), the
+# reference model on the same GPU.
+MP_TESTS=(tests/test_distributed.py tests/test_step_agreement.py tests/test_data_parallel.py)
+step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-900}" "$PY" -m pytest -m "cuda and slow" -v -p no:cacheprovider \
+  --junitxml="$LOGS/multiprocess_cuda.xml" "${MP_TESTS[@]}"
+"$PY" - "$LOGS/multiprocess_cuda.xml" >"$OUT_DIR/multiprocess.md" 2>>"$LOGS/multiprocess_table.log" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+print("| test (stages on cuda:0, NCCL) | result | time |")
+print("|---|---|---|")
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    bad = case.find("failure") is not None or case.find("error") is not None
+    result = "FAIL" if bad else "skip" if case.find("skipped") is not None else "pass"
+    print(f"| {case.get('name')} | {result} | {float(case.get('time', 0)):.0f} s |")
+EOF
 
 # 3. kernel benchmark
 bench_args=(--device cuda --markdown "$OUT_DIR/kernels.md")
@@ -177,13 +195,18 @@ step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -v -p no:cacheprovi
   echo
   echo "## Tests"
   echo
-  echo "- \`pytest -m cuda\`: $(verdict "$LOGS/pytest_cuda.log")"
+  echo "- \`pytest -m cuda\` (single process): $(verdict "$LOGS/pytest_cuda.log")"
+  echo "- multi-process on cuda:0 over NCCL: $(verdict "$LOGS/pytest_multiprocess_cuda.log")"
   echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
-  grep -E '(FAILED|ERROR) tests/' "$LOGS/pytest_all.log" "$LOGS/pytest_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
+  grep -E '(FAILED|ERROR) tests/' "$LOGS/pytest_all.log" "$LOGS/pytest_cuda.log" "$LOGS/pytest_multiprocess_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
   for tool in memcheck racecheck; do
     [ -f "$LOGS/sanitizer_$tool.log" ] &&
       echo "- compute-sanitizer $tool: $(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -n 1 | sed 's/^=* *//') over $(verdict "$LOGS/sanitizer_$tool.log")"
   done
+  echo
+  echo "## Multi-process pipelines on cuda:0 against the unsplit model"
+  echo
+  cat "$OUT_DIR/multiprocess.md" 2>/dev/null || echo "(no table: see logs/pytest_multiprocess_cuda.log)"
   echo
   echo "## Pipe on cuda:0 against the unsplit model"
   echo

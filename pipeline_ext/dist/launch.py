@@ -32,15 +32,18 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any,
-           pg_timeout: float, threads: Optional[int]) -> None:
+           pg_timeout: float, threads: Optional[int], backend: str = "gloo", own_nccl_host: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
     if threads is not None:
         torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if own_nccl_host:
+        os.environ["NCCL_HOSTID"] = f"pipeline_ext-{port}-rank-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -54,11 +57,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0,
-          threads: Optional[int] = 1, raise_errors: bool = True) -> dict[int, tuple[str, Any]]:
+          threads: Optional[int] = 1, raise_errors: bool = True, backend: str = "gloo",
+          own_nccl_host: bool = False) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return ``{rank: (status, value)}``.
 
     ``fn`` must be importable (a module-level function). ``threads`` sets each
-    rank's intra-op threads (None leaves torch's default). With ``raise_errors``
+    rank's intra-op threads (None leaves torch's default). ``backend`` is the
+    default group's (``"cpu:gloo,cuda:nccl"`` for GPU stages). ``own_nccl_host``
+    gives every rank an ``NCCL_HOSTID`` of its own (and NCCL sockets on the
+    loopback interface unless ``NCCL_SOCKET_IFNAME`` says otherwise): NCCL
+    refuses two ranks on one GPU because its duplicate check compares host
+    hashes, so ranks that share a GPU run as hosts of their own, over NCCL's
+    network transport. With ``raise_errors``
     a failed rank raises :class:`RankError` carrying every failed rank's
     traceback; without it, a rank that died without reporting comes back as
     ``("died", exitcode)``. A rank still running after ``timeout`` seconds
@@ -69,7 +79,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, pg_timeout, threads), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, pg_timeout, threads, backend,
+                                              own_nccl_host), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
