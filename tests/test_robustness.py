@@ -6,6 +6,7 @@ Each test here is one line of docs/robustness.md. Multi-process tests use a
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -14,13 +15,13 @@ from torch import nn
 
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch
-from mp_utils import no_complaints, run_ranks
+from mp_utils import no_complaints, run_ranks, test_device
 
 TIMEOUT = 10.0
 
 
 class FailAt(nn.Module):
-    """Linear layer that misbehaves on one call: raise, exit the process, or stall."""
+    """Linear layer that misbehaves on one call: raise, exit the process, stall, or stop (SIGSTOP) the process."""
 
     def __init__(self, when: int, how: str = "raise") -> None:
         super().__init__()
@@ -34,6 +35,8 @@ class FailAt(nn.Module):
                 raise ValueError("boom in stage module")
             if self.how == "exit":
                 os._exit(3)
+            if self.how == "sigstop":  # frozen, as a rank stopped by a debugger or the OS: never answers
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(TIMEOUT + 3)  # stall past the peer's timeout, then fail so the process ends
             raise ValueError("stalled stage gives up")
         return self.lin(x)
@@ -57,9 +60,13 @@ def test_single_process_failure_stops_every_worker_fast_and_names_where():
 
 
 def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
+    import torch.distributed as dist
+
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
     torch.manual_seed(0)
     module = nn.Linear(16, 16) if rank == 0 else nn.Sequential(FailAt(when=2, how=how), nn.Linear(16, 4))
-    stage = pe.PipelineStage(module, rank, world, "cpu")
+    stage = pe.PipelineStage(module.to(test_device()), rank, world, test_device())
     sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
     x, y = make_batch("mlp", 8)
     t0 = time.monotonic()
@@ -67,20 +74,23 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
         sched.step(x) if rank == 0 else sched.step(target=y)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    finally:
+        if how == "sigstop" and rank == 0:
+            os.kill(pids[1], signal.SIGKILL)  # the stopped rank never ends by itself
     return time.monotonic() - t0, "no error"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", ["raise", "exit", "stall"])
-@pytest.mark.usefixtures("transport")
+@pytest.mark.parametrize("how", ["raise", "exit", "stall", "sigstop"])
+@pytest.mark.usefixtures("rank_device")
 def test_multi_process_peer_failure_makes_others_raise_within_timeout(how):
     results = run_ranks(_peer_failure, 2, how, timeout=60, expect_errors=True)
     status, value = results[0]
     assert status == "ok", value
     _, message = value  # a wait past TIMEOUT would run into the test's own timeout
     assert "peer rank 1" in message and "microbatch" in message, message
-    if how == "stall":
+    if how in ("stall", "sigstop"):
         assert "TimeoutError" in message or "ChannelTimeout" in message, message
     if how == "raise":
         assert "boom in stage module" in results[1][1][1]
