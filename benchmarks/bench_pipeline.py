@@ -30,6 +30,13 @@ shared memory), in the same interleaved repeats.
     PYTHONPATH=. python benchmarks/bench_pipeline.py --dims 512 1024 --repeats 5 --steps 3
     PYTHONPATH=. python benchmarks/bench_pipeline.py --models transformer --dims 256 --repeats 5 --steps 2
     PYTHONPATH=. python benchmarks/bench_pipeline.py --overhead
+    PYTHONPATH=. python benchmarks/bench_pipeline.py --device cuda --dims 4096   # GPU ranks, NCCL
+
+``--device cuda`` puts every rank's stages on ``cuda:0`` (the ranks share one
+GPU, each an NCCL host of its own: ``dist.launch.spawn(own_nccl_host=True)``),
+and both libraries move messages over NCCL (ours: ``transport="process_group"``).
+With one GPU shared, absolute times mean little; the ratio and the host cost
+per action (``--overhead --device cuda``) do.
 """
 from __future__ import annotations
 
@@ -44,6 +51,15 @@ import torch
 from torch import nn
 
 LAYERS, BATCH, MICROBATCHES, WORLD = 8, 64, 8, 2
+_DEVICE = [torch.device("cpu")]  # where this process's stages and batches live (a worker sets it first)
+
+
+def _device() -> torch.device:
+    return _DEVICE[0]
+
+
+def _use(device: str) -> None:
+    _DEVICE[0] = torch.device(device)
 SEQ, SEQ_BATCH, BLOCKS, HEADS = 128, 16, 8, 4  # the transformer workload
 
 
@@ -86,18 +102,20 @@ class Workload:
 
     def stages(self, num_stages: int) -> list[nn.Module]:
         if self.model == "mlp":
-            return mlp_stages(self.d, num_stages)
+            return [m.to(_device()) for m in mlp_stages(self.d, num_stages)]
         from pipeline_ext.demo.model import gpt_stages
 
-        return gpt_stages(self._gpt(), num_stages)
+        return [m.to(_device()) for m in gpt_stages(self._gpt(), num_stages)]
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.model == "mlp":
             g = torch.Generator().manual_seed(self.d)
-            return torch.randn(BATCH, self.d, generator=g), torch.randn(BATCH, self.d, generator=g)
-        from pipeline_ext.demo.model import synthetic_batch
+            x, y = torch.randn(BATCH, self.d, generator=g), torch.randn(BATCH, self.d, generator=g)
+        else:
+            from pipeline_ext.demo.model import synthetic_batch
 
-        return synthetic_batch(self._gpt(), SEQ_BATCH, step=0)
+            x, y = synthetic_batch(self._gpt(), SEQ_BATCH, step=0)
+        return x.to(_device()), y.to(_device())
 
     @property
     def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -123,7 +141,7 @@ def make_step(case_cls: Any, stage_cls: Any, modules: list[nn.Module], v: int, r
     """A zero-argument training step on this rank's stages of ``modules`` (grads cleared each step)."""
     num_stages = len(modules)
     mine = [s for s in range(num_stages) if _rank_of(s, v) == rank]
-    stages = [stage_cls(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+    stages = [stage_cls(modules[s], s, num_stages, _device()) for s in mine]
     sched = case_cls(stages if v > 1 else stages[0], m, loss_fn=loss)
     params = [p for s in mine for p in modules[s].parameters()]
     first, last = 0 in mine, num_stages - 1 in mine
@@ -181,18 +199,21 @@ def timed(step: Callable[[], None], steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    if _device().type == "cuda":
+        torch.cuda.synchronize()  # the GPU's work, not only its launch
     dist.barrier()
     return (time.perf_counter() - t0) / steps
 
 
 def worker(rank: int, world: int, works: list[Workload], names: list[str], repeats: int, steps: int,
-           transports: list[str]) -> list[dict]:
+           transports: list[str], device: str = "cpu") -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.pipelining as tp
 
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
 
+    _use(device)
     rows = []
     for work in works:
         x, y = work.batch()
@@ -236,7 +257,8 @@ class Scale(nn.Module):
         return x * self.w
 
 
-def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: int, steps: int) -> list[dict]:
+def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: int, steps: int,
+                    device: str = "cpu") -> list[dict]:
     """Per-action cost with no-op stages: step time / actions per rank of our lowered schedule.
 
     Both libraries are divided by the same action count (F, B or I and W,
@@ -247,14 +269,15 @@ def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: in
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
 
-    x, y = torch.ones(m, 4), torch.ones(m, 4)
+    _use(device)
+    x, y = torch.ones(m, 4, device=_device()), torch.ones(m, 4, device=_device())
     rows = []
     for name in names:
         case = CASES[name]
-        ours = make_step(pe.get_schedule_class(name), pe.PipelineStage, [Scale() for _ in range(WORLD * case.v_ours)],
-                         case.v_ours, rank, m, x, y)
+        ours = make_step(pe.get_schedule_class(name), pe.PipelineStage,
+                         [Scale().to(_device()) for _ in range(WORLD * case.v_ours)], case.v_ours, rank, m, x, y)
         theirs = make_step(getattr(tp, case.torch_class), tp.PipelineStage,
-                           [Scale() for _ in range(WORLD * case.v_torch)], case.v_torch, rank, m, x, y)
+                           [Scale().to(_device()) for _ in range(WORLD * case.v_torch)], case.v_torch, rank, m, x, y)
         lowered = S.lower(S.build(name, WORLD, m, stages_per_rank=case.v_ours))
         actions = max(len(a) for a in lowered.actions)
         for fn in (ours, theirs):
@@ -268,7 +291,8 @@ def overhead_worker(rank: int, world: int, names: list[str], m: int, repeats: in
     return rows
 
 
-def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int) -> Optional[dict]:
+def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int,
+                         device: str = "cpu") -> Optional[dict]:
     """The runtime's own cost per action, without any transfer: one stage on a one-rank group.
 
     Rank 0 runs a single-stage schedule (m forwards, m backwards) over a group
@@ -281,16 +305,17 @@ def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int
 
     import pipeline_ext as pe
 
+    _use(device)
     groups = [dist.new_group([r]) for r in range(world)]
     if rank != 0:
         for _ in range(2 + 3 * repeats):
             dist.barrier()
         return None
     g = groups[0]
-    x, y = torch.ones(m, 4), torch.ones(m, 4)
-    mod = Scale()
-    ours = pe.Schedule1F1B(pe.PipelineStage(mod, 0, 1, "cpu", group=g), m, loss_fn=loss_fn)
-    theirs = tp.Schedule1F1B(tp.PipelineStage(mod, 0, 1, torch.device("cpu"), group=g), m, loss_fn=loss_fn)
+    x, y = torch.ones(m, 4, device=_device()), torch.ones(m, 4, device=_device())
+    mod = Scale().to(_device())
+    ours = pe.Schedule1F1B(pe.PipelineStage(mod, 0, 1, _device(), group=g), m, loss_fn=loss_fn)
+    theirs = tp.Schedule1F1B(tp.PipelineStage(mod, 0, 1, _device(), group=g), m, loss_fn=loss_fn)
     chunks = list(zip(x.tensor_split(m), y.tensor_split(m)))
 
     def bare() -> None:
@@ -308,6 +333,8 @@ def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int
             for _ in range(steps):
                 mod.w.grad = None
                 fn()
+            if _device().type == "cuda":
+                torch.cuda.synchronize()
             t[k].append((time.perf_counter() - t0) / steps)
             dist.barrier()
     dist.barrier()
@@ -352,7 +379,13 @@ def main() -> None:
                     help="pipeline_ext's transports, each timed against torch in the same repeats")
     ap.add_argument("--overhead", action="store_true", help="per-action cost with no-op stages instead")
     ap.add_argument("--overhead-microbatches", type=int, default=32)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: every rank's stages on cuda:0, messages over NCCL (both libraries)")
     args = ap.parse_args()
+    gpu = args.device == "cuda"
+    if gpu:
+        args.transports = ["process_group"]  # NCCL; shared memory is for CPU stages
+    ranks = dict(backend="cpu:gloo,cuda:nccl" if gpu else "gloo", own_nccl_host=gpu)
 
     from pipeline_ext.dist.launch import spawn
 
@@ -360,19 +393,21 @@ def main() -> None:
         m = args.overhead_microbatches
         print(f"no-op stages (x * w), {m} microbatches, {WORLD} ranks (ours: transport auto), 1 thread/rank, torch {torch.__version__}; "
               f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
-        out = spawn(overhead_worker, WORLD, args.schedules, m, args.repeats, args.steps, timeout=args.timeout)
+        out = spawn(overhead_worker, WORLD, args.schedules, m, args.repeats, args.steps, args.device,
+                    timeout=args.timeout, **ranks)
         print_overhead(out[0][1])
-        out = spawn(executor_cost_worker, WORLD, m, args.repeats, args.steps, timeout=args.timeout)
+        out = spawn(executor_cost_worker, WORLD, m, args.repeats, args.steps, args.device, timeout=args.timeout,
+                    **ranks)
         print_executor_cost(out[0][1])
         return
 
     works = [Workload(model, d) for model in args.models for d in args.dims]
     for model in args.models:
         print(f"{model}: {Workload(model, 0).describe()}")
-    print(f"{MICROBATCHES} microbatches, {WORLD} ranks (torch: Gloo), 1 thread/rank, torch {torch.__version__}; "
+    print(f"{MICROBATCHES} microbatches, {WORLD} ranks on {args.device} (torch: {'NCCL' if gpu else 'Gloo'}), 1 thread/rank, torch {torch.__version__}; "
           f"medians of {args.repeats} interleaved repeats x {args.steps} steps")
-    out = spawn(worker, WORLD, works, args.schedules, args.repeats, args.steps, args.transports,
-                timeout=args.timeout, threads=1)
+    out = spawn(worker, WORLD, works, args.schedules, args.repeats, args.steps, args.transports, args.device,
+                timeout=args.timeout, threads=1, **ranks)
     print_table(out[0][1])
 
 
