@@ -339,7 +339,36 @@ def executor_cost_worker(rank: int, world: int, m: int, repeats: int, steps: int
             dist.barrier()
     dist.barrier()
     med = {k: statistics.median(v) for k, v in t.items()}
-    return {"m": m, **med}
+    return {"m": m, **med, "calls": {k: _python_calls(fn) for k, fn in fns.items()},
+            "ops": {k: _aten_ops(fn) for k, fn in fns.items()}}
+
+
+def _python_calls(fn: Callable[[], None]) -> int:
+    """Python function calls (and calls of C functions from Python) in one run of ``fn``: a host cost that
+    does not depend on how busy the machine is, unlike a timing."""
+    import sys
+
+    calls = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def _aten_ops(fn: Callable[[], None]) -> int:
+    """Tensor operations (``aten::`` and pipeline_ext's own ops) dispatched in one run of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith(("aten::", "pipeline_ext::")))
 
 
 def print_executor_cost(row: dict) -> None:
@@ -347,6 +376,10 @@ def print_executor_cost(row: dict) -> None:
     print(f"one rank, one no-op stage, {row['m']} microbatches (F and B each): step ours {row['ours'] * 1e3:.2f} ms, "
           f"torch {row['torch'] * 1e3:.2f} ms, bare F+B calls {row['bare'] * 1e3:.2f} ms")
     print(f"runtime cost per action (step - bare) / {2 * row['m']}: ours {per['ours']:.1f} us, torch {per['torch']:.1f} us")
+    calls = {k: (row["calls"][k] - row["calls"]["bare"]) / (2 * row["m"]) for k in ("ours", "torch")}
+    print(f"Python calls per action (step - bare) / {2 * row['m']}, the same on any machine: ours {calls['ours']:.1f}, "
+          f"torch {calls['torch']:.1f}; tensor ops per step: ours {row['ops']['ours']}, torch {row['ops']['torch']}, "
+          f"bare {row['ops']['bare']}")
 
 
 def print_overhead(rows: list[dict]) -> None:

@@ -151,3 +151,26 @@ def test_non_tensor_output_is_a_clear_error():
     r = StageRunner(Bad(), 0, 2)
     with pytest.raises(TypeError, match="stage 0 returned a str at output position 1"):
         r.forward(0, (torch.ones(2),))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", [1 / 3, 0.125, torch.tensor(0.3712345), torch.tensor(1 / 7, dtype=torch.float64)],
+                         ids=["third", "eighth", "tensor32", "tensor64"])
+def test_the_loss_weight_gives_bitwise_the_gradients_of_the_weighted_loss(split, dtype, weight):
+    """The last stage seeds its backward with the loss weight: exactly ``(loss * weight).backward()``."""
+    torch.manual_seed(0)
+    block = Block(8).to(dtype)
+    ref = copy.deepcopy(block)
+    x, y = torch.randn(5, 8, dtype=dtype), torch.randn(5, 8, dtype=dtype)
+    runner = StageRunner(block, 0, 1, loss_fn=nn.functional.mse_loss)
+    runner.forward(0, (x,), target=y, loss_weight=weight)
+    if split:
+        runner.backward_input(0)
+        runner.backward_weight(0)
+    else:
+        runner.backward(0)
+    (nn.functional.mse_loss(ref(x), y) * weight).backward()
+    for p, q in zip(block.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(runner.losses[0], nn.functional.mse_loss(ref(x), y).detach())  # the loss itself, unweighted

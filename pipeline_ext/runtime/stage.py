@@ -152,10 +152,11 @@ Root = Any  # a backward root: a tensor, or a ReleasedOutput's edge
 class _State:
     """What one microbatch leaves behind between its actions."""
 
-    # roots of backward: the weighted loss on the last stage, else every floating-point
-    # output (one received gradient each, in order; those not requiring grad are skipped);
-    # a released output is a ReleasedOutput
+    # roots of backward: the loss on the last stage (its gradient is the microbatch's loss weight), else
+    # every floating-point output (one received gradient each, in order; those not requiring grad are
+    # skipped); a released output is a ReleasedOutput
     outputs: list[Any] = field(default_factory=list)
+    loss_weight: Any = 1.0  # the last stage's: a float, or a 0-d tensor
     grad_inputs: list[torch.Tensor] = field(default_factory=list)  # floating-point inputs, in order
     deferred: Optional[DeferredWeightGrad] = None
     # checkpointed microbatch: (args, kwargs, target, loss_weight, skips) to re-run F with autograd before backward
@@ -316,7 +317,8 @@ class StageRunner(StagePosition):
                         + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                     )
                 self.losses[mb] = loss.detach()
-                state.outputs = [loss * loss_weight] if grad_on and loss.requires_grad else []
+                state.outputs = [loss] if grad_on and loss.requires_grad else []
+                state.loss_weight = loss_weight
             sent: tuple[torch.Tensor, ...] = ()
         else:
             outs = as_output_tuple(out, self.stage_index)
@@ -365,9 +367,10 @@ class StageRunner(StagePosition):
     def _grad_pairs(
         self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]], skip_grads: Optional[Skips]
     ) -> tuple[list[Root], list[Optional[torch.Tensor]]]:
-        """Backward roots and their gradients (None for the loss), stashed skips included."""
+        """Backward roots and their gradients (the loss weight for the loss), stashed skips included."""
         if self.is_last:
-            outputs, grads = list(state.outputs), [None] * len(state.outputs)
+            outputs = list(state.outputs)
+            grads = [_weight_as_grad(loss, state.loss_weight) for loss in outputs]
         else:
             if grad_outputs is None:
                 raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
@@ -503,6 +506,24 @@ def _storage_key(t: torch.Tensor) -> Optional[tuple[torch.device, int]]:
         return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _weight_as_grad(loss: torch.Tensor, weight: Any) -> torch.Tensor:
+    """The loss weight as the loss's gradient: backward of ``loss * weight`` from 1, without the product.
+
+    Bitwise the same gradient as the product's (the weight rounded to the
+    loss's dtype, as ``MulBackward`` rounds it), and a step does a few tensor
+    ops fewer per microbatch (the multiply, its backward and the ``ones_like``
+    seed): on a CPU each costs microseconds, on a GPU each is a launch. A
+    weight that is a CPU tensor is read on the host, never copied to the GPU.
+    """
+    if isinstance(weight, torch.Tensor):
+        if weight.device == loss.device:
+            return weight.detach().to(loss.dtype).reshape(loss.shape)
+        weight = float(weight) if weight.device.type == "cpu" else weight.detach().to(loss.device, loss.dtype)
+        if isinstance(weight, torch.Tensor):
+            return weight.reshape(loss.shape)
+    return torch.full(loss.shape, weight, dtype=loss.dtype, device=loss.device)
 
 
 def _root(o: Any) -> Root:
