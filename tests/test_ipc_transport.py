@@ -133,3 +133,75 @@ def test_gpu_stages_without_ipc_fall_back_together_and_forcing_ipc_names_why():
         assert f"cannot use CUDA IPC (no CUDA IPC (rank 0: {why}; rank 1: {why}))" in res[rank]["forced"]
         assert "cannot use CUDA IPC (hosts: " in res[rank]["other_host"], res[rank]["other_host"]
         assert "(other boot or namespace)" in res[rank]["other_host"]
+
+
+class Opener:
+    """Open and close functions for ``_C._HandleCache`` that record what they did (plain data, no device)."""
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[int, int, str]] = []
+        self.closed: list[tuple[int, int, str]] = []
+
+    def open(self, peer: int, block: int, handle: str) -> str:
+        if handle == "bad":
+            raise RuntimeError(f"cannot open rank {peer}'s block {block}")
+        self.opened.append((peer, block, handle))
+        return f"mapped:{handle}"
+
+    def close(self, peer: int, block: int, value: str) -> None:
+        self.closed.append((peer, block, value))
+
+
+def test_handle_cache_opens_once_per_peer_and_block():
+    o = Opener()
+    cache = _C._HandleCache(4, o.open, o.close)
+    assert cache.get(1, 0, "h10") == "mapped:h10"
+    assert cache.get(1, 0, "ignored once cached") == "mapped:h10"
+    assert cache.get(2, 0, "h20") == "mapped:h20"  # another peer's block 0 is another entry
+    assert o.opened == [(1, 0, "h10"), (2, 0, "h20")]
+    assert (cache.size, cache.hits, cache.misses, cache.evictions) == (2, 1, 2, 0)
+    assert cache.contains(1, 0) and not cache.contains(1, 1)
+
+
+def test_handle_cache_is_bounded_and_evicts_the_least_recently_used():
+    o = Opener()
+    cache = _C._HandleCache(2, o.open, o.close)
+    cache.get(0, 1, "a")
+    cache.get(0, 2, "b")
+    cache.get(0, 1, "a")  # (0, 1) is now the most recently used
+    cache.get(0, 3, "c")  # full: (0, 2) goes
+    assert o.closed == [(0, 2, "mapped:b")]
+    assert cache.keys() == [(0, 3), (0, 1)]
+    assert (cache.size, cache.capacity, cache.evictions) == (2, 2, 1)
+    cache.get(0, 2, "b")  # opened again
+    assert o.opened[-1] == (0, 2, "b") and cache.size == 2
+
+
+def test_handle_cache_failed_open_changes_nothing():
+    o = Opener()
+    cache = _C._HandleCache(1, o.open, o.close)
+    cache.get(0, 1, "a")
+    with pytest.raises(RuntimeError, match="cannot open rank 0's block 2"):
+        cache.get(0, 2, "bad")
+    assert cache.keys() == [(0, 1)] and o.closed == []  # nothing evicted for an open that failed
+
+
+def test_handle_cache_drops_a_peer_and_closes_everything_on_clear_and_destruction():
+    o = Opener()
+    cache = _C._HandleCache(8, o.open, o.close)
+    for peer, block in [(1, 0), (2, 0), (1, 5), (3, 1), (1, 7)]:
+        cache.get(peer, block, f"h{peer}{block}")
+    assert cache.erase_peer(1) == 3  # a peer that exited: nothing of it stays open
+    assert sorted(c[:2] for c in o.closed) == [(1, 0), (1, 5), (1, 7)]
+    assert cache.erase_peer(1) == 0
+    assert cache.erase(2, 0) and not cache.erase(2, 0)
+    assert cache.evictions == 0  # dropped, not evicted
+    cache.clear()
+    assert cache.size == 0 and len(o.closed) == 5
+    cache.get(4, 4, "x")
+    del cache
+    import gc
+    gc.collect()
+    assert o.closed[-1] == (4, 4, "mapped:x")
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        _C._HandleCache(0, o.open, o.close)
