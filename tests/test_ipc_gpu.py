@@ -15,7 +15,6 @@ its handle cache (test_ipc_transport.py). What only a device shows:
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ from torch import nn
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch, reference
 from mp_utils import run_ranks
+from test_ipc_transport import error_of
+from test_shm_transport import KillAt
 from pipeline_ext.runtime._ext import _C
 
 pytestmark = [
@@ -75,11 +76,7 @@ def _messages(rank: int, world: int) -> dict:
     torch.cuda.synchronize()
     c = ch._pg
     out.update(exported=c.blocks_exported, in_flight=c.blocks_in_flight, cached=c.handles_cached)
-    try:
-        ch.send([torch.zeros(2)], peer, 40)
-        out["cpu"] = "no error"
-    except ValueError as exc:
-        out["cpu"] = str(exc)
+    out["cpu"] = error_of(lambda: ch.send([torch.zeros(2)], peer, 40), ValueError)
     return out
 
 
@@ -150,18 +147,6 @@ def _skips(rank: int, world: int) -> list[str]:
 def test_skip_connections_between_processes_on_gpu():
     for rank, (_, bad) in run_ranks(_skips, 3, timeout=100).items():
         assert bad == [], (rank, bad)
-
-
-class KillAt(nn.Module):
-    def __init__(self, when: int) -> None:
-        super().__init__()
-        self.lin, self.when, self.calls = nn.Linear(16, 16), when, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == self.when:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.lin(x)
 
 
 def _killed(rank: int, world: int, victim: int) -> str:

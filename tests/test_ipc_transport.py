@@ -95,6 +95,15 @@ def test_rings_of_different_sizes_are_an_error_on_both_transports():
         decide_transport("cpu", 0, _me(), {1: _me(ring_bytes=1024)})
 
 
+def error_of(fn, kind: type = Exception) -> str:
+    """The message of the ``kind`` error ``fn()`` raises; "no error" when it returns."""
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    return "no error"
+
+
 def _setup_on_this_build(rank: int, world: int) -> dict:
     """GPU stages' setup over Gloo, as a Session runs it, on a build and machine without CUDA IPC."""
     import torch.distributed as dist
@@ -105,18 +114,12 @@ def _setup_on_this_build(rank: int, world: int) -> dict:
     auto = make_channel(dist.new_group([0, 1]), "cuda:0", 2, "auto", timeout=20.0)
     out["auto"] = auto.connect()
     out["auto_by_tag"] = auto.matches_by_tag()
-    try:
-        make_channel(dist.new_group([0, 1]), "cuda:0", 2, "ipc", timeout=20.0).connect()
-        out["forced"] = "no error"
-    except ChannelError as exc:
-        out["forced"] = str(exc)
+    forced = make_channel(dist.new_group([0, 1]), "cuda:0", 2, "ipc", timeout=20.0)
+    out["forced"] = error_of(forced.connect, ChannelError)
     if rank == 1:
         shm._host_id = lambda: "elsewhere|boot|dev|ns"
-    try:
-        make_channel(dist.new_group([0, 1]), "cuda:0", 2, "ipc", timeout=20.0).connect()
-        out["other_host"] = "no error"
-    except ChannelError as exc:
-        out["other_host"] = str(exc)
+    elsewhere = make_channel(dist.new_group([0, 1]), "cuda:0", 2, "ipc", timeout=20.0)
+    out["other_host"] = error_of(elsewhere.connect, ChannelError)
     return out
 
 
