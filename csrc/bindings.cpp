@@ -229,6 +229,13 @@ void bind_channels(py::module_& m) {
       .def_property_readonly("blocks_idle", &IpcChannel::blocks_idle)
       .def_property_readonly("blocks_in_flight", &IpcChannel::blocks_in_flight)
       .def_property_readonly("handles_cached", &IpcChannel::handles_cached);
+  m.def(
+      "ipc_export_probe", [](const at::Tensor& tensor) { return py::bytes(ipc_export_probe(tensor)); },
+      py::arg("tensor"), "The CUDA IPC handle of a tensor's memory (the transport setup's probe).");
+  m.def(
+      "ipc_open_probe", [](const std::string& handle, at::Device device) { return ipc_open_probe(handle, device); },
+      py::arg("handle"), py::arg("device"), release(),
+      "Opens (and closes) a peer's probe handle on `device`: '' when that worked, else why not.");
 #endif
 
   // runtime/handle_cache.h with Python open/close functions: the IPC channel's cache logic, testable on any build.

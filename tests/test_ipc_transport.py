@@ -14,7 +14,7 @@ import torch
 
 from mp_utils import run_ranks
 from pipeline_ext.dist.shm import (TRANSPORT_ENV, check_request, decide_transport, ipc_unavailable, make_channel,
-                                   requested_transport)
+                                   probe_verdict, requested_transport)
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError
 
@@ -86,6 +86,13 @@ def test_a_rank_without_an_inbox_makes_every_rank_fall_back():
     kind, reason = decide_transport("cuda", 1, _me(), {0: _me(segment="", error="no space left in /dev/shm")})
     assert (kind, reason) == ("process_group", "no shared-memory inbox (rank 0: no space left in /dev/shm)")
     assert decide_transport("cuda", 1, _me(), {0: _me(acks="")})[0] == "process_group"
+
+
+def test_the_probe_round_fails_for_every_rank_when_one_rank_could_not_open_a_peers_memory():
+    assert probe_verdict({0: "", 1: "", 2: ""}) == ""
+    reports = {2: "rank 2 cannot open rank 0's memory: invalid device context", 0: "", 1: "rank 1 cannot open x"}
+    # every rank holds every report (its own included), so every rank gets this same reason, in rank order
+    assert probe_verdict(reports) == "rank 1 cannot open x; rank 2 cannot open rank 0's memory: invalid device context"
 
 
 def test_rings_of_different_sizes_are_an_error_on_both_transports():

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "runtime/channel.h"
@@ -75,5 +76,13 @@ class IpcChannel : public Channel {
  private:
   std::shared_ptr<IpcState> state_;
 };
+
+// The setup's probe (dist/shm.py): whether this process can open memory another
+// process exported. ipc_export_probe: the IPC handle of `tensor`'s memory (a CUDA
+// tensor from the caching allocator; bytes to send to the peers).
+// ipc_open_probe: opens a peer's handle on `device` and closes it again; empty
+// when that worked, else why not.
+std::string ipc_export_probe(const at::Tensor& tensor);
+std::string ipc_open_probe(const std::string& handle, at::Device device);
 
 }  // namespace pipeline_ext

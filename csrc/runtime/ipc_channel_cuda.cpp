@@ -459,6 +459,25 @@ void IpcChannel::begin_step(int64_t step) {
   if (state_->send_stream) state_->poll();
 }
 
+std::string ipc_export_probe(const at::Tensor& tensor) {
+  TORCH_CHECK_VALUE(tensor.is_cuda(), "ipc_export_probe: a CUDA tensor, not one on ", tensor.device());
+  c10::cuda::CUDAGuard guard(tensor.device().index());
+  auto shared = c10::cuda::CUDACachingAllocator::shareIpcHandle(tensor.storage().mutable_data());
+  return shared.handle;
+}
+
+std::string ipc_open_probe(const std::string& handle, at::Device device) {
+  try {
+    c10::cuda::CUDAGuard guard(device.index());
+    auto base = c10::cuda::CUDACachingAllocator::getIpcDevPtr(handle);
+    base.reset();  // closed again (torch closes the mapping with its last holder)
+    return "";
+  } catch (const std::exception& exc) {
+    (void)cudaGetLastError();
+    return std::string(exc.what()).substr(0, 200);
+  }
+}
+
 int64_t IpcChannel::blocks_exported() const { return state_->exported; }
 int64_t IpcChannel::blocks_idle() const { return static_cast<int64_t>(state_->idle.size()); }
 int64_t IpcChannel::blocks_in_flight() const { return static_cast<int64_t>(state_->in_flight.size()); }

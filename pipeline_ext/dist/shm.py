@@ -55,7 +55,7 @@ from pipeline_ext.dist.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "ShmChannel", "UnsettledTransport", "check_request",
-           "decide_transport", "ipc_unavailable", "make_channel", "requested_transport"]
+           "decide_transport", "ipc_unavailable", "make_channel", "probe_verdict", "requested_transport"]
 
 TRANSPORTS = ("auto", "process_group", "shm", "ipc")
 #: other names accepted for a transport
@@ -129,6 +129,11 @@ def ipc_unavailable(device: Union[str, torch.device]) -> str:
     return ""
 
 
+def probe_verdict(reports: dict[int, str]) -> str:
+    """Why CUDA IPC cannot be used, from every rank's probe report ("" when it opened every peer's memory)."""
+    return "; ".join(r for _, r in sorted(reports.items()) if r)
+
+
 def _hosts(me: dict, peers: dict[int, dict]) -> str:
     return ", ".join(sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
                              for e in [me, *peers.values()]}))
@@ -191,6 +196,8 @@ class _GroupTransport:
 
 #: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
 SETUP_TAG = 2**31 - 2
+#: Tag of the CUDA IPC probe reports (GPU stages' second setup round)
+PROBE_TAG = 2**31 - 3
 _INFO_BYTES = 1024
 
 
@@ -203,7 +210,10 @@ class _Setup:
     Finishing waits for the peers' messages, then maps their inboxes (shm) or
     drops this rank's (Gloo). A peer that is already stuck in its first step
     has sent its message when it built its channel, so the setup never waits on
-    a peer's main thread.
+    a peer's main thread. GPU stages about to use CUDA IPC take a second round
+    (``_probe``): each rank opens every peer's exported probe buffer and sends
+    every peer how that went, so that all fall back together if any failed;
+    that round waits for every peer's first message (bounded by ``timeout``).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device = torch.device("cpu"),
@@ -221,60 +231,90 @@ class _Setup:
             self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
         except ChannelError as exc:
             self.error = str(exc)[:400]
-        # CUDA stages: whether this rank can use CUDA IPC, and a second inbox for the receivers' acknowledgements
-        self.ipc, self.acks = "", None
+        # CUDA stages: whether this rank can use CUDA IPC, a second inbox for the receivers' acknowledgements,
+        # and a probe: a small exported buffer every peer tries to open (finish)
+        self.ipc, self.acks, self.probe, self.probe_handle = "", None, None, ""
         if device.type == "cuda":
             self.ipc = ipc_unavailable(device)[:200]
             if self.shm is not None and not self.ipc:
                 try:
                     self.acks = _C.ShmChannel(self.rank, self.size, ACK_RING_BYTES, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
-                except ChannelError as exc:
+                    self.probe = torch.zeros(1, device=device)
+                    self.probe_handle = bytes(_C.ipc_export_probe(self.probe)).hex()
+                except (ChannelError, RuntimeError) as exc:
                     self.error = str(exc)[:400]
-        info = json.dumps(self._describe()).encode()
-        if len(info) > _INFO_BYTES:
-            raise ChannelError(f"transport setup: this rank's description takes {len(info)} bytes, more than {_INFO_BYTES}")
+        self._post(SETUP_TAG, self._describe())
+
+    def _post(self, tag: int, info: dict) -> None:
+        """Sends ``info`` to every peer over the wire and posts the receives of theirs (``_gather`` waits)."""
+        data = json.dumps(info).encode()
+        if len(data) > _INFO_BYTES:
+            raise ChannelError(f"transport setup: this rank's message takes {len(data)} bytes, more than {_INFO_BYTES}")
         out = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
-        out[: len(info)] = torch.frombuffer(bytearray(info), dtype=torch.uint8)
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.inbox = {p: torch.zeros(_INFO_BYTES, dtype=torch.uint8) for p in range(self.size) if p != self.rank}
         self.works: list[tuple[int, Any]] = []
-        self.failed: Optional[tuple[int, Exception]] = None  # raised by finish(): building a channel never fails
+        self.failed: Optional[tuple[int, Exception]] = None  # raised by _gather(): building a channel never fails
         for peer, buf in self.inbox.items():
             try:
-                self.works += [(peer, self.wire.recv([buf], peer, SETUP_TAG)),
-                               (peer, self.wire.send([out], peer, SETUP_TAG))]
+                self.works += [(peer, self.wire.recv([buf], peer, tag)), (peer, self.wire.send([out], peer, tag))]
             except Exception as exc:  # noqa: BLE001 - a peer already gone: said at the first message
                 self.failed = (peer, exc)
                 break
+
+    def _gather(self, timeout: float, what: str) -> dict[int, dict]:
+        """The peers' messages of the exchange posted last (each wait bounded by ``timeout``)."""
+        for peer, work in self.works:
+            if self.failed is not None:
+                break
+            try:
+                _C.wait_work(work, _ms(timeout), f"rank {self.rank}: waiting for rank {peer}'s transport {what}")
+            except ChannelError as exc:
+                self.failed = (peer, exc)
+        if self.failed is not None:
+            peer, exc = self.failed
+            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s {what} "
+                                 f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
+        return {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
 
     def _describe(self) -> dict:
         info = {"host": _host_id(), "ring_bytes": self.ring_bytes,
                 "segment": self.shm.name if self.shm is not None else "", "error": self.error}
         if self.device.type == "cuda":
-            info.update(ipc=self.ipc, acks=self.acks.name if self.acks is not None else "")
+            info.update(ipc=self.ipc, acks=self.acks.name if self.acks is not None else "", probe=self.probe_handle)
         return info
+
+    def _probe(self, peers: dict[int, dict], timeout: float) -> str:
+        """Second round (CUDA stages about to use IPC): open every peer's probe, tell every peer how it went.
+
+        Every rank ends with every rank's report, so every rank takes the same verdict (``probe_verdict``).
+        """
+        failed = []
+        for peer, e in sorted(peers.items()):
+            why = _C.ipc_open_probe(bytes.fromhex(e.get("probe", "")), self.device) if e.get("probe") else "no probe"
+            if why:
+                failed.append(f"rank {self.rank} cannot open rank {peer}'s memory: {why}")
+        mine = "; ".join(failed)[:400]
+        self._post(PROBE_TAG, {"report": mine})
+        reports = {p: r["report"] for p, r in self._gather(timeout, "CUDA IPC probe report").items()}
+        self.probe = None  # every peer has opened (and closed) it
+        return probe_verdict({**reports, self.rank: mine})
 
     def _fallback(self, reason: str) -> _GroupTransport:
         self.drop()
         return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, self.device), reason)
 
     def finish(self, timeout: float) -> _GroupTransport:
-        for peer, work in self.works:
-            if self.failed is not None:
-                break
-            try:
-                _C.wait_work(work, _ms(timeout), f"rank {self.rank}: waiting for rank {peer}'s transport description")
-            except ChannelError as exc:
-                self.failed = (peer, exc)
-        if self.failed is not None:
-            peer, exc = self.failed
-            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s description "
-                                 f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
-        peers = {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
+        peers = self._gather(timeout, "description")
         try:
             kind, reason = decide_transport(self.device.type, self.rank, self._describe(), peers)
         except ChannelError:
             self.drop()
             raise
+        if kind == "ipc":
+            failed = self._probe(peers, timeout)
+            if failed:
+                kind, reason = "process_group", f"CUDA IPC between the ranks failed ({failed})"
         if kind == "process_group":
             return self._fallback(reason)
         for peer, e in peers.items():
