@@ -8,7 +8,9 @@
 #include "kernels/pack.h"
 #include "ops.h"
 #include "runtime/channel.h"
+#include "runtime/handle_cache.h"
 #include "runtime/interrupt.h"
+#include "runtime/ipc_channel.h"
 #include "runtime/local_channel.h"
 #include "runtime/shm_channel.h"
 #include "runtime/stream.h"
@@ -216,6 +218,57 @@ void bind_channels(py::module_& m) {
       .def("withdraw", &ShmChannel::withdraw)
       .def("unexpected", &ShmChannel::unexpected)
       .def("discarded", &ShmChannel::discarded);
+
+#ifdef WITH_CUDA
+  py::class_<IpcChannel, Channel, std::shared_ptr<IpcChannel>>(
+      m, "IpcChannel", "A Channel for GPU tensors between the processes of one host over CUDA IPC (dist/shm.py).")
+      .def(py::init<std::shared_ptr<ShmChannel>, std::shared_ptr<ShmChannel>, at::Device, int64_t, int64_t>(),
+           py::arg("control"), py::arg("acks"), py::arg("device"), py::arg("pool_blocks") = 4,
+           py::arg("cache_entries") = 64)
+      .def_property_readonly("blocks_exported", &IpcChannel::blocks_exported)
+      .def_property_readonly("blocks_idle", &IpcChannel::blocks_idle)
+      .def_property_readonly("blocks_in_flight", &IpcChannel::blocks_in_flight)
+      .def_property_readonly("handles_cached", &IpcChannel::handles_cached);
+  m.def(
+      "ipc_export_probe", [](const at::Tensor& tensor) { return py::bytes(ipc_export_probe(tensor)); },
+      py::arg("tensor"), "The CUDA IPC handle of a tensor's memory (the transport setup's probe).");
+  m.def(
+      "ipc_open_probe", [](const std::string& handle, at::Device device) { return ipc_open_probe(handle, device); },
+      py::arg("handle"), py::arg("device"), release(),
+      "Opens (and closes) a peer's probe handle on `device`: '' when that worked, else why not.");
+#endif
+
+  // runtime/handle_cache.h with Python open/close functions: the IPC channel's cache logic, testable on any build.
+  using PyCache = HandleCache<py::object, py::object>;
+  py::class_<PyCache>(m, "_HandleCache", "A bounded LRU of opened handles keyed by (peer, block), for tests.")
+      .def(py::init([](size_t capacity, py::object open, py::object close) {
+             return std::make_unique<PyCache>(
+                 capacity,
+                 [open](int peer, int64_t block, const py::object& arg) { return open(peer, block, arg); },
+                 [close](int peer, int64_t block, py::object& value) {
+                   try {
+                     close(peer, block, value);
+                   } catch (py::error_already_set& e) {
+                     e.discard_as_unraisable("pipeline_ext._C._HandleCache close");
+                   }
+                 });
+           }),
+           py::arg("capacity"), py::arg("open"), py::arg("close"))
+      .def("get", &PyCache::get, py::arg("peer"), py::arg("block"), py::arg("arg"))
+      .def("contains", &PyCache::contains, py::arg("peer"), py::arg("block"))
+      .def("erase", &PyCache::erase, py::arg("peer"), py::arg("block"))
+      .def("erase_peer", &PyCache::erase_peer, py::arg("peer"))
+      .def("clear", &PyCache::clear)
+      .def("keys", [](const PyCache& c) {
+        std::vector<std::pair<int, int64_t>> out;
+        for (const auto& k : c.keys()) out.emplace_back(k.peer, k.block);
+        return out;
+      })
+      .def_property_readonly("size", &PyCache::size)
+      .def_property_readonly("capacity", &PyCache::capacity)
+      .def_property_readonly("hits", &PyCache::hits)
+      .def_property_readonly("misses", &PyCache::misses)
+      .def_property_readonly("evictions", &PyCache::evictions);
 
   py::class_<LocalHub, std::shared_ptr<LocalHub>>(m, "LocalHub", "Mailboxes between in-process ranks.")
       .def(py::init<std::vector<at::Device>, int64_t, int64_t, bool>(), py::arg("devices"),

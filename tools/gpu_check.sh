@@ -15,6 +15,10 @@
 #   5. benchmarks/bench_overlap.py: copy time hidden behind compute, copy streams vs compute stream
 #   6. compute-sanitizer memcheck and racecheck over the CUDA tests
 #   7. tools/gpu_sync_count.py: host-device synchronisations in one Pipe.step
+#   8. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0):
+#      tests/test_ipc_gpu.py (messages, pipelines against the unsplit model,
+#      skips between processes, SIGKILL of either rank), then
+#      benchmarks/bench_transport.py --device cuda (IPC vs NCCL round trips)
 # Without a GPU it says so and exits 0. Exit status: 0 when every step passed.
 # Every step runs even when an earlier one failed (except after a failed build).
 set -uo pipefail
@@ -169,6 +173,13 @@ fi
 # 7. synchronisations in one step
 step sync_count 600 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
 
+# 8. the CUDA IPC transport: its multi-process suites on cuda:0 (also in pytest -m cuda above; run again here
+# on their own, with a log of their own), and its round trips against NCCL's
+step ipc_suites 900 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider
+transport_args=(--device cuda)
+[ "$QUICK" = 1 ] && transport_args+=(--n 20 --repeats 3)
+step bench_transport_cuda 900 "$PY" benchmarks/bench_transport.py "${transport_args[@]}"
+
 # 2b. the whole suite, last: it is mostly the CPU suite (as in CI) and takes
 # whatever time is left before GPU_CHECK_DEADLINE (seconds since the start;
 # default 1800). Several workers when pytest-xdist is there: the multi-process
@@ -222,6 +233,15 @@ step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -v -p no:cacheprovi
   echo "## Copy/compute overlap (benchmarks/bench_overlap.py)"
   echo
   cat "$OUT_DIR/overlap.md" 2>/dev/null || echo "(no table: see logs/bench_overlap.log)"
+  echo
+  echo "## CUDA IPC transport (tests/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
+  echo
+  echo "- suites under transport=\"ipc\" on cuda:0: $(verdict "$LOGS/ipc_suites.log")"
+  grep -E '(FAILED|ERROR) tests/' "$LOGS/ipc_suites.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
+  echo
+  echo '```'
+  grep -E '^(ping-pong| *message| *[0-9]+ (B|KB|MB) )' "$LOGS/bench_transport_cuda.log" 2>/dev/null || echo "(no table: see logs/bench_transport_cuda.log)"
+  echo '```'
   echo
   echo "## Host-device synchronisations in one step (tools/gpu_sync_count.py)"
   echo

@@ -87,7 +87,7 @@ _NOTHING_MOVED = ("no message was sent and no gradient accumulated on any rank (
 TRAIN, FORWARD = 1, 2
 STEP_KINDS = {TRAIN: "a training step", FORWARD: "a forward-only step (eval(), or step() without a loss_fn)"}
 #: word 14 of a record: "process_group" is the group's own backend (Gloo on CPU, NCCL on GPU), whatever the hosts
-TRANSPORT_CODES = {"process_group": 1, "auto": 2, "shm": 3}
+TRANSPORT_CODES = {"process_group": 1, "auto": 2, "shm": 3, "ipc": 4}
 _TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
 
 

@@ -65,6 +65,10 @@ class DistChannel:
     def device(self) -> torch.device:
         return self._pg.device
 
+    def matches_by_tag(self) -> bool:
+        """True when messages are matched by (peer, tag) (Gloo, shared memory, CUDA IPC), not by order (NCCL)."""
+        return self.device.type == "cpu"
+
     def begin_step(self, step: int) -> None:
         """Step ``step`` (the group's number, ``GroupSteps``) starts its messages on this rank.
 

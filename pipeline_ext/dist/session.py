@@ -81,12 +81,15 @@ class SkipSettlement:
 
     Every rank sees the same records, so every rank takes part in the gather,
     or none does. Skips travel on tags of their own, which NCCL ignores (it
-    matches by order), so they are refused on NCCL pipelines.
+    matches by order), so they are refused on NCCL pipelines (``by_tag``: whether
+    the channel matches by tag, asked once routes are needed).
     """
 
     def __init__(self, declared: dict[int, StageSkips], num_stages: int, n_microbatches: int,
-                 group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+                 group: Optional[dist.ProcessGroup], device: torch.device,
+                 by_tag: Optional[Callable[[], bool]] = None) -> None:
         self._declared = declared
+        self._by_tag = by_tag if by_tag is not None else (lambda: device.type == "cpu")
         self.digest = declarations_digest(declared)
         #: this rank's stages that stash or pop a skip another stage may hold
         self.stages = frozenset(i for i, d in declared.items() if d)
@@ -102,11 +105,12 @@ class SkipSettlement:
         routes = None
         if any(digests):
             routes = gather_routes(self._declared, self._num_stages, self._group)
-            if routes and self._device.type != "cpu":
+            if routes and not self._by_tag():
                 raise NotImplementedError(
-                    f"skip connections between processes need a backend that matches messages by tag (Gloo); "
-                    f"this pipeline's stages are on {self._device} (NCCL matches by order only). Keep the skip "
-                    "inside one stage, or run the pipeline on CPU with Gloo"
+                    f"skip connections between processes need a transport that matches messages by tag (Gloo, "
+                    f"shared memory, CUDA IPC); this pipeline's stages are on {self._device} over NCCL (it matches "
+                    "by order only). Keep the skip inside one stage, use transport='ipc' with every rank on one "
+                    "host, or run the pipeline on CPU"
                 )
             if routes:
                 check_tag_space(self._num_stages, self._n_microbatches, skips=True)
@@ -184,7 +188,7 @@ class Session:
     ``local_stages``: this rank's stage indices; ``skips``: what each declares
     (``runtime/skips.declared_skips``). ``check_first(mb, args)`` checks each
     microbatch of stage 0 against declared shapes before the step is posted
-    (None: nothing to check). ``transport``: "auto", "process_group" (or "gloo") or "shm"
+    (None: nothing to check). ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
     (``dist/shm.make_channel``).
     """
 
@@ -198,13 +202,17 @@ class Session:
                                                                                 chunk_spec, scale_grads)
         self._local = frozenset(local_stages)
         self._check_first = check_first
-        #: the transport (``dist/shm.py`` chooses shared memory or the process group)
-        self.channel = make_channel(group, device, num_stages, transport, timeout)
-        # NCCL: each direction between two ranks on a group of its own (dist/groups.py)
-        self._directions = DirectionGroups(group, device) if matches_by_order(group, device) else None
-        self.agreement = StepAgreement(host_group(group, device), rank, num_ranks, torch.device("cpu"), timeout,
+        records = host_group(group, device)
+        #: the transport (``dist/shm.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
+        #: describe themselves to each other over the records' (Gloo) group
+        self.channel = make_channel(group, device, num_stages, transport, timeout, setup_group=records)
+        # NCCL: each direction between two ranks on a group of its own (dist/groups.py); not when CUDA IPC is forced
+        self._directions = (DirectionGroups(group, device)
+                            if matches_by_order(group, device) and self.channel.requested != "ipc" else None)
+        self.agreement = StepAgreement(records, rank, num_ranks, torch.device("cpu"), timeout,
                                        ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
-        self._skips = SkipSettlement(skips, num_stages, n_microbatches, self.agreement.group, device)
+        self._skips = SkipSettlement(skips, num_stages, n_microbatches, self.agreement.group, device,
+                                     by_tag=self.channel.matches_by_tag)
         self._plans: dict[int, PlanCache] = {}
         self._schedule: Optional[S.Schedule] = None
 

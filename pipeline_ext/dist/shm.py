@@ -1,4 +1,4 @@
-"""The transport of a multi-process pipeline: Gloo/NCCL, or same-host shared memory for CPU ranks.
+"""The transport of a multi-process pipeline: Gloo/NCCL, same-host shared memory (CPU) or CUDA IPC (GPU).
 
 Why a second transport: a Gloo message costs the receiver an IO-thread and a
 condition-variable wake-up, milliseconds per message on a loaded 2-core box,
@@ -19,8 +19,16 @@ group share one transport, as they share the group's Gloo pairs.
 Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
 ``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"process_group"`` (the
 process group's own backend, Gloo on CPU and NCCL on GPU, whatever the hosts;
-the only choice for GPU stages; ``"gloo"`` is accepted as another name for it) or ``"shm"`` (shared
-memory, an error naming the hosts when the ranks are not all on this one).
+``"gloo"`` and ``"nccl"`` are accepted as other names for it), ``"shm"`` (shared
+memory, an error naming the hosts when the ranks are not all on this one) or
+``"ipc"`` (GPU stages: CUDA IPC between the processes of one host, see
+:class:`IpcChannel`; an error naming the problem on CPU stages, across hosts,
+or where IPC is not available).
+
+GPU stages: ``"auto"`` picks CUDA IPC when every rank is on this host and every
+rank can use it (a CUDA build of ``pipeline_ext._C``, a CUDA device), else the
+process group (NCCL). The decision (:func:`decide_transport`) is a function of
+every rank's description alone, so every rank takes the same branch.
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
 
@@ -46,9 +54,10 @@ from pipeline_ext.runtime._ext import _C
 from pipeline_ext.dist.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ShmChannel", "UnsettledTransport", "make_channel", "requested_transport"]
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "ShmChannel", "UnsettledTransport", "check_request",
+           "decide_transport", "ipc_unavailable", "make_channel", "probe_verdict", "requested_transport"]
 
-TRANSPORTS = ("auto", "process_group", "shm")
+TRANSPORTS = ("auto", "process_group", "shm", "ipc")
 #: other names accepted for a transport
 TRANSPORT_ALIASES = {"gloo": "process_group", "nccl": "process_group"}
 TRANSPORT_ENV = "PIPELINE_EXT_TRANSPORT"
@@ -56,6 +65,8 @@ RING_BYTES_ENV = "PIPELINE_EXT_SHM_RING_BYTES"
 SPIN_US_ENV = "PIPELINE_EXT_SHM_SPIN_US"
 DEFAULT_RING_BYTES = 8 << 20
 DEFAULT_SPIN_US = 20
+#: the rings of a CUDA IPC channel's acknowledgements (one block id per message)
+ACK_RING_BYTES = 64 << 10
 
 
 def requested_transport(transport: Optional[str]) -> str:
@@ -70,17 +81,90 @@ def requested_transport(transport: Optional[str]) -> str:
     return choice
 
 
-def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.device], num_stages: Optional[int],
-                 transport: Optional[str] = None, timeout: float = 300.0) -> DistChannel:
-    """The channel of a pipeline's stages on ``device`` (see the module doc for ``transport``)."""
-    choice = requested_transport(transport)
-    device = torch.device(device)
+def check_request(choice: str, device: torch.device) -> None:
+    """Refuses a transport that cannot move ``device`` tensors, before anything is set up (ValueError)."""
     if choice == "shm" and device.type != "cpu":
         raise ValueError(f"transport='shm' moves CPU tensors; stages on {device} use the process group "
-                         "(transport='process_group' or 'auto')")
-    if choice == "process_group" or device.type != "cpu":
+                         "or CUDA IPC (transport='auto', 'ipc' or 'process_group')")
+    if choice == "ipc" and device.type != "cuda":
+        raise ValueError(f"transport='ipc' moves CUDA tensors between the processes of one host; stages on "
+                         f"{device} use shared memory or the process group (transport='auto', 'shm' or 'process_group')")
+
+
+def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.device], num_stages: Optional[int],
+                 transport: Optional[str] = None, timeout: float = 300.0,
+                 setup_group: Optional[dist.ProcessGroup] = None) -> DistChannel:
+    """The channel of a pipeline's stages on ``device`` (see the module doc for ``transport``).
+
+    ``setup_group``: a group that moves CPU tensors (Gloo) with the ranks of
+    ``group``, over which GPU stages describe themselves to each other
+    ("auto" and "ipc"); ``group`` itself when not given (then it must move CPU tensors).
+    """
+    choice = requested_transport(transport)
+    device = torch.device(device)
+    check_request(choice, device)
+    if choice == "process_group" or device.type not in ("cpu", "cuda"):
         return DistChannel(group, device, num_stages=num_stages)
+    if device.type == "cuda":
+        return IpcChannel(group, device, num_stages=num_stages, required=choice == "ipc", timeout=timeout,
+                          setup_group=setup_group)
     return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
+
+
+def ipc_unavailable(device: Union[str, torch.device]) -> str:
+    """Why this process cannot move ``device`` tensors over CUDA IPC; empty when it can.
+
+    A local check (the extension, the device); whether two processes can map
+    each other's memory is only known when the first handle is opened.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"stages on {device}, not a CUDA device"
+    if not getattr(_C, "with_cuda", False) or not hasattr(_C, "IpcChannel"):
+        return "pipeline_ext._C was built without CUDA"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"{device} does not exist ({torch.cuda.device_count()} CUDA devices)"
+    return ""
+
+
+def probe_verdict(reports: dict[int, str]) -> str:
+    """Why CUDA IPC cannot be used, from every rank's probe report ("" when it opened every peer's memory)."""
+    return "; ".join(r for _, r in sorted(reports.items()) if r)
+
+
+def _hosts(me: dict, peers: dict[int, dict]) -> str:
+    return ", ".join(sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
+                             for e in [me, *peers.values()]}))
+
+
+def decide_transport(device_type: str, rank: int, me: dict, peers: dict[int, dict]) -> tuple[str, str]:
+    """The transport every rank of a group settles on, from every rank's description: ``(kind, reason)``.
+
+    ``kind`` is "shm" (CPU stages), "ipc" (CUDA stages) or "process_group";
+    ``reason`` says why not the same-host transport. A description (``_Setup``)
+    holds ``host``, ``ring_bytes``, ``segment`` (the inbox, "" when it could not
+    be made), ``error`` (why not) and for CUDA stages ``ipc`` (why this rank
+    cannot use CUDA IPC, "" when it can) and ``acks`` (the acknowledgement inbox).
+    Every rank sees the same descriptions, so every rank gets the same answer
+    (the fallback is taken together). Rings of different sizes are an error.
+    """
+    if any(e["host"] != me["host"] for e in peers.values()):
+        return "process_group", "hosts: " + _hosts(me, peers)
+    everyone = sorted([(rank, me), *peers.items()], key=lambda pe: pe[0])
+    if device_type == "cuda":
+        no_ipc = {p: e.get("ipc", "no CUDA IPC description") for p, e in everyone if e.get("ipc", "?")}
+        if no_ipc:
+            return "process_group", "no CUDA IPC (" + "; ".join(f"rank {p}: {why}" for p, why in no_ipc.items()) + ")"
+    unmade = {p: e.get("error", "") for p, e in everyone if not e["segment"] or (device_type == "cuda" and not e.get("acks"))}
+    if unmade:
+        said = "; ".join(f"rank {p}: {why}" for p, why in sorted(unmade.items()))
+        return "process_group", f"no shared-memory inbox ({said})"
+    rings = sorted({e["ring_bytes"] for _, e in everyone})
+    if len(rings) > 1:
+        raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
+    return ("ipc" if device_type == "cuda" else "shm"), ""
 
 
 def _int_env(name: str, default: int) -> int:
@@ -112,6 +196,8 @@ class _GroupTransport:
 
 #: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
 SETUP_TAG = 2**31 - 2
+#: Tag of the CUDA IPC probe reports (GPU stages' second setup round)
+PROBE_TAG = 2**31 - 3
 _INFO_BYTES = 1024
 
 
@@ -124,11 +210,18 @@ class _Setup:
     Finishing waits for the peers' messages, then maps their inboxes (shm) or
     drops this rank's (Gloo). A peer that is already stuck in its first step
     has sent its message when it built its channel, so the setup never waits on
-    a peer's main thread.
+    a peer's main thread. GPU stages about to use CUDA IPC take a second round
+    (``_probe``): each rank opens every peer's exported probe buffer and sends
+    every peer how that went, so that all fall back together if any failed;
+    that round waits for every peer's first message (bounded by ``timeout``).
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device = torch.device("cpu"),
+                 wire: Optional[dist.ProcessGroup] = None) -> None:
+        # ``group`` carries the data of the fallback (NCCL for CUDA stages); ``wire`` (default: ``group``)
+        # carries the descriptions, CPU tensors.
         self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.device, self.wire = device, wire if wire is not None else group
         self.ring_bytes = _int_env(RING_BYTES_ENV, DEFAULT_RING_BYTES)
         # An inbox that cannot be made (a small /dev/shm, as in containers) is told to the peers, so that
         # every rank falls back to Gloo together ("auto") or names the reason ("shm").
@@ -138,61 +231,105 @@ class _Setup:
             self.shm = _C.ShmChannel(self.rank, self.size, self.ring_bytes, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
         except ChannelError as exc:
             self.error = str(exc)[:400]
-        info = json.dumps({"host": _host_id(), "ring_bytes": self.ring_bytes,
-                           "segment": self.shm.name if self.shm is not None else "", "error": self.error}).encode()
-        if len(info) > _INFO_BYTES:
-            raise ChannelError(f"transport setup: this rank's description takes {len(info)} bytes, more than {_INFO_BYTES}")
+        # CUDA stages: whether this rank can use CUDA IPC, a second inbox for the receivers' acknowledgements,
+        # and a probe: a small exported buffer every peer tries to open (finish)
+        self.ipc, self.acks, self.probe, self.probe_handle = "", None, None, ""
+        if device.type == "cuda":
+            self.ipc = ipc_unavailable(device)[:200]
+            if self.shm is not None and not self.ipc:
+                try:
+                    self.acks = _C.ShmChannel(self.rank, self.size, ACK_RING_BYTES, _int_env(SPIN_US_ENV, DEFAULT_SPIN_US))
+                    self.probe = torch.zeros(1, device=device)
+                    self.probe_handle = bytes(_C.ipc_export_probe(self.probe)).hex()
+                except (ChannelError, RuntimeError) as exc:
+                    self.error = str(exc)[:400]
+        self._post(SETUP_TAG, self._describe())
+
+    def _post(self, tag: int, info: dict) -> None:
+        """Sends ``info`` to every peer over the wire and posts the receives of theirs (``_gather`` waits)."""
+        data = json.dumps(info).encode()
+        if len(data) > _INFO_BYTES:
+            raise ChannelError(f"transport setup: this rank's message takes {len(data)} bytes, more than {_INFO_BYTES}")
         out = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
-        out[: len(info)] = torch.frombuffer(bytearray(info), dtype=torch.uint8)
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.inbox = {p: torch.zeros(_INFO_BYTES, dtype=torch.uint8) for p in range(self.size) if p != self.rank}
         self.works: list[tuple[int, Any]] = []
-        self.failed: Optional[tuple[int, Exception]] = None  # raised by finish(): building a channel never fails
+        self.failed: Optional[tuple[int, Exception]] = None  # raised by _gather(): building a channel never fails
         for peer, buf in self.inbox.items():
             try:
-                self.works += [(peer, group.recv([buf], peer, SETUP_TAG)), (peer, group.send([out], peer, SETUP_TAG))]
+                self.works += [(peer, self.wire.recv([buf], peer, tag)), (peer, self.wire.send([out], peer, tag))]
             except Exception as exc:  # noqa: BLE001 - a peer already gone: said at the first message
                 self.failed = (peer, exc)
                 break
 
-    def finish(self, timeout: float) -> _GroupTransport:
+    def _gather(self, timeout: float, what: str) -> dict[int, dict]:
+        """The peers' messages of the exchange posted last (each wait bounded by ``timeout``)."""
         for peer, work in self.works:
             if self.failed is not None:
                 break
             try:
-                _C.wait_work(work, _ms(timeout), f"rank {self.rank}: waiting for rank {peer}'s transport description")
+                _C.wait_work(work, _ms(timeout), f"rank {self.rank}: waiting for rank {peer}'s transport {what}")
             except ChannelError as exc:
                 self.failed = (peer, exc)
         if self.failed is not None:
             peer, exc = self.failed
-            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s description "
+            raise ChannelTimeout(f"rank {self.rank}: setting up the pipeline transport, rank {peer}'s {what} "
                                  f"did not come within {timeout:g} s (has it built its schedule?): {exc}")
-        me = {"host": _host_id(), "ring_bytes": self.ring_bytes, "segment": "" if self.shm is None else "x",
-              "error": self.error}
-        peers = {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
-        if any(e["host"] != me["host"] for e in peers.values()):
+        return {p: json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()) for p, buf in self.inbox.items()}
+
+    def _describe(self) -> dict:
+        info = {"host": _host_id(), "ring_bytes": self.ring_bytes,
+                "segment": self.shm.name if self.shm is not None else "", "error": self.error}
+        if self.device.type == "cuda":
+            info.update(ipc=self.ipc, acks=self.acks.name if self.acks is not None else "", probe=self.probe_handle)
+        return info
+
+    def _probe(self, peers: dict[int, dict], timeout: float) -> str:
+        """Second round (CUDA stages about to use IPC): open every peer's probe, tell every peer how it went.
+
+        Every rank ends with every rank's report, so every rank takes the same verdict (``probe_verdict``).
+        """
+        failed = []
+        for peer, e in sorted(peers.items()):
+            why = _C.ipc_open_probe(bytes.fromhex(e.get("probe", "")), self.device) if e.get("probe") else "no probe"
+            if why:
+                failed.append(f"rank {self.rank} cannot open rank {peer}'s memory: {why}")
+        mine = "; ".join(failed)[:400]
+        self._post(PROBE_TAG, {"report": mine})
+        reports = {p: r["report"] for p, r in self._gather(timeout, "CUDA IPC probe report").items()}
+        self.probe = None  # every peer has opened (and closed) it
+        return probe_verdict({**reports, self.rank: mine})
+
+    def _fallback(self, reason: str) -> _GroupTransport:
+        self.drop()
+        return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, self.device), reason)
+
+    def finish(self, timeout: float) -> _GroupTransport:
+        peers = self._gather(timeout, "description")
+        try:
+            kind, reason = decide_transport(self.device.type, self.rank, self._describe(), peers)
+        except ChannelError:
             self.drop()
-            hosts = sorted({e["host"].split("|")[0] + ("" if e["host"] == me["host"] else " (other boot or namespace)")
-                            for e in [me, *peers.values()]})
-            return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
-                                   "hosts: " + ", ".join(hosts))
-        unmade = {p: e.get("error", "") for p, e in [(self.rank, me), *peers.items()] if not e["segment"]}
-        if unmade:
-            self.drop()
-            said = "; ".join(f"rank {p}: {why}" for p, why in sorted(unmade.items()))
-            return _GroupTransport("process_group", _C.ProcessGroupChannel(self.group, torch.device("cpu")),
-                                   f"no shared-memory inbox ({said})")
-        rings = sorted({self.ring_bytes, *(e["ring_bytes"] for e in peers.values())})
-        if len(rings) > 1:
-            self.drop()
-            raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({rings}); set the same value everywhere")
+            raise
+        if kind == "ipc":
+            failed = self._probe(peers, timeout)
+            if failed:
+                kind, reason = "process_group", f"CUDA IPC between the ranks failed ({failed})"
+        if kind == "process_group":
+            return self._fallback(reason)
         for peer, e in peers.items():
             self.shm.attach(peer, e["segment"])
+            if self.acks is not None:
+                self.acks.attach(peer, e["acks"])
+        if kind == "ipc":
+            return _GroupTransport("ipc", _C.IpcChannel(self.shm, self.acks, self.device))
         return _GroupTransport("shm", self.shm)
 
     def drop(self) -> None:
         """Withdraw this rank's inbox (the transport is not shared memory after all, or setup failed)."""
-        if self.shm is not None:
-            self.shm.withdraw()
+        for inbox in (self.shm, self.acks):
+            if inbox is not None:
+                inbox.withdraw()
 
 
 # By group object (weakly), in flight or decided: a group destroyed and made again under the same name gets
@@ -201,27 +338,38 @@ _setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTrans
 _lock = threading.Lock()
 
 
-def _post(group: dist.ProcessGroup) -> None:
+# GPU stages' setups, by the group their fallback uses (NCCL), apart from CPU stages' on the same group.
+_cuda_setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTransport]]" = weakref.WeakKeyDictionary()
+_NAMES = {"shm": "shared memory", "ipc": "CUDA IPC"}
+
+
+def _post(group: dist.ProcessGroup, device: torch.device = torch.device("cpu"),
+          wire: Optional[dist.ProcessGroup] = None) -> None:
     """Start the group's setup, once per process (every channel on a group shares its transport)."""
+    setups = _cuda_setups if device.type == "cuda" else _setups
     with _lock:
-        if group not in _setups:
-            _setups[group] = _Setup(group)
+        if group not in setups:
+            setups[group] = _Setup(group, device, wire)
 
 
-def _connect(group: dist.ProcessGroup, required: bool, timeout: float) -> _GroupTransport:
-    """The group's transport, finishing its setup if this is the first message: shm on one host, else Gloo."""
+def _connect(group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
+             device: torch.device = torch.device("cpu")) -> _GroupTransport:
+    """The group's transport, finishing its setup if this is the first message: shm or ipc on one host, else
+    the process group. ``required``: the transport that must come out ("shm", "ipc"; True: "shm"), or False."""
+    setups = _cuda_setups if device.type == "cuda" else _setups
     with _lock:
-        known = _setups[group]
+        known = setups[group]
         if isinstance(known, _Setup):
             try:
                 known = known.finish(timeout)
             except BaseException:
                 known.drop()
                 raise
-            _setups[group] = known
-    if required and known.kind != "shm":
-        raise ChannelError(f"transport='shm': group {group.group_name!r} cannot use shared memory ({known.reason}); "
-                           "use transport='auto' or 'process_group'")
+            setups[group] = known
+    wanted = "shm" if required is True else required
+    if wanted and known.kind != wanted:
+        raise ChannelError(f"transport={wanted!r}: group {group.group_name!r} cannot use {_NAMES[wanted]} "
+                           f"({known.reason}); use transport='auto' or 'process_group'")
     return known
 
 
@@ -234,16 +382,18 @@ class UnsettledTransport:
     ``_C.ProcessGroupChannel`` itself, and this object is dropped.
     """
 
-    def __init__(self, owner: "ShmChannel", group: dist.ProcessGroup, required: bool, timeout: float) -> None:
+    def __init__(self, owner: "ShmChannel", group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
+                 device: torch.device = torch.device("cpu"), wire: Optional[dist.ProcessGroup] = None) -> None:
         self._owner, self._group, self._required, self._timeout = owner, group, required, timeout
         self.rank = group.rank()
-        self.device = torch.device("cpu")
-        _post(group)
+        self.device = device
+        _post(group, device, wire)
 
     def _resolve(self) -> Any:
-        transport = _connect(self._group, self._required, self._timeout)
+        transport = _connect(self._group, self._required, self._timeout, self.device)
         self._owner.transport = transport.kind
         self._owner._pg = transport.channel
+        self._owner._settled(transport)
         return transport.channel
 
     def send(self, *args: Any) -> Any:
@@ -274,8 +424,16 @@ class ShmChannel(DistChannel):
 
     @property
     def packs_single(self) -> bool:  # type: ignore[override]
-        """On shared memory one tensor is copied into the ring as it is: no pack buffer for it."""
-        return self.transport != "shm"
+        """On shared memory (or CUDA IPC) one tensor is copied into the ring (an exported block) as it is: no
+        pack buffer for it."""
+        return self.transport not in ("shm", "ipc")
+
+    def matches_by_tag(self) -> bool:
+        """Settles the transport (collective over the group), then says whether it matches by tag."""
+        return self.connect() != "process_group" or self.device.type == "cpu"
+
+    def _settled(self, transport: _GroupTransport) -> None:
+        """The transport was just decided (``transport.channel`` is now ``_pg``)."""
 
     def begin_step(self, step: int) -> None:
         """Settle the transport (as the step's first message would); on shared memory, drop what earlier
@@ -289,3 +447,42 @@ class ShmChannel(DistChannel):
             self._pg._resolve()
         assert self.transport is not None
         return self.transport
+
+
+class IpcChannel(ShmChannel):
+    """A ``DistChannel`` for GPU stages over CUDA IPC between the processes of one host; NCCL otherwise.
+
+    The C++ ``_C.IpcChannel`` (csrc/runtime/ipc_channel.h): control messages
+    (tag, layout, IPC handles of the sender's exported block and its events)
+    travel over the shared-memory rings, matched by (peer, tag) like Gloo; the
+    receiver copies the payload with ``cudaMemcpyAsync`` on its receive stream.
+    Decided at the first message like ``ShmChannel``: the ranks describe
+    themselves over ``setup_group`` (a group that moves CPU tensors, e.g. the
+    Gloo twin of an NCCL group; ``group`` itself by default) and every rank
+    takes the same transport (``decide_transport``). ``required``: CUDA IPC or
+    an error (``transport="ipc"``). Routes (``set_route``) apply to the NCCL
+    fallback only.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: Union[str, torch.device],
+                 num_stages: Optional[int] = None, required: bool = False, timeout: float = 300.0,
+                 setup_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = self.resolve_group(group)
+        self.num_stages = num_stages
+        self.transport: Optional[str] = None
+        self.requested = "ipc" if required else "auto"
+        self._routes: dict[int, tuple] = {}
+        self._pg = UnsettledTransport(self, self.group, "ipc" if required else False, timeout,
+                                      torch.device(device), setup_group)
+
+    def set_route(self, peer: int, send_group: dist.ProcessGroup, send_peer: int,
+                  recv_group: dist.ProcessGroup, recv_peer: int) -> None:
+        """Kept until the transport is settled; used by the NCCL fallback, not by CUDA IPC (it matches by tag)."""
+        self._routes[peer] = (send_group, send_peer, recv_group, recv_peer)
+        if self.transport == "process_group":
+            super().set_route(peer, *self._routes[peer])
+
+    def _settled(self, transport: _GroupTransport) -> None:
+        if transport.kind == "process_group":
+            for peer, route in self._routes.items():
+                transport.channel.set_route(peer, *route)
