@@ -69,6 +69,10 @@ class DistChannel:
         """True when messages are matched by (peer, tag) (Gloo, shared memory, CUDA IPC), not by order (NCCL)."""
         return self.device.type == "cpu"
 
+    def connect(self) -> str:
+        """The transport, decided (the process group needs no decision; the same-host channels settle theirs)."""
+        return "process_group"
+
     def begin_step(self, step: int) -> None:
         """Step ``step`` (the group's number, ``GroupSteps``) starts its messages on this rank.
 

@@ -25,10 +25,12 @@ memory, an error naming the hosts when the ranks are not all on this one) or
 :class:`IpcChannel`; an error naming the problem on CPU stages, across hosts,
 or where IPC is not available).
 
-GPU stages: ``"auto"`` picks CUDA IPC when every rank is on this host and every
-rank can use it (a CUDA build of ``pipeline_ext._C``, a CUDA device), else the
-process group (NCCL). The decision (:func:`decide_transport`) is a function of
-every rank's description alone, so every rank takes the same branch.
+GPU stages: ``"auto"`` is the process group (NCCL): the CUDA IPC channel has
+not yet run on a GPU, so it is used only when asked for (``"ipc"``). Once it
+has, ``"auto"`` is to pick it when every rank is on this host and every rank
+can use it (a CUDA build of ``pipeline_ext._C``, a CUDA device), which is what
+:func:`decide_transport` already decides: a function of every rank's
+description alone, so every rank takes the same branch.
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
 
@@ -106,7 +108,9 @@ def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.de
     if choice == "process_group" or device.type not in ("cpu", "cuda"):
         return DistChannel(group, device, num_stages=num_stages)
     if device.type == "cuda":
-        return IpcChannel(group, device, num_stages=num_stages, required=choice == "ipc", timeout=timeout,
+        if choice != "ipc":  # "auto": NCCL until the CUDA IPC channel has run on a GPU (module doc)
+            return DistChannel(group, device, num_stages=num_stages)
+        return IpcChannel(group, device, num_stages=num_stages, required=True, timeout=timeout,
                           setup_group=setup_group)
     return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
 
