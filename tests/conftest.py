@@ -22,11 +22,14 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return request.param
 
 
+#: a parameter that needs a GPU: marked ``cuda`` (tools/gpu_check.sh selects those), skipped without one
+_ON_GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
 @pytest.fixture(params=[
     pytest.param(("cpu", "gloo"), id="gloo"),
     pytest.param(("cpu", "shm"), id="shm"),
-    pytest.param(("cuda", "process_group"), id="cuda-nccl", marks=[
-        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+    pytest.param(("cuda", "process_group"), id="cuda-nccl", marks=_ON_GPU),
 ])
 def rank_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a multi-process test once per transport on CPU stages, and once with every stage on ``cuda:0``.
@@ -46,8 +49,7 @@ def rank_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.fixture(params=[
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda-nccl", marks=[
-        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+    pytest.param("cuda", id="cuda-nccl", marks=_ON_GPU),
 ])
 def stage_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``rank_device`` for tests that run on one CPU transport (the default): CPU stages, then ``cuda:0`` over NCCL."""

@@ -219,11 +219,8 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         work = original(*args, **kwargs)  # issued holding the baton: the issue order is the fixed one
         if work is None:  # not a member of the group: nothing to wait on
             return None
-        half.give()
-        try:
+        with comm_region():  # the wait runs without the baton
             work.wait()
-        finally:
-            half.take()
         return None
 
     collective.__pipeline_ext_original__ = original  # type: ignore[attr-defined]
@@ -240,14 +237,8 @@ def _wrap_wait(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wait_tensor(*args: Any, **kwargs: Any) -> Any:
-        half = _current()
-        if half is None:
+        with comm_region():  # outside a pair, nothing
             return original(*args, **kwargs)
-        half.give()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            half.take()
 
     wait_tensor.__pipeline_ext_original__ = original  # type: ignore[attr-defined]
     return wait_tensor

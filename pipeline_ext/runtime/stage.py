@@ -518,11 +518,9 @@ def _weight_as_grad(loss: torch.Tensor, weight: Any) -> torch.Tensor:
     weight that is a CPU tensor is read on the host, never copied to the GPU.
     """
     if isinstance(weight, torch.Tensor):
-        if weight.device == loss.device:
-            return weight.detach().to(loss.dtype).reshape(loss.shape)
-        weight = float(weight) if weight.device.type == "cpu" else weight.detach().to(loss.device, loss.dtype)
-        if isinstance(weight, torch.Tensor):
-            return weight.reshape(loss.shape)
+        if weight.device.type != "cpu" or loss.device.type == "cpu":
+            return weight.detach().to(loss.device, loss.dtype).reshape(loss.shape)
+        weight = float(weight)
     return torch.full(loss.shape, weight, dtype=loss.dtype, device=loss.device)
 
 
