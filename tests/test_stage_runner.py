@@ -174,3 +174,44 @@ def test_the_loss_weight_gives_bitwise_the_gradients_of_the_weighted_loss(split,
     for p, q in zip(block.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert torch.equal(runner.losses[0], nn.functional.mse_loss(ref(x), y).detach())  # the loss itself, unweighted
+
+
+def _graph(seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x @ w
+    return w, x, [h.relu(), h.tanh() * 2]
+
+
+@pytest.mark.parametrize("as_edges", [False, True])
+def test_run_backward_gives_bitwise_torchs_gradients(as_edges):
+    """The runner's backward goes to the engine directly when every gradient is a plain tensor: the same call
+    torch.autograd.backward ends in, so the same bits, for tensor roots and for released outputs' edges."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from pipeline_ext.runtime.stage import run_backward
+
+    grads = [torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)]  # a float64 gradient is cast, as torch does
+    got, want = [], []
+    for fn, out in ((run_backward, got), (torch.autograd.backward, want)):
+        w, x, roots = _graph()
+        fn([get_gradient_edge(r) for r in roots] if as_edges else roots, grads)
+        out.extend([w.grad, x.grad])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_run_backward_checks_what_torch_checks():
+    from pipeline_ext.runtime.stage import run_backward
+
+    _, _, roots = _graph()
+    with pytest.raises(RuntimeError, match=r"\[3, 5\].*\[3, 4\]"):  # a gradient of the wrong shape, named
+        run_backward(roots[:1], [torch.ones(3, 5)])
+    w, x, roots = _graph()
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        run_backward(roots[:1], [None])  # no gradient: torch's own path and error
+    loss = (x @ w).sum()
+    run_backward([loss], [None])  # a scalar root without a gradient: torch's path seeds it with 1
+    w2, x2, _ = _graph()
+    (x2 @ w2).sum().backward()
+    assert torch.equal(w.grad, w2.grad)

@@ -232,6 +232,9 @@ class Executor:
                 f"rank {rank} holds stages {sorted(mine)} in schedule {schedule.name!r} "
                 f"but was given stages {sorted(runners)}"
             )
+        # read once: the loop below runs per action, and its host time is what a small microbatch pays
+        self._is_last = {s: r.is_last for s, r in runners.items()}
+        self._counted = [r for r in runners.values() if hasattr(r, "live_microbatches")]
         self._dispatch = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
@@ -313,7 +316,7 @@ class Executor:
             if i <= skip_to:
                 continue
             group: tuple[Action, ...] = (action,)
-            fn = custom.get(action.kind)
+            fn = custom.get(action.kind) if custom else None
             if i in self._pair_end and OVERLAP_F_B in custom:
                 skip_to = self._pair_end[i]
                 group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
@@ -321,7 +324,7 @@ class Executor:
                 st.posting = True  # from the first message on, receives are posted ahead
                 step.open()
                 self._post(st)
-            begin = clock()
+            begin = clock() if on_action is not None else 0.0
             spans: dict[Action, tuple[float, float]] = {}
             try:
                 if self._send_run_starts[i]:
@@ -338,7 +341,8 @@ class Executor:
                 raise
             if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                 self._post(st)
-            self._reap(st, block=False)
+            if st.sends:
+                self._reap(st, block=False)
             if on_action is not None:
                 end = clock()
                 for a in group:  # a function's actions each with its own span (an overlapped pair's overlap)
@@ -403,16 +407,17 @@ class Executor:
         else:
             args, kwargs = self._take(st.activations, (a.stage, m), a), {}
         extra: dict[str, Any] = {}
-        if runner.is_last and inputs.targets:
+        last = self._is_last[a.stage]
+        if last and inputs.targets:
             extra = dict(target=inputs.targets[m], loss_weight=st.step.loss_weights()[m], loss_fn=inputs.loss_fn)
-        routes = self._routes(a.stage, st)
+        routes = self._routes(a.stage, st) if a.stage in st.step.skip_stages else None
         if routes is not None:
             extra["skips"] = self._skips_in(a.stage, m, st, routes, gradient=False)
         outs = runner.forward(m, args, kwargs, **extra)
         self._check_peak(a)
         if routes is not None:
             self._skips_out(a.stage, m, st, routes, runner.take_stashed(m), gradient=False)
-        if runner.is_last:
+        if last:
             return getattr(runner, "outputs", {}).get(m)
         if self._local(a.stage + 1):
             st.activations[(a.stage + 1, m)] = outs
@@ -427,7 +432,9 @@ class Executor:
         it; a runner that kept a microbatch past its backward would break it
         silently, step after step, until the device ran out of memory.
         """
-        live = sum(getattr(r, "live_microbatches", 0) for r in self.runners.values())
+        live = 0
+        for r in self._counted:
+            live += r.live_microbatches
         if live > self.promised_peak:
             raise StageError(
                 f"rank {self.rank} holds the activations of {live} microbatches after the F of stage {a.stage}, "
@@ -439,9 +446,9 @@ class Executor:
     def _backward(self, a: Action, st: _StepState) -> Any:
         runner = self.runners[a.stage]
         m = a.microbatch
-        grads = None if runner.is_last else self._take(st.grads, (a.stage, m), a)
+        grads = None if self._is_last[a.stage] else self._take(st.grads, (a.stage, m), a)
         fn = runner.backward if a.kind == ActionKind.B else runner.backward_input
-        routes = self._routes(a.stage, st)
+        routes = self._routes(a.stage, st) if a.stage in st.step.skip_stages else None
         extra = {} if routes is None else {"skip_grads": self._skips_in(a.stage, m, st, routes, gradient=True)}
         grad_in = fn(m, grads, **extra)
         if routes is not None:
@@ -478,9 +485,7 @@ class Executor:
 
     # -- skips ---------------------------------------------------------------------------------
     def _routes(self, stage: int, st: _StepState) -> Any:
-        """The skip routes when ``stage`` moves skips this step, else None (asked of the step only for such stages)."""
-        if stage not in st.step.skip_stages:
-            return None
+        """The skip routes of ``stage``, one of the step's ``skip_stages``; None when it moves none."""
         routes = st.step.skip_routes()
         return routes if routes is not None and (routes.sources(stage) or routes.destinations(stage)) else None
 

@@ -278,9 +278,9 @@ class StageRunner(StagePosition):
             self.grad_sync.begin()  # the step's first forward of this stage
             self._sync_left = self._n_microbatches
         state = _State()
-        if not self.is_first:
-            args = tuple(self._as_input(a) for a in args)
-        skips = {k: self._as_input(v) for k, v in (skips or {}).items()}
+        if self.stage_index:  # not the first stage: received activations become leaves
+            args = tuple([self._as_input(a) for a in args])
+        skips = {k: self._as_input(v) for k, v in skips.items()} if skips else {}
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
             with torch.no_grad():
                 sent = self._run(mb, state, args, kwargs, target, loss_weight, skips, loss_fn)
@@ -294,19 +294,21 @@ class StageRunner(StagePosition):
         loss_weight: float, skips: Skips, loss_fn: Optional[LossFn] = None,
     ) -> tuple[torch.Tensor, ...]:
         """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
-        if not self.is_first:
+        if self.stage_index:
             state.grad_inputs = [a for a in args if is_differentiable(a)]
-        state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
+        if skips:
+            state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
         if self._skippable or skips:
             # what no layer of this stage popped is stashed for later stages
             out, stashed = call_with_skips(lambda: self.call(mb, self.module, args, kwargs or {}), skips)
         else:
             out, stashed = self.call(mb, self.module, args, kwargs or {}), {}
         grad_on = torch.is_grad_enabled()
-        state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
-        if stashed and state.recompute is None:  # a recomputation's stashes were sent already
-            self._stashed[mb] = detach_tree(stashed)
-        if self.is_last:
+        if stashed:
+            state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
+            if state.recompute is None:  # a recomputation's stashes were sent already
+                self._stashed[mb] = detach_tree(stashed)
+        if self.stage_index == self.num_stages - 1:
             self.outputs[mb] = detach_tree(out)
             loss_fn = loss_fn if loss_fn is not None else self.loss_fn
             if loss_fn is not None and target is not None:
@@ -368,9 +370,9 @@ class StageRunner(StagePosition):
         self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]], skip_grads: Optional[Skips]
     ) -> tuple[list[Root], list[Optional[torch.Tensor]]]:
         """Backward roots and their gradients (the loss weight for the loss), stashed skips included."""
-        if self.is_last:
-            outputs = list(state.outputs)
-            grads = [_weight_as_grad(loss, state.loss_weight) for loss in outputs]
+        if self.stage_index == self.num_stages - 1:
+            outputs = list(state.outputs)  # the loss, or nothing
+            grads = [_weight_as_grad(outputs[0], state.loss_weight)] if outputs else []
         else:
             if grad_outputs is None:
                 raise StageError(f"stage {self.stage_index}: backward needs the gradients of its outputs")
@@ -399,18 +401,23 @@ class StageRunner(StagePosition):
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                  skip_grads: Optional[Skips] = None) -> list[torch.Tensor]:
         """B: full backward of ``mb``; accumulates weight grads, returns the input grads."""
-        self._before_backward()
+        if self._sync_left is not None:
+            self._before_backward()
         state = self._take(mb, "B")
         outputs, grads = self._grad_pairs(state, grad_outputs, skip_grads)
-        leaves = state.grad_inputs + [v for _, v in state.skip_inputs]
-        for inp in leaves:
+        for inp in state.grad_inputs:
             inp.grad = None
+        if state.skip_inputs:
+            for _, v in state.skip_inputs:
+                v.grad = None
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            run_backward(outputs, grads)
         message = self._grad_message(state, [inp.grad for inp in state.grad_inputs])
-        self._keep_skip_grads(mb, state, [v.grad for _, v in state.skip_inputs])
+        if state.skip_inputs:
+            self._keep_skip_grads(mb, state, [v.grad for _, v in state.skip_inputs])
         del self._states[mb]
-        self._weight_grads_done()
+        if self._sync_left is not None:
+            self._weight_grads_done()
         return message
 
     def backward_input(
@@ -522,6 +529,30 @@ def _weight_as_grad(loss: torch.Tensor, weight: Any) -> torch.Tensor:
             return weight.detach().to(loss.device, loss.dtype).reshape(loss.shape)
         weight = float(weight)
     return torch.full(loss.shape, weight, dtype=loss.dtype, device=loss.device)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def run_backward(roots: Sequence[Root], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """``torch.autograd.backward(roots, grads)``: the same engine call, without the wrapper when it adds nothing.
+
+    torch's wrapper normalises and re-checks its arguments in Python (about
+    20 calls, a few microseconds each B on a CPU, per microbatch, on a
+    path a GPU waits on) and then makes this call. Here every gradient has
+    been matched to its root already (``_match_grads``; the loss weight is
+    built in the loss's shape and dtype) and the engine checks each root's
+    gradient again (shape, dtype, device) before it runs. Anything the
+    wrapper does more for takes the wrapper: a missing gradient (it would
+    create one), a tensor subclass (DTensor), functorch transforms.
+    """
+    plain = len(roots) == len(grads) and not torch._C._are_functorch_transforms_active()
+    for r, g in zip(roots, grads):  # a loop, not all(...): the point is the host time
+        plain = plain and type(g) is torch.Tensor and (type(r) is torch.Tensor or type(r) is GradientEdge)
+    if not plain:
+        torch.autograd.backward(roots, grads)
+        return
+    _ENGINE.run_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _root(o: Any) -> Root:
