@@ -53,7 +53,6 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -400,9 +399,17 @@ def _flat_key(args: Sequence[Any], kwargs: dict) -> Optional[tuple]:
     general walk. A microbatch always takes the same path, so its key and
     signature are stable.
     """
-    if not all(isinstance(x, _FLAT) for x in itertools.chain(args, kwargs.values())):
+    keys = []
+    for x in args:  # a loop: this runs per microbatch per step, and its host time is the point
+        if isinstance(x, torch.Tensor):
+            keys.append((tuple(x.shape), x.dtype))
+        elif isinstance(x, _BY_VALUE):
+            keys.append((type(x).__name__, x))
+        else:
+            return None
+    if kwargs and not all(isinstance(x, _FLAT) for x in kwargs.values()):
         return None
-    return ("flat", tuple(map(_leaf_key, args)), tuple((name, _leaf_key(x)) for name, x in kwargs.items()))
+    return ("flat", tuple(keys), tuple((name, _leaf_key(x)) for name, x in kwargs.items()) if kwargs else ())
 
 
 def _leaf_key(x: Any) -> Any:

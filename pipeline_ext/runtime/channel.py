@@ -12,6 +12,7 @@ naming what it waited for, or ``ChannelError`` when a peer failed.
 """
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -64,6 +65,7 @@ def watch_signals() -> None:
         signal.set_wakeup_fd(old)
 
 
+@functools.lru_cache(maxsize=16)  # called per wait with the executor's one timeout: a lookup, not the arithmetic
 def _ms(timeout: Optional[float]) -> int:
     """Seconds (Python side) to milliseconds (C++ side); None or inf waits forever."""
     if timeout is None or math.isinf(timeout):

@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Seque
 import torch
 
 from pipeline_ext.runtime.channel import Handle, StepChannel
-from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag
+from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 from pipeline_ext.runtime.skips import pack_skip_grads, pack_skips, unpack_skips
@@ -150,6 +150,8 @@ class _StepState:
     sends: deque = field(default_factory=deque)  # (action or skip message, handle) in issue order
     skips: dict[_SkipMessage, SkipValues] = field(default_factory=dict)  # handed over on this rank
     pending: deque = field(default_factory=deque)  # receives not posted yet
+    step_bits: int = 0  # the step's part of every tag (``tags.step_bits``)
+    in_step: str = ""  # how a wait's description ends: " in step N"
 
 
 class GroupRun:
@@ -235,6 +237,12 @@ class Executor:
         # read once: the loop below runs per action, and its host time is what a small microbatch pays
         self._is_last = {s: r.is_last for s, r in runners.items()}
         self._counted = [r for r in runners.values() if hasattr(r, "live_microbatches")]
+        # per message action: its peer, its tag without the step's bits, and what a wait on it says
+        messages = [a for a in self.actions if a.kind in _MESSAGES]
+        self._peers = {a: self._peer(a) for a in messages}
+        self._tags = {a: message_tag(a, self.num_stages) for a in messages}
+        self._waits = {a: self._about(a) for a in messages}
+        self._finishes = {a: w.replace("waiting on", "finishing") for a, w in self._waits.items()}
         self._dispatch = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
@@ -280,14 +288,17 @@ class Executor:
         return self._rank_of[action.stage - 1]
 
     def _what(self, action: Union[Action, _SkipMessage], step: int) -> str:
+        return f"{self._about(action)} in step {step}"
+
+    def _about(self, action: Union[Action, _SkipMessage]) -> str:
         if isinstance(action, _SkipMessage):
             what = (f"the skips of stage {action.src} for stage {action.dst}" if not action.gradient
                     else f"the gradient of stage {action.src}'s skips from stage {action.dst}")
             return (f"rank {self.rank} waiting on {what}, microbatch {action.microbatch}, with peer rank "
-                    f"{self._peer(action)} in step {step}")
+                    f"{self._peer(action)}")
         return (
             f"rank {self.rank} waiting on {action.kind.value} of stage {action.stage} microbatch "
-            f"{action.microbatch} with peer rank {self._peer(action)} in step {step}"
+            f"{action.microbatch} with peer rank {self._peer(action)}"
         )
 
     def _local(self, stage: int) -> bool:
@@ -306,7 +317,8 @@ class Executor:
         the pair) and a ``GroupRun`` that runs each of them, once, when the
         function says (see ``GroupRun``).
         """
-        st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions))
+        st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions), step_bits=step_bits(step.step),
+                        in_step=f" in step {step.step}")
         clock = time.perf_counter
         self.failed_action = None
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
@@ -380,23 +392,36 @@ class Executor:
         pending, step = st.pending, st.step
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
-            tag = message_tag(a, self.num_stages, step.step)
-            st.posted[a] = self._start(a, st, lambda: step.recv(self._peer(a), tag))
+            peer, tag = self._peers[a], st.step_bits | self._tags[a]
+            try:
+                st.posted[a] = step.recv(peer, tag)
+            except RuntimeError as exc:
+                raise self._start_failed(a, st, exc)
 
     def _start(self, a: Union[Action, _SkipMessage], st: _StepState, post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
         try:
             return post()
-        except (TimeoutError, PeerError):
-            raise
         except RuntimeError as exc:
-            what = self._what(a, st.step.step).replace("waiting on", "starting")
-            raise PeerError(f"{what}: {exc}") from exc
+            raise self._start_failed(a, st, exc)
+
+    def _start_failed(self, a: Union[Action, _SkipMessage], st: _StepState, exc: RuntimeError) -> BaseException:
+        """What to raise when starting ``a`` raised ``exc``: a timeout or peer error as it is, else a ``PeerError``
+        saying which message and with whom (the cause chained)."""
+        if isinstance(exc, (TimeoutError, PeerError)):
+            return exc
+        what = self._what(a, st.step.step).replace("waiting on", "starting")
+        err = PeerError(f"{what}: {exc}")
+        err.__cause__ = exc
+        return err
 
     def _reap(self, st: _StepState, block: bool) -> None:
         while st.sends and (block or st.sends[0][1].is_completed()):
             action, handle = st.sends.popleft()
-            handle.wait(self.timeout, self._what(action, st.step.step).replace("waiting on", "finishing"))
+            what = self._finishes.get(action)  # a skip message has no entry
+            if what is None:
+                what = self._about(action).replace("waiting on", "finishing")
+            handle.wait(self.timeout, what + st.in_step)
 
     # -- actions -------------------------------------------------------------------------------
     def _forward(self, a: Action, st: _StepState) -> Any:
@@ -469,14 +494,17 @@ class Executor:
         # An activation is whatever the user's module returned (it may write it again: a reused output
         # buffer), so it is copied; an input gradient is autograd's, sent as it is.
         owned = a.kind == ActionKind.SEND_B
-        tag, step = message_tag(a, self.num_stages, st.step.step), st.step
-        st.sends.append((a, self._start(a, st, lambda: step.send(tensors, self._peer(a), tag, owned))))
+        try:
+            handle = st.step.send(tensors, self._peers[a], st.step_bits | self._tags[a], owned)
+        except RuntimeError as exc:
+            raise self._start_failed(a, st, exc)
+        st.sends.append((a, handle))
 
     def _recv(self, a: Action, st: _StepState) -> None:
         handle = st.posted.pop(a, None)
         if handle is None:
             raise RuntimeError(f"rank {self.rank}: {a} was never posted (receives out of order in the schedule?)")
-        tensors = handle.wait(self.timeout, self._what(a, st.step.step))
+        tensors = handle.wait(self.timeout, self._waits[a] + st.in_step)
         key = (a.stage, a.microbatch)
         if a.kind == ActionKind.RECV_F:
             st.activations[key] = tuple(tensors)

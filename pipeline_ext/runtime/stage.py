@@ -325,7 +325,7 @@ class StageRunner(StagePosition):
         else:
             outs = as_output_tuple(out, self.stage_index)
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
-            sent = tuple(o.detach() for o in outs)
+            sent = tuple([o.detach() for o in outs])
             if state.outputs and self.release_outputs:
                 state.outputs = _release(state.outputs, [*args, *skips.values()])
         if grad_on:

@@ -18,7 +18,7 @@ from typing import Optional
 
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "skip_tag", "message_of", "split_microbatch",
+__all__ = ["STEP_SHIFT", "STEPS", "SKIP_LANE", "message_tag", "step_bits", "skip_tag", "message_of", "split_microbatch",
            "describe_tag", "check_tag_space"]
 
 STEP_SHIFT = 20
@@ -50,13 +50,18 @@ def message_tag(action: Action, num_stages: int, step: int = 0) -> int:
         sender, direction = (action.stage if kind == ActionKind.SEND_F else action.stage - 1), 0
     else:
         sender, direction = (action.stage if kind == ActionKind.SEND_B else action.stage + 1), 1
-    return ((step % STEPS) << STEP_SHIFT) | ((action.microbatch * num_stages + sender) * 2 + direction)
+    return step_bits(step) | ((action.microbatch * num_stages + sender) * 2 + direction)
+
+
+def step_bits(step: int) -> int:
+    """The step's part of a tag: ``message_tag(a, n, step) == step_bits(step) | message_tag(a, n)``."""
+    return (step % STEPS) << STEP_SHIFT
 
 
 def skip_tag(src: int, dst: int, microbatch: int, gradient: bool, num_stages: int, step: int = 0) -> int:
     """The tag of microbatch ``microbatch``'s skip message between stashing stage ``src`` and popping stage ``dst``."""
     rest = ((microbatch * num_stages + src) * num_stages + dst) * 2 + int(gradient)
-    return ((step % STEPS) << STEP_SHIFT) | SKIP_LANE | rest
+    return step_bits(step) | SKIP_LANE | rest
 
 
 def message_of(tag: int) -> int:
