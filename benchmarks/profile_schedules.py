@@ -12,7 +12,7 @@ For each rank it prints:
   SENDs, and the runtime between actions;
 - the simulator's step at the costs the tracer measured.
 
-    PYTHONPATH=. python benchmarks/profile_1f1b.py --dims 512 1024 --transports shm gloo
+    PYTHONPATH=. python benchmarks/profile_schedules.py --dims 512 1024 --transports shm gloo
 """
 from __future__ import annotations
 
