@@ -109,26 +109,31 @@ def _split(step: list, rank: int) -> dict[str, float]:
 
 
 def _messages(schedule, steps: list) -> dict[str, float]:
-    """Medians over every message of the traced steps (µs) and the messages per step."""
+    """Medians over every message of the traced steps (µs) and counts per step.
+
+    SEND is split by whether its receiver was already waiting in its RECV when
+    the SEND started (asleep on the doorbell after a short spin, so the send
+    has to wake it) or not.
+    """
     from pipeline_ext.runtime.trace import transfer_samples
     from pipeline_ext.schedules.lowering import counterpart
 
     waited = [c for step in steps for c in transfer_samples(schedule, step)]
-    sends, found, count = [], [], 0
+    to_sleeper, to_busy, found, count = [], [], [], 0
     for step in steps:
         by_action = {s.action: s for s in step}
         for s in step:
             kind = s.action.kind.value
+            peer = by_action.get(counterpart(s.action, schedule.stage_to_rank)[1]) if s.action.is_comm else None
             if kind.startswith("SEND"):
-                sends.append(s.end - s.start)
                 count += 1
-            elif kind.startswith("RECV"):
-                peer = by_action.get(counterpart(s.action, schedule.stage_to_rank)[1])
-                if peer is not None and s.start > peer.start:
-                    found.append(s.end - s.start)
+                (to_sleeper if peer is not None and peer.start <= s.start else to_busy).append(s.end - s.start)
+            elif kind.startswith("RECV") and peer is not None and s.start > peer.start:
+                found.append(s.end - s.start)
     med = lambda v: statistics.median(v) * 1e6 if v else float("nan")  # noqa: E731
-    return {"per_step": count / len(steps), "waited": med(waited), "n_waited": len(waited) / len(steps),
-            "send": med(sends), "found": med(found), "n_found": len(found) / len(steps)}
+    n = len(steps)
+    return {"per_step": count / n, "waited": med(waited), "n_waited": len(waited) / n,
+            "send_sleeper": med(to_sleeper), "send_busy": med(to_busy), "found": med(found), "n_found": len(found) / n}
 
 
 def _at_means(schedule, step: list) -> float:
@@ -249,14 +254,16 @@ def print_tables(rows: list[dict]) -> None:
             print(f"{r['schedule']:<17} {r['d']:>5} {r['transport']:<4} {rank:>4} {v['compute']:>8.2f} {v['alone']:>7.2f} "
                   f"{v['compute'] / v['alone']:>5.2f}x | {v['F']:>6.2f} {v['B']:>6.2f} {v['I']:>6.2f} {v['W']:>6.2f} "
                   f"{v['RECV']:>6.2f} {v['SEND']:>6.2f} {v['between']:>6.2f} = {v['span']:>6.2f}")
-    print("\nper message (µs, medians over the traced steps): latency of those waited for (send start to receive end), "
-          "SEND, RECV that found its data, one copy of the bytes")
-    print(f"{'schedule':<17} {'d':>5} {'tr':<4} {'msgs/step':>9} {'waited/step':>11} {'latency':>8} {'SEND':>6} "
-          f"{'found/step':>10} {'RECV found':>10} {'copy':>6}")
+    print("\nper message (µs, medians over the traced steps): latency of those whose receiver waited (send start to "
+          "receive end; the same messages' SEND: the receiver asleep), SEND to a receiver not yet waiting, RECV that "
+          "found its data, one copy of the bytes")
+    print(f"{'schedule':<17} {'d':>5} {'tr':<4} {'msgs/step':>9} {'waited/step':>11} {'latency':>8} {'its SEND':>8} "
+          f"{'other SEND':>10} {'found/step':>10} {'RECV found':>10} {'copy':>6}")
     for r in rows:
         m = r["messages"]
         print(f"{r['schedule']:<17} {r['d']:>5} {r['transport']:<4} {m['per_step']:>9.0f} {m['n_waited']:>11.1f} "
-              f"{m['waited']:>8.0f} {m['send']:>6.0f} {m['n_found']:>10.1f} {m['found']:>10.0f} {r['copy_us']:>6.1f}")
+              f"{m['waited']:>8.0f} {m['send_sleeper']:>8.0f} {m['send_busy']:>10.0f} {m['n_found']:>10.1f} "
+              f"{m['found']:>10.0f} {r['copy_us']:>6.1f}")
 
 
 def _cpu_seconds() -> tuple[float, float]:
