@@ -10,7 +10,8 @@ import torch
 from mp_utils import run_ranks
 from models import build, loss_fn, make_batch
 from pipeline_ext import schedules as S
-from pipeline_ext.runtime.trace import TraceReport, measure_costs, measured_bubble, transfer_samples
+from pipeline_ext.runtime.trace import (TraceReport, measure_costs, measured_bubble, replay, replay_gap,
+                                       transfer_samples)
 from pipeline_ext.schedules.simulate import Span
 
 
@@ -40,6 +41,61 @@ def test_transfer_time_is_read_only_from_receivers_that_waited():
         Span(1, a(1, S.ActionKind.SEND_B, 0), 3.0, 3.1), Span(0, a(0, S.ActionKind.RECV_B, 0), 4.0, 4.01),  # found data
     ]
     assert transfer_samples(sch, spans) == [pytest.approx(0.6)]
+
+
+def _hand_trace(late: float = 0.0) -> list[Span]:
+    """1F1B, 2 ranks, 2 microbatches as the simulator runs it at F = 1, B = 2, transfer 0.5, written out by hand
+    with every SEND/RECV; ``late`` delays rank 0's last B (and what follows) by that much of runtime time."""
+    a, K = S.Action, S.ActionKind
+    return [
+        Span(0, a(0, K.F, 0), 0.0, 1.0), Span(0, a(0, K.SEND_F, 0), 1.0, 1.0), Span(0, a(0, K.F, 1), 1.0, 2.0),
+        Span(0, a(0, K.SEND_F, 1), 2.0, 2.0), Span(0, a(0, K.RECV_B, 0), 2.0, 5.0),  # waits for 1SEND_B0 at 4.5
+        Span(0, a(0, K.B, 0), 5.0, 7.0), Span(0, a(0, K.RECV_B, 1), 7.0, 8.0),
+        Span(0, a(0, K.B, 1), 8.0 + late, 10.0 + late),
+        Span(1, a(1, K.RECV_F, 0), 0.0, 1.5), Span(1, a(1, K.F, 0), 1.5, 2.5), Span(1, a(1, K.B, 0), 2.5, 4.5),
+        Span(1, a(1, K.SEND_B, 0), 4.5, 4.5), Span(1, a(1, K.RECV_F, 1), 4.5, 4.5),  # its data came at 2.5
+        Span(1, a(1, K.F, 1), 4.5, 5.5), Span(1, a(1, K.B, 1), 5.5, 7.5), Span(1, a(1, K.SEND_B, 1), 7.5, 7.5),
+    ]
+
+
+def test_replay_of_a_trace_at_the_costs_is_the_simulator():
+    sch = S.lower(S.build("1f1b", 2, 2))
+    costs = S.Costs(f=1.0, b=2.0, w=0.0, comm=0.5)
+    trace = _hand_trace()
+    durations = {s.action: s.end - s.start for s in trace if s.action.is_compute}
+    latencies = {s.action: 0.5 for s in trace if s.action.kind in (S.ActionKind.RECV_F, S.ActionKind.RECV_B)}
+    assert sorted(replay(sch, durations, latencies)) == sorted(trace)  # span for span
+    parts = replay_gap(sch, trace, costs)
+    assert parts["simulated"] == pytest.approx(S.simulate(sch, costs).makespan) == pytest.approx(10.0)
+    free = S.simulate(sch, S.Costs(f=1.0, b=2.0, w=0.0, comm=0.0)).makespan  # 9: free messages
+    assert parts["compute"] == pytest.approx(free - 10.0) and parts["latency"] == pytest.approx(10.0 - free)
+    assert parts["send"] == parts["recv"] == parts["between"] == pytest.approx(0.0)
+    assert parts["traced"] == pytest.approx(10.0) and parts["unexplained"] == pytest.approx(0.0)
+
+
+def test_replay_gap_puts_a_wait_between_actions_where_it_was():
+    parts = replay_gap(S.lower(S.build("1f1b", 2, 2)), _hand_trace(late=0.25), S.Costs(f=1.0, b=2.0, w=0.0, comm=0.5))
+    assert parts["between"] == pytest.approx(0.25) and parts["traced"] == pytest.approx(10.25)
+    assert parts["unexplained"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb_h1"])
+def test_replay_gap_adds_up_to_any_step_it_can_reproduce(name):
+    """Steps made by ``replay`` from random times of every kind: the parts add up to the step, none unexplained."""
+    import random
+
+    rng = random.Random(name)
+    sch = S.lower(S.build(name, 2, 6, stages_per_rank=2 if name == "interleaved_1f1b" else 1))
+    acts = [a for row in sch.actions for a in row]
+    for _ in range(20):
+        step = replay(sch, {a: rng.uniform(0.5, 2.0) if a.is_compute else rng.uniform(0.0, 0.1) for a in acts},
+                      {a: rng.uniform(0.0, 0.6) for a in acts}, {a: rng.uniform(0.0, 0.05) for a in acts})
+        step = [s._replace(start=s.start + 7.0, end=s.end + 7.0) for s in step]  # any clock origin
+        costs = measure_costs(sch, [step])
+        parts = replay_gap(sch, step, costs)
+        assert parts["simulated"] == pytest.approx(S.simulate(sch, costs).makespan)
+        assert parts["unexplained"] == pytest.approx(0.0, abs=1e-9)
+        assert sum(v for k, v in parts.items() if k not in ("traced", "unexplained")) == pytest.approx(parts["traced"])
 
 
 def _traced(rank: int, world: int, name: str, path: str) -> dict:

@@ -26,13 +26,15 @@ import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from pipeline_ext.runtime.tags import message_tag
 from pipeline_ext.schedules import Action, ActionKind, Costs, Schedule, SimResult, simulate
+from pipeline_ext.schedules.inorder import run_in_order
+from pipeline_ext.schedules.lowering import counterpart
 from pipeline_ext.schedules.simulate import Span
 
-__all__ = ["Tracer", "TraceReport", "measure_costs", "measured_bubble"]
+__all__ = ["Tracer", "TraceReport", "measure_costs", "measured_bubble", "replay", "replay_gap"]
 
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -120,6 +122,125 @@ def _busy(spans: Sequence[Span]) -> float:
             total += s.end - max(s.start, reach)
             reach = s.end
     return total
+
+
+def replay(schedule: Schedule, durations: Mapping[Action, float], latencies: Optional[Mapping[Action, float]] = None,
+           gaps: Optional[Mapping[Action, float]] = None) -> list[Span]:
+    """Rerun a lowered schedule with a time of its own for every action; the spans it gives, by (rank, start).
+
+    The simulator charges one cost per stage and kind; a traced step has its
+    own time for every action, and saying where that step's time went needs
+    the step as exactly those times make it, with some of them set to zero
+    (``replay_gap``). The rules are the simulator's, on the actions the
+    executor runs: each rank runs its list in order, an action starts
+    ``gaps[a]`` after the previous one of its rank ends (the first one ``gaps[a]``
+    after 0) and lasts ``durations[a]``; a RECV ends at max(its start +
+    ``durations[a]``, the matching SEND's start + ``latencies[a]``). In a lowered
+    schedule every cross-rank dependency goes through a RECV and the others
+    are kept by each rank's order, so with compute at its cost, every latency
+    at the transfer cost and the rest 0 this is ``simulate`` (with the lowering's
+    receive order, which can only block earlier). Missing keys count 0.
+    """
+    if schedule.overlapped:
+        raise ValueError("replay runs each rank's actions one after the other; overlapped pairs are not modelled")
+    placement = schedule.stage_to_rank
+    latencies, gaps = latencies or {}, gaps or {}
+    free = [0.0] * schedule.num_ranks
+    sent: dict[Action, float] = {}  # SEND -> its start
+    out: list[Span] = []
+
+    def blocked_on(rank: int, action: Action):
+        if action.kind not in _RECVS:
+            return None
+        send = counterpart(action, placement)[1]
+        return None if send in sent else send
+
+    def run(rank: int, action: Action) -> None:
+        start = free[rank] + gaps.get(action, 0.0)
+        end = start + durations.get(action, 0.0)
+        if action.kind in _RECVS:
+            end = max(end, sent[counterpart(action, placement)[1]] + latencies.get(action, 0.0))
+        elif action.kind in _SENDS:
+            sent[action] = start
+        free[rank] = end
+        out.append(Span(rank, action, start, end))
+
+    run_in_order(schedule.actions, blocked_on, run, f"replay of {schedule.name!r}")
+    return sorted(out, key=lambda s: (s.rank, s.start))
+
+
+def _makespan(spans: Sequence[Span]) -> float:
+    return max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
+
+
+def replay_gap(schedule: Schedule, step: Sequence[Span], costs: Costs) -> dict[str, float]:
+    """The gap between a traced step and the simulator at ``costs``, cut into parts that add up (seconds).
+
+    A step is longer than the simulator says for reasons that call for
+    different fixes: compute that varies (a step waits on the slowest
+    instance, not the median), message latency, the runtime's own time in
+    SEND, in RECV and between actions. Each part is what replaying the step
+    (``replay``) gains when that part of the measured times is put in, in
+    this order, on top of the ones before:
+
+    - ``simulated``: the replay at ``costs`` (compute at its cost, every
+      message at the transfer cost, the rest 0), which is ``simulate`` unless
+      the lowering's receive order blocks earlier;
+    - ``compute``: every compute action at its own measured time, messages free;
+    - ``latency``: every message its own latency, send start to receive end,
+      when the receiver was waiting before the send started (as
+      ``transfer_samples``); a receiver that came later shows no latency of its
+      own and gets the transfer cost, capped at what it saw;
+    - ``send``: each SEND's time; ``recv``: the time of each RECV that did not
+      wait (its data was there: taking it, posting the next receives);
+    - ``between``: the time between actions, and each rank's start after the first.
+
+    ``unexplained`` = the measured step - all of them is 0 up to rounding
+    when the replay reproduces the step; ``traced`` is the measured step.
+    """
+    placement = schedule.stage_to_rank
+    spans = {s.action: s for s in step}
+    sends = {a: s for a, s in spans.items() if a.kind in _SENDS}
+    compute = {a: s.end - s.start for a, s in spans.items() if a.kind in _COMPUTE}
+    send_time = {a: s.end - s.start for a, s in sends.items()}
+    latency: dict[Action, float] = {}
+    recv_time: dict[Action, float] = {}
+    for a, r in spans.items():
+        if a.kind not in _RECVS:
+            continue
+        s = sends.get(counterpart(a, placement)[1])
+        if s is None:
+            recv_time[a] = r.end - r.start
+        elif r.start <= s.start:  # waiting before the send: all of it is the message's latency
+            latency[a] = r.end - s.start
+        else:
+            latency[a] = min(r.end - s.start, costs.transfer(s.action.stage))
+            recv_time[a] = r.end - r.start
+    gaps: dict[Action, float] = {}
+    origin = min(s.start for s in step)
+    for rank in range(schedule.num_ranks):
+        before = origin
+        for a in schedule.actions[rank]:
+            gaps[a] = spans[a].start - before
+            before = spans[a].end
+    nominal = {a: costs.duration(a) for acts in schedule.actions for a in acts}
+    transfer = {a: costs.transfer(counterpart(a, placement)[1].stage) for acts in schedule.actions for a in acts
+                if a.kind in _RECVS}
+    ladder = [
+        ("simulated", replay(schedule, nominal, transfer)),
+        ("compute", replay(schedule, compute)),
+        ("latency", replay(schedule, compute, latency)),
+        ("send", replay(schedule, {**compute, **send_time}, latency)),
+        ("recv", replay(schedule, {**compute, **send_time, **recv_time}, latency)),
+        ("between", replay(schedule, {**compute, **send_time, **recv_time}, latency, gaps)),
+    ]
+    out, before = {}, 0.0
+    for name, timeline in ladder:
+        out[name] = _makespan(timeline) - before
+        before = _makespan(timeline)
+    out["traced"] = _makespan(step)
+    out["unexplained"] = out["traced"] - before
+    return out
 
 
 @dataclass
