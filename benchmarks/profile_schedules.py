@@ -29,7 +29,11 @@ Per cell (schedule, d, transport) it prints:
   at the alone costs (what the step would be if both cores computing at once
   cost nothing);
 - per message: median latency of those the receiver waited for, median SEND,
-  median RECV that found its data there, and one copy of the message's bytes.
+  median RECV that found its data there, and one copy of the message's bytes;
+- one small tensor op (a message's copy, an allocation) timed without the
+  pipeline: back to back, after 3 ms of matmul, after 3 ms asleep. On a
+  shared VM the first op after other work runs cold (tens of µs): the floor
+  under the per-message times.
 
     PYTHONPATH=. python benchmarks/profile_schedules.py
     PYTHONPATH=. python benchmarks/profile_schedules.py --transports gloo --dims 512
@@ -94,6 +98,41 @@ def _copy_us(d: int) -> float:
         dst.copy_(src)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e6
+
+
+def _cold_ops(reps: int = 200) -> dict[str, float]:
+    """Median µs of one small tensor op (a copy of one message's bytes at d = 512, and an allocation), no
+    pipeline_ext involved: back to back, right after 3 ms of matmul (as a SEND after an F), and after 3 ms
+    asleep (as a RECV's unpack after its wait).
+
+    On a shared VM the first ops after a phase of other work run with cold
+    caches and TLBs (the host runs other guests on an idle vCPU): what every
+    action boundary pays there, whatever the runtime does, and the floor under
+    the SEND, RECV and between-action times in the tables above.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src, dst, a = torch.randn(BATCH // MICROBATCHES, 512), torch.empty(BATCH // MICROBATCHES, 512), torch.randn(256, 256)
+
+    def matmul() -> None:
+        end = time.perf_counter() + 3e-3
+        while time.perf_counter() < end:
+            a @ a
+
+    out = {}
+    for gap_name, gap in (("back to back", None), ("after 3 ms of matmul", matmul),
+                          ("after 3 ms asleep", lambda: time.sleep(3e-3))):
+        for op_name, op in (("copy", lambda: dst.copy_(src)), ("alloc", lambda: torch.empty(4096))):
+            samples = []
+            for _ in range(reps):
+                if gap is not None:
+                    gap()
+                t0 = time.perf_counter()
+                op()
+                samples.append(time.perf_counter() - t0)
+            out[f"{op_name} {gap_name}"] = statistics.median(samples) * 1e6
+    torch.set_num_threads(threads)
+    return out
 
 
 def _split(step: list, rank: int) -> dict[str, float]:
@@ -294,6 +333,9 @@ def main() -> None:
         out = spawn(worker, WORLD, cells, transport, args.steps, timeout=args.timeout, threads=1)
         rows.extend(out[0][1])
     print_tables(rows)
+    cold = _cold_ops()
+    print("\none small tensor op on this machine, no pipeline_ext (µs, medians; what an action boundary pays): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in cold.items()))
     busy1, own1 = _cpu_seconds()
     print(f"\nCPU used by other processes during the run: {busy1 - busy0 - (own1 - own0):.1f} core-seconds in "
           f"{time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores (anything else running moves these numbers)")
