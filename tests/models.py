@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mp_utils import test_device
+from mp_utils import device_under_test
 
 D = 16
 
@@ -83,13 +83,13 @@ def make_batch(model: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
     """A seeded batch (drawn on the CPU, the same numbers everywhere) on the test's device."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, D, generator=g) if model == "blocks" else torch.randn(n, D, generator=g)
-    return x.to(test_device()), torch.randn(n, 4, generator=g).to(test_device())
+    return x.to(device_under_test()), torch.randn(n, 4, generator=g).to(device_under_test())
 
 
 def build(model: str, num_stages: int, seed: int = 0) -> list[nn.Module]:
     """The seeded stages (initialised on the CPU, the same weights everywhere) on the test's device."""
     torch.manual_seed(seed)
-    return [m.to(test_device()) for m in MODELS[model](num_stages)]
+    return [m.to(device_under_test()) for m in MODELS[model](num_stages)]
 
 
 def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:

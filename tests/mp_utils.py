@@ -15,14 +15,14 @@ import torch
 
 from pipeline_ext.dist.launch import RankError, free_port, spawn
 
-__all__ = ["free_port", "run_ranks", "rank_values", "no_complaints", "TEST_DEVICE_ENV", "test_device"]
+__all__ = ["free_port", "run_ranks", "rank_values", "no_complaints", "TEST_DEVICE_ENV", "device_under_test"]
 
 #: where the ranks of a test put their stages: set by the ``rank_device`` fixture (conftest.py), read by the
 #: ranks (inherited environment) and by ``run_ranks`` (a GPU test's default group is Gloo + NCCL)
 TEST_DEVICE_ENV = "PIPELINE_EXT_TEST_DEVICE"
 
 
-def test_device() -> torch.device:
+def device_under_test() -> torch.device:
     """The device a multi-process test's stages, batches and reference model are on (CPU unless the fixture says)."""
     return torch.device(os.environ.get(TEST_DEVICE_ENV, "cpu"))
 
@@ -36,7 +36,7 @@ def run_ranks(
     then failed ranks come back as ``("error", traceback)`` and ranks that died
     without reporting as ``("died", exitcode)``) or a rank hung past ``timeout``.
     """
-    gpu = test_device().type == "cuda"  # every rank on cuda:0, each its own NCCL host (see spawn)
+    gpu = device_under_test().type == "cuda"  # every rank on cuda:0, each its own NCCL host (see spawn)
     try:
         return spawn(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, threads=1, raise_errors=not expect_errors,
                      backend="cpu:gloo,cuda:nccl" if gpu else "gloo", own_nccl_host=gpu)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from models import build, loss_fn, make_batch, run_stages
-from mp_utils import no_complaints, run_ranks, test_device
+from mp_utils import no_complaints, run_ranks, device_under_test
 
 PP, DP, M, ROWS, STEPS = 2, 2, 4, 16, 3
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
@@ -86,7 +86,7 @@ def _schedule_run(rank: int, mesh, name: str, wrapper: str) -> list[str]:
     counter, count = [0], name in COUNTED and wrapper != "none"
     wrapped = {s: _wrap(wrapper, modules[s], mesh, counter, count) for s in mine}
     group = mesh["pp"] if wrapper == "fsdp" else layout.pp_group  # a 1-D DeviceMesh works as well as its group
-    stages = [pe.PipelineStage(wrapped[s], s, ns, test_device(), group=group) for s in mine]
+    stages = [pe.PipelineStage(wrapped[s], s, ns, device_under_test(), group=group) for s in mine]
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn)
     opt = torch.optim.SGD([p for s in mine for p in wrapped[s].parameters()], lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD([p for st in ref for p in st.parameters()], lr=0.1, momentum=0.9)
@@ -143,7 +143,7 @@ def _accumulate_under_no_sync(sched, wrapped: dict, ref, mine: list[int], ns: in
 def _train(rank: int, world: int, wrapper: str, names: list[str]) -> list[str]:
     import pipeline_ext as pe
 
-    mesh = pe.pipeline_mesh(pp=PP, dp=DP, device_type=test_device().type)
+    mesh = pe.pipeline_mesh(pp=PP, dp=DP, device_type=device_under_test().type)
     return [b for name in names for b in _schedule_run(rank, mesh, name, wrapper)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_utils import run_ranks, test_device
+from mp_utils import run_ranks, device_under_test
 from models import D, build, loss_fn, make_batch, reference, run_stages
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev", "v_half", "v_min"]
@@ -36,7 +36,7 @@ def _make_schedule(name: str, rank: int, world: int, m: int, modules: list, **kw
     v = _stages_per_rank(name)
     placement = S.build(name, world, m, stages_per_rank=v).stage_to_rank
     mine = [s for s, r in enumerate(placement) if r == rank]
-    stages = [pe.PipelineStage(modules[s], s, world * v, test_device()) for s in mine]
+    stages = [pe.PipelineStage(modules[s], s, world * v, device_under_test()) for s in mine]
     cls = pe.get_schedule_class(name)
     return cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn, **kw), mine
 
@@ -151,7 +151,7 @@ def _shape_changes(rank: int, world: int) -> list[str]:
     bad = []
     for n, seq in ((8, 3), (11, 3), (8, 5), (8, 3)):
         g = torch.Generator().manual_seed(10 * n + seq)
-        x, y = (t.to(test_device()) for t in (torch.randn(n, seq, D, generator=g), torch.randn(n, 4, generator=g)))
+        x, y = (t.to(device_under_test()) for t in (torch.randn(n, seq, D, generator=g), torch.randn(n, 4, generator=g)))
         _, ref_grads, _ = reference("blocks", world, x, y)
         for mod in modules:
             mod.zero_grad()

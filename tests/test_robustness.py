@@ -15,7 +15,7 @@ from torch import nn
 
 import pipeline_ext as pe
 from models import build, loss_fn, make_batch
-from mp_utils import no_complaints, run_ranks, test_device
+from mp_utils import no_complaints, run_ranks, device_under_test
 
 TIMEOUT = 10.0
 
@@ -66,7 +66,7 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
     dist.all_gather_object(pids, os.getpid())
     torch.manual_seed(0)
     module = nn.Linear(16, 16) if rank == 0 else nn.Sequential(FailAt(when=2, how=how), nn.Linear(16, 4))
-    stage = pe.PipelineStage(module.to(test_device()), rank, world, test_device())
+    stage = pe.PipelineStage(module.to(device_under_test()), rank, world, device_under_test())
     sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
     x, y = make_batch("mlp", 8)
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from models import build, loss_fn, make_batch, run_stages
-from mp_utils import no_complaints, rank_values, run_ranks, test_device
+from mp_utils import no_complaints, rank_values, run_ranks, device_under_test
 from pipeline_ext.dist.agreement import (MAX_MICROBATCHES, MAX_SIGNATURES, StepAgreementError, StepRecord,
                                          StepRejectedError, agree, sizes_digest)
 
@@ -104,7 +104,7 @@ def test_record_round_trip_and_a_foreign_record_is_named():
 def _schedule(rank: int, world: int, modules, name="1f1b", m=4, loss=loss_fn, timeout=TIMEOUT):
     import pipeline_ext as pe
 
-    stage = pe.PipelineStage(modules[rank], rank, world, test_device())
+    stage = pe.PipelineStage(modules[rank], rank, world, device_under_test())
     return pe.get_schedule_class(name)(stage, m, loss_fn=loss, timeout=timeout)
 
 
