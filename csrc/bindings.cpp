@@ -217,7 +217,9 @@ void bind_channels(py::module_& m) {
       .def("attach", &ShmChannel::attach, py::arg("peer"), py::arg("name"), release())
       .def("withdraw", &ShmChannel::withdraw)
       .def("unexpected", &ShmChannel::unexpected)
-      .def("discarded", &ShmChannel::discarded);
+      .def("discarded", &ShmChannel::discarded)
+      .def("notify_failure", &ShmChannel::notify_failure, py::arg("step"), py::arg("text"), release(),
+           "Tell every peer that step `step` failed here: their waits in it end now with `text`.");
 
 #ifdef WITH_CUDA
   py::class_<IpcChannel, Channel, std::shared_ptr<IpcChannel>>(

@@ -566,3 +566,44 @@ def _losses_cleared(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_losses_hold_only_this_calls_losses():
     no_complaints(_losses_cleared, 2, timeout=40)
+
+
+def _module_error_mid_step(rank: int, world: int) -> list[str]:
+    """Rank 1's module raises in the middle of a step (its third forward of step 1) and both ranks catch it and go
+    on: rank 0, waiting for a gradient that will not come, must hear why at once (not at its 60 s timeout), and
+    the steps after must be exact."""
+    modules, ref = build("mlp", world), build("mlp", world)
+    sched = _schedule(rank, world, modules, timeout=60.0)
+    forwards = [0]
+
+    def flaky(module, args):
+        forwards[0] += 1
+        if forwards[0] == 4 + 3:  # step 0 ran 4 forwards; microbatch 2 of step 1
+            raise ValueError("boom in the user's module")
+
+    if rank == 1:
+        modules[1].register_forward_pre_hook(flaky)
+    said = []
+    for i in range(4):
+        for m in (*modules, *ref):  # a training loop's zero_grad: the failed step's partial gradients go with it
+            m.zero_grad(set_to_none=True)
+        x, y = make_batch("mlp", 8, seed=i)
+        try:
+            _call(sched, rank, x, y)
+        except Exception as exc:  # what a training loop that skips a bad batch catches
+            said.append(f"{i}:{type(exc).__name__}: {exc}")
+            continue
+        loss_fn(run_stages(ref, x), y).backward()
+        if not _exact(modules, ref, rank):
+            said.append(f"rank {rank}: gradients of step {i} differ from the unsplit model's")
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_module_error_mid_step_ends_the_peers_wait_naming_it_and_the_loop_goes_on():
+    said = rank_values(_module_error_mid_step, 2, timeout=100)
+    assert said[1] == ["1:ValueError: boom in the user's module"], said
+    assert len(said[0]) == 1 and said[0][0].startswith("1:"), said
+    assert "failed on rank 1 in F of stage 1, microbatch 2: ValueError: boom in the user's module" in said[0][0], said
+    assert "timed out" not in said[0][0], said

@@ -29,10 +29,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x31306d68735f6570ULL;  // "pe_shm01"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr int64_t kAlign = 64;
 constexpr int64_t kRecordHeader = 64;
 constexpr int64_t kPadTag = -1;
+// A failure notice: a peer's step (the record's) failed; the payload says how (notify_failure).
+constexpr int64_t kFailureTag = -2;
+constexpr int64_t kMaxFailureText = 1024;
 // A message that does not fit goes in chunks; none smaller than this (or than
 // what is left of the message), so a nearly full ring does not cut it to crumbs.
 constexpr int64_t kMinChunk = 64 * 1024;
@@ -64,7 +67,7 @@ struct SegmentHeader {
 
 struct RecordHeader {
   int64_t record_bytes;  // header + payload, rounded up to kAlign; the next record starts after it
-  int64_t tag;           // kPadTag: filler up to the end of the ring
+  int64_t tag;           // kPadTag: filler up to the end of the ring; kFailureTag: a failure notice
   int64_t total;         // bytes of the whole message
   int64_t offset;        // where this chunk goes in the message
   int64_t chunk;         // payload bytes in this record
@@ -168,6 +171,9 @@ struct PeerState {
   std::map<Key, std::deque<std::shared_ptr<Message>>> unexpected;
   std::shared_ptr<Message> current;  // a message whose later chunks are still coming
   std::deque<std::shared_ptr<SendOp>> pending;
+  // The latest step the peer said failed on it (notify_failure), and how; -1: none.
+  int64_t failed_step = -1;
+  std::string failure;
 };
 
 }  // namespace
@@ -284,7 +290,18 @@ struct ShmState {
           (rec.tag != kPadTag && rec.record_bytes < kRecordHeader + rec.chunk)) {
         throw ChannelError("shared-memory transport: malformed record from rank " + std::to_string(peer));
       }
-      if (rec.tag != kPadTag) deliver(peer, rec, data + pos + kRecordHeader);
+      if (rec.tag == kFailureTag) {
+        if (rec.offset != 0 || rec.chunk != rec.total || rec.total > kMaxFailureText) {
+          throw ChannelError("shared-memory transport: malformed failure notice from rank " + std::to_string(peer));
+        }
+        auto& ps = peers[peer];
+        if (rec.step >= ps.failed_step) {
+          ps.failed_step = rec.step;
+          ps.failure.assign(reinterpret_cast<const char*>(data + pos + kRecordHeader), static_cast<size_t>(rec.chunk));
+        }
+      } else if (rec.tag != kPadTag) {
+        deliver(peer, rec, data + pos + kRecordHeader);
+      }
       tail += static_cast<uint64_t>(rec.record_bytes);
       ctl->tail.store(tail, std::memory_order_release);
     }
@@ -373,11 +390,16 @@ struct ShmState {
     uint64_t signals = interrupt_count();
     while (true) {
       const uint32_t seq = h->doorbell.load(std::memory_order_acquire);
+      std::string failed;  // a peer's notice that this step failed on it: the wait cannot complete
       {
         std::lock_guard<std::mutex> lock(mu);
         progress();
         if (done()) return;
+        for (const auto& ps : peers) {
+          if (ps.failed_step == step) failed = ps.failure;
+        }
       }
+      if (!failed.empty()) throw_failure(what, failed);
       check_interrupts(signals);  // outside mu: the check takes the GIL
       auto now = Clock::now();
       if (now >= next_check) {
@@ -634,6 +656,21 @@ void ShmChannel::attach(int peer, const std::string& name) {
 }
 
 void ShmChannel::begin_step(int64_t step) { state_->begin_step(step); }
+
+void ShmChannel::notify_failure(int64_t step, const std::string& text) {
+  const std::string body = text.empty() ? std::string("step failed") : text.substr(0, kMaxFailureText);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (int p = 0; p < state_->size; ++p) {
+    auto& ps = state_->peers[p];
+    if (p == state_->rank || !ps.attached) continue;
+    at::Tensor bytes = at::empty({static_cast<int64_t>(body.size())}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(bytes.data_ptr(), body.data(), body.size());
+    auto op = send_op(bytes, kFailureTag, static_cast<int64_t>(body.size()));
+    op->step = step;
+    ps.pending.push_back(std::move(op));
+  }
+  state_->progress();  // what does not fit now goes with this rank's next call, like any send
+}
 
 int64_t ShmChannel::discarded() const {
   std::lock_guard<std::mutex> lock(state_->mu);

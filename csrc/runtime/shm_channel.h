@@ -69,6 +69,10 @@ class ShmChannel : public Channel {
   // message is only ever taken by the step that sent it; messages of earlier
   // steps (a failed step's leftovers) are dropped, now and when they arrive later.
   void begin_step(int64_t step) override;
+  // Tells every peer that step `step` failed on this rank (`text`: how, at most
+  // 1 KB kept): their waits in that step end now with `text` instead of at their
+  // timeout. Queued behind this rank's earlier sends, never waited on.
+  void notify_failure(int64_t step, const std::string& text);
 
   // Messages received that no receive has taken yet (a leak check for tests).
   int64_t unexpected() const;

@@ -83,6 +83,18 @@ class DistChannel:
         """
         self._pg.begin_step(step)
 
+    def notify_failure(self, step: int, text: str) -> None:
+        """Tell the peers that step ``step`` failed on this rank, so their waits in it end now with ``text``.
+
+        Only shared memory can (``_C.ShmChannel.notify_failure``: a notice in
+        each peer's inbox, which every wait there reads). A process group's
+        waits cannot be woken from outside: its peers wait out their timeout,
+        as before a transport is settled (no message has moved then).
+        """
+        notify = getattr(self._pg, "notify_failure", None)
+        if notify is not None:
+            notify(step, text)
+
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, expected: Optional["_C.PackLayout"] = None,
              with_layout: bool = False, out: Optional[torch.Tensor] = None,
              owned: bool = False) -> tuple[ChannelHandle, "_C.PackLayout"]:

@@ -31,6 +31,8 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
@@ -178,8 +180,18 @@ class Step:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self._plans.commit(self._open())  # a rank without messages still takes part in the agreement
-        elif self._messages is not None:
+            return
+        if self._messages is not None:
             self._plans.abandon(self._messages)
+        # The peers may be waiting in this step for what this rank will not send now: tell them, so their
+        # waits end at once naming this failure, not at their timeout (on transports that can: shared memory)
+        rank = self._channel.rank
+        prefix = f"pipeline_ext: raised on rank {rank} "
+        where = [n[len(prefix):] for n in getattr(exc, "__notes__", ()) if n.startswith(prefix)]
+        text = (f"step {self.step} failed on rank {rank}" + (f" {where[-1]}" if where else "")
+                + f": {exc_type.__name__}: {str(exc)[:600]}")
+        with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
+            self._channel.notify_failure(self.step, text)
 
 
 class Session:
