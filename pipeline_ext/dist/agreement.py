@@ -400,13 +400,10 @@ def _flat_key(args: Sequence[Any], kwargs: dict) -> Optional[tuple]:
     signature are stable.
     """
     keys = []
-    for x in args:  # a loop: this runs per microbatch per step, and its host time is the point
-        if isinstance(x, torch.Tensor):
-            keys.append((tuple(x.shape), x.dtype))
-        elif isinstance(x, _BY_VALUE):
-            keys.append((type(x).__name__, x))
-        else:
+    for x in args:  # a loop, not all(...) over a chain: this runs per microbatch per step
+        if not isinstance(x, _FLAT):
             return None
+        keys.append(_leaf_key(x))
     if kwargs and not all(isinstance(x, _FLAT) for x in kwargs.values()):
         return None
     return ("flat", tuple(keys), tuple((name, _leaf_key(x)) for name, x in kwargs.items()) if kwargs else ())

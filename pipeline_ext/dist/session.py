@@ -32,7 +32,6 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
@@ -48,7 +47,7 @@ from pipeline_ext.dist.identity import GroupSteps, stable_hash
 from pipeline_ext.dist.shm import make_channel
 from pipeline_ext.dist.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.channel import ChannelHandle
-from pipeline_ext.runtime.executor import StepInputs
+from pipeline_ext.runtime.executor import StepInputs, where_raised
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, microbatch_sizes,
                                              split_step_inputs, split_step_target)
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
@@ -186,9 +185,8 @@ class Step:
         # The peers may be waiting in this step for what this rank will not send now: tell them, so their
         # waits end at once naming this failure, not at their timeout (on transports that can: shared memory)
         rank = self._channel.rank
-        prefix = f"pipeline_ext: raised on rank {rank} "
-        where = [n[len(prefix):] for n in getattr(exc, "__notes__", ()) if n.startswith(prefix)]
-        text = (f"step {self.step} failed on rank {rank}" + (f" {where[-1]}" if where else "")
+        where = where_raised(exc, rank)
+        text = (f"step {self.step} failed on rank {rank}" + (f" {where}" if where else "")
                 + f": {exc_type.__name__}: {str(exc)[:600]}")
         with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
             self._channel.notify_failure(self.step, text)

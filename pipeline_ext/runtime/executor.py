@@ -67,7 +67,7 @@ from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError"]
+__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError", "where_raised"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -125,6 +125,18 @@ class StepInputs:
     kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0
     targets: Sequence[Any] = ()  # per microbatch, for the last stage
     loss_fn: Optional[LossFn] = None  # this step's loss, for the last stage (the runner's own when None)
+
+
+def _raised_on(rank: int) -> str:
+    return f"pipeline_ext: raised on rank {rank} "
+
+
+def where_raised(exc: BaseException, rank: int) -> Optional[str]:
+    """Where rank ``rank``'s executor said ``exc`` was raised ("in F of stage 1, microbatch 2"), from the note
+    it added; None when it added none (the step failed outside its actions)."""
+    prefix = _raised_on(rank)
+    where = [n[len(prefix):] for n in getattr(exc, "__notes__", ()) if n.startswith(prefix)]
+    return where[-1] if where else None
 
 
 class _SkipMessage(NamedTuple):
@@ -384,7 +396,7 @@ class Executor:
     def _fail(self, action: Action, exc: BaseException) -> None:
         """Remember where the step failed and say it in the exception (its type is kept)."""
         self.failed_action = action
-        note = f"pipeline_ext: raised on rank {self.rank} in {action.kind.value} of stage {action.stage}, microbatch {action.microbatch}"
+        note = f"{_raised_on(self.rank)}in {action.kind.value} of stage {action.stage}, microbatch {action.microbatch}"
         if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)
 

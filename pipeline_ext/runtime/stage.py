@@ -278,7 +278,7 @@ class StageRunner(StagePosition):
             self.grad_sync.begin()  # the step's first forward of this stage
             self._sync_left = self._n_microbatches
         state = _State()
-        if self.stage_index:  # not the first stage: received activations become leaves
+        if not self.is_first:  # received activations become leaves
             args = tuple([self._as_input(a) for a in args])
         skips = {k: self._as_input(v) for k, v in skips.items()} if skips else {}
         if torch.is_grad_enabled() and self.checkpoint is not None and self.checkpoint(mb):
@@ -294,7 +294,7 @@ class StageRunner(StagePosition):
         loss_weight: float, skips: Skips, loss_fn: Optional[LossFn] = None,
     ) -> tuple[torch.Tensor, ...]:
         """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
-        if self.stage_index:
+        if not self.is_first:
             state.grad_inputs = [a for a in args if is_differentiable(a)]
         if skips:
             state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
@@ -308,7 +308,7 @@ class StageRunner(StagePosition):
             state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
             if state.recompute is None:  # a recomputation's stashes were sent already
                 self._stashed[mb] = detach_tree(stashed)
-        if self.stage_index == self.num_stages - 1:
+        if self.is_last:
             self.outputs[mb] = detach_tree(out)
             loss_fn = loss_fn if loss_fn is not None else self.loss_fn
             if loss_fn is not None and target is not None:
@@ -370,7 +370,7 @@ class StageRunner(StagePosition):
         self, state: _State, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]], skip_grads: Optional[Skips]
     ) -> tuple[list[Root], list[Optional[torch.Tensor]]]:
         """Backward roots and their gradients (the loss weight for the loss), stashed skips included."""
-        if self.stage_index == self.num_stages - 1:
+        if self.is_last:
             outputs = list(state.outputs)  # the loss, or nothing
             grads = [_weight_as_grad(outputs[0], state.loss_weight)] if outputs else []
         else:
