@@ -18,10 +18,22 @@
 namespace pipeline_ext {
 namespace {
 
+// One wait on a c10d work, registered with the watcher for the wait's whole
+// length. `aborts` counts the aborts the watcher sent it that no wait() has
+// consumed yet: Gloo remembers an abort until the next wait() on the work
+// returns false for it, so an abort sent while the waiter ran the handlers (or
+// just before its wait began) still ends one later wait(). A false return is a
+// signal's only while such an abort is outstanding; otherwise it is the
+// backend's timeout.
+struct Waiter {
+  c10d::Work* work;
+  int aborts = 0;  // guarded by `mu`
+};
+
 std::atomic<uint64_t> signals_seen{0};
-std::mutex mu;                       // guards `check` and `waiting`
+std::mutex mu;                       // guards `check`, `waiting` and every Waiter's `aborts`
 std::function<void()> check;         // set_interrupt_check
-std::set<c10d::Work*> waiting;       // works a thread is blocked on right now
+std::set<Waiter*> waiting;           // waits blocked on a work right now
 int write_end = -1;
 std::once_flag started;
 
@@ -42,11 +54,12 @@ void watch(int read_end) {
       if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       return;
     }
-    signals_seen.fetch_add(1);
     std::lock_guard<std::mutex> lock(mu);
-    for (auto* work : waiting) {
+    signals_seen.fetch_add(1);
+    for (auto* waiter : waiting) {
       try {
-        work->abort();  // Gloo: the wait returns false, the connection stays up
+        waiter->work->abort();  // Gloo: the next wait() returns false, the connection stays up
+        ++waiter->aborts;
       } catch (const std::exception&) {
         // a backend without abort: its wait ends at its timeout, as before
       }
@@ -54,20 +67,28 @@ void watch(int read_end) {
   }
 }
 
-// Registers a work as waited on for the lifetime of the scope.
-class Waiting {
+// Registers a wait with the watcher for the lifetime of the scope.
+class Registered {
  public:
-  explicit Waiting(c10d::Work* work) : work_(work) {
+  explicit Registered(c10d::Work* work) : waiter_{work} {
     std::lock_guard<std::mutex> lock(mu);
-    waiting.insert(work_);
+    waiting.insert(&waiter_);
   }
-  ~Waiting() {
+  ~Registered() {
     std::lock_guard<std::mutex> lock(mu);
-    waiting.erase(work_);
+    waiting.erase(&waiter_);
+  }
+
+  // True (and one abort fewer outstanding) when the watcher aborted this wait since the last call.
+  bool take_abort() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (waiter_.aborts == 0) return false;
+    --waiter_.aborts;
+    return true;
   }
 
  private:
-  c10d::Work* work_;
+  Waiter waiter_;
 };
 
 }  // namespace
@@ -104,23 +125,19 @@ void check_interrupts(uint64_t& seen) {
 
 bool wait_interruptibly(c10d::Work& work, std::chrono::milliseconds timeout,
                         std::chrono::steady_clock::time_point deadline) {
+  // `seen` is read before the registration: a signal in between aborts nothing, but moves the count, so the
+  // first check below runs its handlers instead of leaving them until the wait ends.
   uint64_t seen = interrupt_count();
+  Registered registered(&work);
   while (true) {
-    bool done = false;
-    {
-      Waiting registered(&work);
-      if (interrupt_count() == seen) {  // a signal that came before the registration would abort nothing
-        auto left = std::chrono::milliseconds(-1);  // no limit: Gloo then waits its own timeout
-        if (timeout >= std::chrono::milliseconds(0)) {
-          left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-          left = std::max(left, std::chrono::milliseconds(1));  // 0 would mean "no timeout" to c10d
-        }
-        done = work.wait(left);
-      }
+    check_interrupts(seen);  // raises when a handler does (Ctrl-C)
+    auto left = std::chrono::milliseconds(-1);  // no limit: Gloo then waits its own timeout
+    if (timeout >= std::chrono::milliseconds(0)) {
+      left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      left = std::max(left, std::chrono::milliseconds(1));  // 0 would mean "no timeout" to c10d
     }
-    if (done) return true;
-    if (interrupt_count() == seen) return false;  // a backend that says "timed out" by returning false
-    check_interrupts(seen);                       // raises when a handler does (Ctrl-C)
+    if (work.wait(left)) return true;
+    if (!registered.take_abort()) return false;  // not a signal's: a backend that says "timed out" with false
   }
 }
 
