@@ -7,11 +7,15 @@ import torch
 from pipeline_ext.runtime.microbatch import (
     REPLICATE,
     TensorChunkSpec,
+    given_microbatches,
+    given_targets,
     merge_chunks,
     microbatch_sizes,
     microbatch_weights,
     split_args_kwargs,
     split_step_inputs,
+    split_step_target,
+    target_sizes,
 )
 
 
@@ -100,8 +104,8 @@ def test_split_is_differentiable_for_inputs_that_require_grad():
         (lambda: microbatch_sizes((1, "a"), {}, 2), "no tensor"),
         # inputs whose rows differ would be paired silently, microbatch by microbatch (the unsplit model raises)
         (lambda: split_step_inputs((torch.randn(8, 2),), {"w": torch.randn(6, 2)}, 2, torch.device("cpu")),
-         r"different numbers of rows: args leaf 0 has 8, kwargs leaf 0 has 6"),
-        (lambda: microbatch_sizes((torch.randn(8), (torch.randn(8), torch.randn(7))), {}, 2), "args leaf 2 has 7"),
+         r"different numbers of rows: args\[0\] has 8, kwargs\['w'\] has 6"),
+        (lambda: microbatch_sizes((torch.randn(8), (torch.randn(8), torch.randn(7))), {}, 2), r"args\[1\]\[1\] has 7"),
         (lambda: merge_chunks([]), "at least one"),
         (lambda: merge_chunks([(torch.ones(1),), [torch.ones(1)]]), "structure"),
     ],
@@ -130,3 +134,19 @@ def test_split_rebuilds_every_structure_as_pytree_does(args, kwargs):
             assert list(got) == list(want) if isinstance(got, dict) else True  # keys in the caller's order
             for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
                 assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: split_step_inputs((torch.randn(0, 3),), {}, 2, torch.device("cpu")), r"^args\[0\] has 0 rows"),
+    (lambda: given_microbatches([(torch.randn(2, 3),), (torch.randn(0, 3),)], None, 2, torch.device("cpu")),
+     r"^microbatch 1: args\[0\] has 0 rows: every microbatch needs at least one row"),
+    (lambda: target_sizes({"labels": torch.randn(3)}, 4),
+     r"cannot split target\['labels'\] with 3 rows into 4 microbatches"),
+    (lambda: split_step_target(torch.randn(6), 2, torch.device("cpu"), sizes=[4, 4]), "target splits"),
+    (lambda: given_targets([torch.randn(2), torch.randn(0)], 2, torch.device("cpu")),
+     r"^target_mbs\[1\]: target has 0 rows"),
+])
+def test_zero_rows_and_targets_are_named(call, match):
+    """An empty microbatch says so (not "n_microbatches must not exceed the batch size"); a target is "target"."""
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -11,6 +11,15 @@
 // the counter between their sleep slices. The waiting thread then runs the
 // check the bindings installed (Python's handlers, on the main thread:
 // KeyboardInterrupt for Ctrl-C), and waits on when no handler raised.
+//
+// [Note: a signal never ends a wait as a timeout] Gloo keeps an abort until
+// the next wait() on the work consumes it (that wait returns false), so an
+// abort can land before the wait it ends, or while the waiter runs the
+// handlers. Each wait therefore counts the aborts the watcher sent it, under
+// the watcher's lock, and takes a false return for a signal's only while one
+// is outstanding; any other false return is the backend's timeout. Comparing
+// signal counts is not enough: a signal already counted may still abort the
+// next wait, which would then read as a timeout within milliseconds.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>

@@ -53,6 +53,8 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -66,15 +68,16 @@ from pipeline_ext.dist.identity import stable_hash
 
 __all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "MAX_SIGNATURES", "MAX_MICROBATCHES", "Agreement",
            "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError", "StepRejectedError", "agree",
-           "describable", "sizes_digest"]
+           "autocast_digest", "describable", "sizes_digest"]
 
 # Outside the executor's message tags (< 2^30) and their layout bit (2^30): see identity.py.
 AGREEMENT_TAG = 2**31 - 1
 
-_MAGIC = 0x7065_5F73_7465_7032  # "pe_step2"
-_WORDS = 101
+_MAGIC = 0x7065_5F73_7465_7033  # "pe_step3"
+_WORDS = 102
 _NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
 _COUNT_WORD, _SIGS, _INDEX = 36, (37, 69), (69, 101)
+_AUTOCAST_WORD = 101
 #: distinct microbatch signatures, and microbatches, one record describes (beyond them a step is not cached)
 MAX_SIGNATURES, MAX_MICROBATCHES = _SIGS[1] - _SIGS[0], 8 * (_INDEX[1] - _INDEX[0])
 _CACHE_LIMIT = 1024
@@ -121,6 +124,7 @@ class StepRecord:
     layouts: int = 0  # PlanCache.digest of this step kind: which microbatch signatures this rank has cached
     skips: int = 0  # digest of this rank's skip declarations (0: none)
     transport: int = 0  # TRANSPORT_CODES of the transport this rank asked for
+    autocast: int = 0  # autocast_digest of this rank: what its stages compute in (0: autocast off)
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
@@ -129,7 +133,8 @@ class StepRecord:
                       self.layouts, self.rank, self.skips, self.transport, self.target_sizes]
         words[slice(*_NAME_WORDS)] = _text_words(self.schedule, _NAME_WORDS)
         words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
-        words[_COUNT_WORD:] = _microbatch_words(self.microbatches)
+        words[_COUNT_WORD:_AUTOCAST_WORD] = _microbatch_words(self.microbatches)
+        words[_AUTOCAST_WORD] = self.autocast
         return words
 
     @classmethod
@@ -143,8 +148,9 @@ class StepRecord:
         return cls(rank=w[12], step=w[1], kind=w[2], schedule=_words_text(w[slice(*_NAME_WORDS)]),
                    schedule_key=w[3], n_microbatches=w[4], num_stages=w[5], has_loss=bool(w[7]),
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
-                   microbatches=_words_microbatches(w[_COUNT_WORD:], w[4]), sizes=w[8], rows=w[9],
-                   target_rows=w[10], target_sizes=w[15], layouts=w[11], skips=w[13], transport=w[14])
+                   microbatches=_words_microbatches(w[_COUNT_WORD:_AUTOCAST_WORD], w[4]), sizes=w[8], rows=w[9],
+                   target_rows=w[10], target_sizes=w[15], layouts=w[11], skips=w[13], transport=w[14],
+                   autocast=w[_AUTOCAST_WORD])
 
 
 def sizes_digest(sizes: Sequence[int]) -> int:
@@ -154,7 +160,7 @@ def sizes_digest(sizes: Sequence[int]) -> int:
 
 def _microbatch_words(microbatches: Optional[Sequence[int]]) -> list[int]:
     """Words 36-100: the distinct signatures, then one byte per microbatch naming which it has."""
-    words = [0] * (_WORDS - _COUNT_WORD)
+    words = [0] * (_AUTOCAST_WORD - _COUNT_WORD)
     if microbatches is None:
         words[0] = -1
         return words
@@ -173,7 +179,7 @@ def _words_microbatches(words: Sequence[int], n: int) -> Optional[tuple[int, ...
     if count == 0 or not 0 < n <= MAX_MICROBATCHES or count > MAX_SIGNATURES:
         return ()
     distinct = words[1 : 1 + count]
-    raw = _words_bytes(words[_INDEX[0] - _COUNT_WORD:])
+    raw = _words_bytes(words[_INDEX[0] - _COUNT_WORD:_INDEX[1] - _COUNT_WORD])
     return tuple(distinct[min(b, count - 1)] for b in raw[:n])
 
 
@@ -272,8 +278,40 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
     # Caches differ when a step failed on some ranks after others had committed
     # its layouts: then every rank exchanges them again (a known step on one
     # side and a discovery step on the other would deadlock).
-    return Agreement(step, first.microbatches, len({r.layouts for r in records}) > 1,
-                     tuple(r.skips for r in records))
+    return Agreement(step, _with_autocast(first.microbatches, tuple(r.autocast for r in records)),
+                     len({r.layouts for r in records}) > 1, tuple(r.skips for r in records))
+
+
+def autocast_digest(device: torch.device) -> int:
+    """What this rank's stages compute in beyond their inputs: 0 with autocast off, else its dtype's digest.
+
+    A stage's output dtype follows from its inputs *and* from autocast
+    (``torch.autocast("cpu", torch.bfloat16)`` makes a Linear's output
+    bfloat16), so the step record carries it and a change is a new layout.
+    """
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return 0
+    return _autocast_words(kind, torch.get_autocast_dtype(kind))
+
+
+@functools.lru_cache(maxsize=16)
+def _autocast_words(kind: str, dtype: torch.dtype) -> int:
+    return stable_hash(repr(("autocast", kind, dtype))) or 1
+
+
+@functools.lru_cache(maxsize=64)
+def _with_autocast(microbatches: Optional[tuple[int, ...]], autocast: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+    """The microbatch signatures the layouts are cached by: the first rank's, salted by every rank's autocast.
+
+    Layouts are cached by signature; a step under autocast moves other dtypes
+    than the same inputs without it, so its signatures are other ones (a new
+    autocast state is learnt as any new shape is). Unchanged with autocast off
+    everywhere.
+    """
+    if not microbatches or not any(autocast):
+        return microbatches
+    return tuple(stable_hash(repr((sig, autocast))) for sig in microbatches)
 
 
 class StepAgreement:
@@ -414,4 +452,37 @@ def _leaf_key(x: Any) -> Any:
         return (tuple(x.shape), x.dtype)
     if isinstance(x, _BY_VALUE):
         return (type(x).__name__, x)
-    return type(x).__name__
+    return _object_key(x)
+
+
+def _object_key(x: Any) -> Any:
+    """Any other leaf (a config object, an enum, a frozen dataclass): by value when it compares by value.
+
+    Such an argument may decide a stage's output shapes (``cfg.width``), so
+    two values must not share cached layouts. A hashable object whose class
+    defines ``__eq__`` is keyed by its value (equal values, one signature). One
+    that compares by identity, or cannot be hashed, says nothing a later step
+    can trust (it may have been changed in place): it gets a key of its own
+    every step, so the step exchanges its layouts again, correct whatever
+    it decides.
+    """
+    cls = type(x)
+    if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
+        try:
+            hash(x)
+            return (cls.__module__, cls.__qualname__, x)
+        except TypeError:  # a frozen dataclass holding a list: hashable class, unhashable value
+            pass
+    return (cls.__module__, cls.__qualname__, _Fresh())
+
+
+class _Fresh:
+    """A key equal only to itself, and with a repr of its own: a signature no earlier step had."""
+
+    _count = itertools.count()
+
+    def __init__(self) -> None:
+        self.n = next(_Fresh._count)
+
+    def __repr__(self) -> str:
+        return f"fresh-{self.n}"

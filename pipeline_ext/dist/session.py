@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from pipeline_ext import schedules as S
 from pipeline_ext.dist.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
-                                         StepAgreementError, StepRecord, agree, describable, sizes_digest)
+                                         StepAgreementError, StepRecord, agree, autocast_digest, describable,
+                                         sizes_digest)
 from pipeline_ext.dist.comm_plan import PlanCache, StepMessages
 from pipeline_ext.dist.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.dist.identity import GroupSteps, stable_hash
@@ -48,8 +49,8 @@ from pipeline_ext.dist.shm import make_channel
 from pipeline_ext.dist.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.channel import ChannelHandle
 from pipeline_ext.runtime.executor import StepInputs, where_raised
-from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, microbatch_sizes,
-                                             split_step_inputs, split_step_target)
+from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, split_step_inputs,
+                                             split_step_target, target_sizes)
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
 from pipeline_ext.runtime.stage import LossFn
 from pipeline_ext.runtime.tags import check_tag_space
@@ -267,11 +268,16 @@ class Session:
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
                             layouts=plans.digest, skips=self._skips.digest,
-                            transport=TRANSPORT_CODES[self.channel.requested])
+                            transport=TRANSPORT_CODES[self.channel.requested],
+                            autocast=autocast_digest(self.device))
         inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
         weights: list = []
         error: Optional[Exception] = None
         try:
+            if kind == TRAIN and not torch.is_grad_enabled():
+                # short: the peers read it from the step record, whose reason holds 128 bytes
+                raise RuntimeError(f"autograd is off on rank {self.rank} (no_grad/inference_mode): step() trains; "
+                                   "use eval() to run forward only")
             if self._has_first:
                 inputs.args, inputs.kwargs, sizes = self._inputs(args, kwargs, split)
                 if self._check_first is not None:  # declared shapes: refuse before any stage runs
@@ -280,10 +286,10 @@ class Session:
                 record.rows, record.sizes = sum(sizes), sizes_digest(sizes)
                 record.microbatches = describable(self.agreement.microbatch_signatures(inputs.args, inputs.kwargs))
             if self._has_last:
-                inputs.targets, target_sizes = self._targets(kind, target, split)
+                inputs.targets, rows = self._targets(kind, target, split)
                 if inputs.targets:
-                    record.target_rows, record.target_sizes = sum(target_sizes), sizes_digest(target_sizes)
-                    weights = self._weigh(target_sizes, inputs.targets)
+                    record.target_rows, record.target_sizes = sum(rows), sizes_digest(rows)
+                    weights = self._weigh(rows, inputs.targets)
         except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
             record.rejected = f"{type(exc).__name__}: {exc}"
@@ -328,7 +334,7 @@ class Session:
         if not split:
             return given_targets(target, self.n_microbatches, self.device)
         return (split_step_target(target, self.n_microbatches, self.device),
-                microbatch_sizes((target,), {}, self.n_microbatches))
+                target_sizes(target, self.n_microbatches))
 
     def _weigh(self, sizes: Sequence[int], targets: Sequence[Any]) -> list:
         """Loss weight per microbatch: row shares, or the loss_fn's own (e.g. ``TokenMeanLoss``: token shares)."""

@@ -38,6 +38,7 @@ __all__ = [
     "split_args_kwargs_into_chunks",
     "merge_chunks",
     "microbatch_sizes",
+    "target_sizes",
     "microbatch_weights",
     "loss_weights",
     "split_target",
@@ -135,7 +136,26 @@ def _flat_specs(values: Any, spec: _Spec, what: str) -> list[TensorChunkSpec | R
     return [_leaf_spec(s) for s in spec_leaves]
 
 
-def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: str) -> int:
+class _LeafName:
+    """A leaf's name as the caller wrote it (``args[1]``, ``kwargs['mask']``, ``target['labels']``).
+
+    Worked out (a pytree walk with paths) only when an error prints it: the
+    names are built per leaf per step, the text almost never.
+    """
+
+    __slots__ = ("what", "values", "i")
+
+    def __init__(self, what: str, values: Any, i: int) -> None:
+        self.what, self.values, self.i = what, values, i
+
+    def __str__(self) -> str:
+        path = pytree.tree_flatten_with_path(self.values)[0][self.i][0]
+        if self.what == "target":  # the target is split as the one positional argument (target,)
+            path = path[1:]
+        return self.what + pytree.keystr(path)
+
+
+def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: Any) -> int:
     if t.dim() == 0:
         raise ValueError(f"cannot split 0-d tensor {where} into microbatches; mark it Replicate()")
     dim = spec.dim if spec.dim >= 0 else spec.dim + t.dim()
@@ -144,12 +164,15 @@ def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: str) -> int:
     return t.shape[dim]
 
 
-def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: str) -> list[Any]:
+def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: Any) -> list[Any]:
     if isinstance(spec, Reduce):
         raise TypeError(f"{where}: a reducer is a merge spec (output_merge_spec), not a way to split inputs")
     if not isinstance(x, torch.Tensor) or isinstance(spec, Replicate):
         return [x] * n
     rows = _rows(x, spec, where)
+    if rows == 0:
+        raise ValueError(f"{where} has 0 rows along dim {spec.dim} (shape {tuple(x.shape)}): every microbatch "
+                         "needs at least one row")
     if n > rows:
         raise ValueError(
             f"cannot split {where} with {rows} rows along dim {spec.dim} into {n} microbatches: "
@@ -163,8 +186,9 @@ def split_args_kwargs(
     kwargs: dict[str, Any] | None,
     n_microbatches: int,
     chunk_spec: tuple[_Spec, _Spec] | None = None,
+    args_name: str = "args",
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """Split ``(args, kwargs)`` into ``n_microbatches`` pieces.
+    """Split ``(args, kwargs)`` into ``n_microbatches`` pieces (errors call ``args`` ``args_name``).
 
     Tensors are split along dim 0 unless ``chunk_spec`` (a pair ``(args_spec,
     kwargs_spec)``, each a pytree of ``TensorChunkSpec`` / ``Replicate`` / int
@@ -181,13 +205,15 @@ def split_args_kwargs(
     if args_spec is None and kwargs_spec is None and not kwargs and args and all(
             isinstance(a, torch.Tensor) for a in args):
         # the common step: a few tensors split along dim 0 (no pytree walk: it cost more than the split)
-        pieces = [_split_leaf(x, _leaf_spec(None), n_microbatches, f"args leaf {i}") for i, x in enumerate(args)]
+        pieces = [_split_leaf(x, _leaf_spec(None), n_microbatches, _LeafName(args_name, args, i))
+                  for i, x in enumerate(args)]
         return list(zip(*pieces)), [{} for _ in range(n_microbatches)]
     per_part = []
-    for what, values, spec in (("args", args, args_spec), ("kwargs", kwargs, kwargs_spec)):
+    for what, values, spec in ((args_name, args, args_spec), ("kwargs", kwargs, kwargs_spec)):
         leaves, tree = pytree.tree_flatten(values)
         specs = _flat_specs(values, spec, what)
-        pieces = [_split_leaf(x, s, n_microbatches, f"{what} leaf {i}") for i, (x, s) in enumerate(zip(leaves, specs))]
+        pieces = [_split_leaf(x, s, n_microbatches, _LeafName(what, values, i))
+                  for i, (x, s) in enumerate(zip(leaves, specs))]
         per_part.append(_rebuild(values, leaves, pieces, tree, n_microbatches))
     return per_part[0], per_part[1]
 
@@ -226,8 +252,11 @@ def microbatch_sizes(
     kwargs: dict[str, Any] | None,
     n_microbatches: int,
     chunk_spec: tuple[_Spec, _Spec] | None = None,
+    args_name: str = "args",
 ) -> list[int]:
     """Rows per microbatch: the distribution ``split_args_kwargs`` uses, computed without touching any data.
+
+    Errors call the positional arguments ``args_name`` (``target_sizes``: "target").
 
     Every tensor that is split must have the same number of rows along its
     split dim: microbatch ``k`` of one input must line up with microbatch ``k``
@@ -236,12 +265,13 @@ def microbatch_sizes(
     marked ``Replicate()`` in the chunk spec.
     """
     args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
-    found: list[tuple[str, int]] = []  # (which leaf, its rows)
-    for what, values, spec in (("args", tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
+    found: list[tuple[_LeafName, int]] = []  # (which leaf, its rows)
+    for what, values, spec in ((args_name, tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
         leaves = pytree.tree_leaves(values)
         for i, (x, s) in enumerate(zip(leaves, _flat_specs(values, spec, what))):
             if isinstance(x, torch.Tensor) and isinstance(s, TensorChunkSpec):
-                found.append((f"{what} leaf {i}", _rows(x, s, f"{what} leaf {i}")))
+                name = _LeafName(what, values, i)
+                found.append((name, _rows(x, s, name)))
     if not found:
         raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
     (first, rows), *rest = found
@@ -252,12 +282,19 @@ def microbatch_sizes(
             f"{', '.join(differ)}; every split input needs the batch's rows along its chunk dim "
             "(mark an input that is not per-row Replicate() in the chunk spec)"
         )
+    if rows == 0:
+        raise ValueError(f"{first} has 0 rows: every microbatch needs at least one row")
     if n_microbatches > rows:
         raise ValueError(
             f"cannot split {first} with {rows} rows into {n_microbatches} microbatches: "
             f"n_microbatches must not exceed the batch size"
         )
     return ops.even_sizes(rows, n_microbatches)
+
+
+def target_sizes(target: Any, n_microbatches: int) -> list[int]:
+    """Rows per microbatch of the loss target (a tensor or pytree), as ``microbatch_sizes`` counts a batch's."""
+    return microbatch_sizes((target,), {}, n_microbatches, args_name="target")
 
 
 def microbatch_weights(sizes: Sequence[int]) -> list[float]:
@@ -338,7 +375,7 @@ def to_device(tree: Any, device: torch.device) -> Any:
 
 def split_target(target: Any, n_microbatches: int) -> list[Any]:
     """The loss target (a tensor or pytree) cut into microbatches like a single positional input."""
-    return [c[0] for c in split_args_kwargs((target,), {}, n_microbatches)[0]]
+    return [c[0] for c in split_args_kwargs((target,), {}, n_microbatches, args_name="target")[0]]
 
 
 def split_step_inputs(
@@ -361,9 +398,9 @@ def split_step_target(target: Any, n_microbatches: int, device: torch.device,
     """The loss target on ``device`` cut into microbatches; checked against the batch's ``sizes`` when given."""
     target = to_device(target, device)
     if sizes is not None:
-        target_sizes = microbatch_sizes((target,), {}, n_microbatches)
-        if target_sizes != list(sizes):
-            raise ValueError(f"target splits into microbatches of {target_sizes} rows but the inputs into {list(sizes)}")
+        rows = target_sizes(target, n_microbatches)
+        if rows != list(sizes):
+            raise ValueError(f"target splits into microbatches of {rows} rows but the inputs into {list(sizes)}")
     return split_target(target, n_microbatches)
 
 
@@ -422,7 +459,7 @@ def given_targets(target_mbs: Any, n_microbatches: Optional[int], device: torch.
     sizes = []
     for k, t in enumerate(targets):
         try:
-            sizes.append(microbatch_sizes((t,), {}, 1)[0])
+            sizes.append(target_sizes(t, 1)[0])
         except ValueError as exc:
             raise ValueError(f"target_mbs[{k}]: {exc}") from None
     return to_device(targets, device), sizes

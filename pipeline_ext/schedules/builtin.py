@@ -67,6 +67,9 @@ def build(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: Optio
     interleaved, looped and V-shaped ones. Violated constraints raise
     :class:`ScheduleError` naming the constraint and the values.
     """
+    if name == "auto":  # select() names its greedy schedule so; it is built from a budget and costs, not a name
+        raise ScheduleError("'auto' is not a built-in: it is built for a memory budget and costs. Pass the "
+                            "Schedule itself (select(...).schedule, or schedules.auto(...)) instead of its name")
     if name not in _REGISTRY:
         raise ScheduleError(f"unknown schedule {name!r}; available: {', '.join(available())}")
     fn, default_v, multi_stage = _REGISTRY[name]
