@@ -10,6 +10,7 @@ one may compute.
 
 The baton
 ---------
+[Note: the baton's fixed turns]
 Exactly one half holds it at a time. A half gives it up only at a *handover
 point*, i.e. while it waits on communication, and takes it back when that
 communication is done and it is its turn. Turns strictly alternate (F, B, F,
@@ -70,6 +71,7 @@ collective) would see its draws in another order.
 
 No deadlock
 -----------
+[Note: the halves never wait on each other]
 The halves never wait on each other's messages: the lowering put both of the
 pair's receives before it and both sends after it (what the validator checks
 for every lowered schedule), so a half waits only on collectives that the
