@@ -4,7 +4,7 @@ change between steps, a sequence-length change (2 Gloo ranks, Schedule1F1B, 2 mi
     PYTHONPATH=. python tools/torch_shape_probe.py
 
 Prints, per library and case, what each rank ended with ("ok" or the last line
-of its error). This is the measurement behind docs/ARCHITECTURE.md's "Parity with torch" ("what torch refuses
+of its error). This is the measurement behind docs/parity.md ("What torch 2.13 refuses
 and we accept"); rerun it when torch changes.
 """
 from __future__ import annotations

@@ -41,6 +41,7 @@ using Slot = ProcessGroupChannel::Slot;
 // Requests over c10d works: completes when every work has, then `finish`
 // turns the buffers into the result (unpack for receives).
 //
+// [Note: NCCL waits are device-side]
 // On a CUDA channel (NCCL) the wait is device-side: Work::wait() with no
 // timeout only makes the current stream wait for the communication stream, so
 // the host goes on queueing work. Any timeout argument would make NCCL's

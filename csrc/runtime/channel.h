@@ -112,13 +112,16 @@ class Channel {
   // Where received tensors live; a message that is one plain tensor here can be sent as itself.
   virtual at::Device device() const = 0;
 
+  // [Note: a send owns its bytes]
   // Sends `tensors` to `peer` as one message. The send owns its bytes when it
-  // returns, whatever the caller writes afterwards: a subclass packs (copies)
+  // returns, whatever the caller writes afterwards (a stage may write the
+  // tensor it returned again in its next forward): a subclass packs (copies)
   // them into `out` when given (a reused buffer, see pack()) or a fresh
   // buffer, or has copied them out of the caller's tensor before returning.
   // `owned` tensors are the pipeline's own (autograd's gradients: no one else
   // can write them): a single contiguous one on the channel's device is sent
-  // as itself, without the copy. If `expected` is
+  // as itself, without the copy. LocalChannel (local_channel.h) and the Python
+  // StepChannel protocol (runtime/channel.py) keep the same rule. If `expected` is
   // given the layout must equal it (checked before anything is sent). If
   // `with_layout`, the layout goes first under tag | kLayoutTagBit. Returns the
   // request (it keeps the buffers alive) and the layout that was sent. The
@@ -199,7 +202,8 @@ class Channel {
 //   waiting there would block a later send to the same peer, on both ranks at
 //   once (a deadlock). One direction per communicator keeps each stream FIFO
 //   in the order both ends issue.
-// - Batches. On a backend that coalesces (NCCL), every operation is issued in
+// - Batches. [Note: always batch on NCCL]
+//   On a backend that coalesces (NCCL), every operation is issued in
 //   a coalesced batch (torch's batch_isend_irecv): a batch of one when alone,
 //   or all operations between begin_batch() and end_batch() that go on the
 //   same group consecutively, as ONE launch. Always batching keeps both ends on

@@ -19,6 +19,16 @@
 // Dead peers: every host wait is on the rings, which see a peer's exit through
 // its pidfd (ShmChannel); the survivor's wait then fails with a ChannelError
 // naming the peer, and the handles opened from that peer are closed.
+// An acknowledgement that cannot come (its receiver exited) frees the block.
+//
+// Known limits: a block whose message no receive ever took (a failed step's
+// leftover) stays with the sender until the channel goes; whether a peer's
+// memory can be mapped is checked once, at setup, on one buffer per peer
+// (dist/shm.py); the copy is issued when the receive is waited on, not when the
+// control message arrives; closing an evicted handle waits on the host for the
+// last copy out of it (only when the cache overflows); a torch IPC handle
+// longer than 128 bytes (expandable segments may give one) is refused with a
+// ChannelError.
 //
 // This header has no CUDA type in it; the class is implemented in
 // ipc_channel_cuda.cpp and exists only in a CUDA build (WITH_CUDA).
@@ -58,7 +68,8 @@ class IpcChannel : public Channel {
 
   std::shared_ptr<Request> recv(const PackLayout& layout, int peer, int tag) override;
   // The layout travels in the data's control message: this posts the receive
-  // of that message; the recv() that follows for (peer, tag) takes its payload.
+  // of that message; the recv() that follows for (peer, tag) takes its payload
+  // (a received layout other than the posted one is a ChannelError naming both).
   std::shared_ptr<Request> recv_layout(int peer, int tag) override;
   void begin_step(int64_t step) override;
 

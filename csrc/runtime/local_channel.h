@@ -1,8 +1,9 @@
 // The in-process channel of the single-process Pipe: one worker thread per rank,
 // all sharing a LocalHub of mailboxes. On CUDA a message between devices is
 // copied on dedicated copy streams ordered after the producer's compute stream
-// by an event, and the consumer's compute stream waits for the copy; on CPU the
-// tensors are handed over as they are.
+// by an event, and the consumer's compute stream waits for the copy; on one
+// device a copy made at once is handed over (see transfer(): a send owns its
+// bytes), autograd's gradients as they are.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -13,9 +13,10 @@
 // or more records [64-byte header | payload] in the sender's ring; the receiver
 // copies each record out (one memcpy) into the posted receive's buffer, or, when
 // no receive is posted yet for that tag, into a buffer of its own that a later
-// receive takes over (like MPI's unexpected messages). Draining always, whatever
-// the tag, is what keeps a full ring from deadlocking two ranks; a message larger
-// than the free space goes in chunks as the receiver frees it.
+// receive takes over (like MPI's unexpected messages).
+// [Note: drain always] Draining always, whatever the tag, is what keeps a full
+// ring from deadlocking two ranks; a message larger than the free space goes in
+// chunks as the receiver frees it.
 //
 // Progress is made by whichever thread of the process is inside a call (send,
 // is_completed, wait): no background thread. A send that does not fit now stays

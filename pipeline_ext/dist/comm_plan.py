@@ -1,5 +1,6 @@
 """Communication plans: the layout of every message one rank moves in a step, learnt once, then reused.
 
+[Note: known and discovery steps]
 A receiver can only post a buffer of a size it knows, and Gloo aborts the
 receiving process when a message is larger than the posted buffer. So a step
 with a microbatch whose layouts this rank has not seen is a **discovery** step:
@@ -18,6 +19,7 @@ Who owns what: the session holds one :class:`PlanCache` per step kind
 (``DistChannel``) keeps no state and only moves bytes; :class:`StepMessages` is
 one step's view of the two, and what the executor sends and receives through.
 
+[Note: discovery order]
 Ordering rule of discovery: receives from one peer post their messages
 strictly in the order layout_1, data_1, layout_2, data_2, ... (the order the
 sender sends them), because backends that ignore tags (NCCL) match messages by
@@ -60,6 +62,7 @@ class PlanCache:
     its layouts). Every rank commits the same signatures in the same order, so
     evictions agree too.
 
+    [Note: reused send buffers]
     ``send_buffers``: one reused pack buffer per message (``DistChannel.packs_single``:
     shared memory copies a single contiguous tensor into its ring directly),
     grown to the largest layout it carried. A buffer is reused only after the

@@ -1,5 +1,6 @@
 """The process groups a pipeline makes: every one with every rank (GroupMaker), one per direction for NCCL.
 
+[Note: groups made with every rank]
 Making groups (``GroupMaker``): torch's ``new_group`` must be called by every
 rank of the default group, in the same order. Its escape hatch,
 ``use_local_synchronization=True`` (only the members call), names a group
@@ -12,6 +13,7 @@ every rank makes all of them in one sorted order. Building a pipeline that
 needs groups (GPU stages, tied parameters across part of it) is therefore
 collective over the default group.
 
+[Note: why DirectionGroups]
 One group per direction (``DirectionGroups``), for NCCL pipelines: NCCL runs
 every point-to-point operation of one communicator on one internal stream, in
 the order the host issued them, and a receive there holds the stream until

@@ -1,5 +1,6 @@
 """Which step a message belongs to, across processes, and hashes every process computes alike.
 
+[Note: step numbering]
 Step numbers belong to the process group, not to a schedule (:class:`GroupSteps`):
 every schedule built on a group (a training and an eval schedule, a schedule
 built anew after a failure) draws its steps from one counter, so two steps on a
@@ -16,6 +17,9 @@ every rank calls the same steps. On the wire:
   is never delivered to another step. The step bits of the tag keep steps
   apart besides.
 - NCCL matches by order on one communicator per direction (``dist/groups.py``).
+
+The step number (modulo 1024) is also part of every message's tag
+(``runtime/tags.py``, [Note: message tags]).
 """
 from __future__ import annotations
 

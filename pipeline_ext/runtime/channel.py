@@ -107,7 +107,8 @@ class StepChannel(Protocol):
     is settled there (across processes, the ranks' agreement), so its errors
     are the step's own, not a failed send's. ``send`` owns its bytes when it returns, unless the tensors are ``owned``:
     the pipeline's own (gradients autograd computed), which no one else can
-    write. ``batch()`` groups back-to-back sends into one launch where the
+    write ([Note: a send owns its bytes] in csrc/runtime/channel.h).
+    ``batch()`` groups back-to-back sends into one launch where the
     transport can. ``skip_stages`` are this rank's stages that declare skip
     connections; ``skip_routes()`` says where their skips go (it may wait for
     what the ranks agreed on). ``loss_weights()`` is each microbatch's weight in

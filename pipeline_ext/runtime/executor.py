@@ -36,6 +36,7 @@ gradients go back the same way around B/I. These messages are not actions of
 the schedule: they ride on F, B and I, whose order already guarantees that a
 skip is sent before it is waited for (``runtime/skips.py``).
 
+[Note: custom functions change when, not what]
 Custom functions (torch's ``register_custom_function``): ``run`` may be handed,
 per compute kind (or ``OVERLAP_F_B`` for an overlapped pair of
 ``Schedule.overlapped``), a plain callable to call instead of running those
@@ -266,6 +267,7 @@ class Executor:
             ActionKind.RECV_B: self._recv,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        # [Note: receives are never batched]
         # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing
         # waits on one of them alone. Receives are never batched: a batched receive completes when its
         # whole batch has, and the window's receives are consumed one at a time, in between sends that
@@ -464,6 +466,8 @@ class Executor:
 
     def _check_peak(self, a: Action) -> None:
         """The schedule's memory promise, kept: never more microbatches held than the simulator counted.
+
+        [Note: the memory promise]
 
         Choosing a schedule for its memory (``schedules.select``) relies on
         it; a runner that kept a microbatch past its backward would break it

@@ -10,6 +10,7 @@ one may compute.
 
 The baton
 ---------
+[Note: the baton's fixed turns]
 Exactly one half holds it at a time. A half gives it up only at a *handover
 point*, i.e. while it waits on communication, and takes it back when that
 communication is done and it is its turn. Turns strictly alternate (F, B, F,
@@ -20,6 +21,12 @@ of that group (collectives are matched by their order). With fixed turns the
 sequence of compute segments, and so the order of issued collectives, is a
 function of the program alone, never of timing: every rank of an
 expert-parallel group issues them in the same order.
+The cost: a half whose wait is over waits for its turn. Letting a ready half
+compute out of turn and holding back only its *wrapped* collectives would not
+do: a collective the baton does not see (a functional collective, a
+``broadcast``, a point-to-point send) would then be issued in an order that
+depends on timing, and ranks that match different collectives of the same
+shape compute a wrong result without an error.
 
 Handover points
 ---------------
@@ -50,6 +57,14 @@ What is not covered: collectives imported by name before the pair runs
 torch's C++ (a functional collective's backward on a torch whose backward is
 C++): wrap those waits in ``comm_region()``; without a handover a half keeps
 the baton through its wait, which is the sequential run.
+Nor streams on a GPU: the halves are threads on the same stream, and on CUDA
+autograd runs a backward on its own device thread, which the handover does not
+follow yet.
+
+What a model needs for the overlap to pay: waits that are handover points, and
+compute on both sides of every wait, in both halves, at least as long as the
+wait: the first wait of F hides behind B's first segment, the last wait of B
+behind F's last.
 
 Exactness
 ---------
@@ -70,6 +85,7 @@ collective) would see its draws in another order.
 
 No deadlock
 -----------
+[Note: the halves never wait on each other]
 The halves never wait on each other's messages: the lowering put both of the
 pair's receives before it and both sends after it (what the validator checks
 for every lowered schedule), so a half waits only on collectives that the

@@ -7,6 +7,7 @@ they are known before anything runs: a Pipe builds them from its partitions,
 a multi-process pipeline from the declarations every rank gathers in its first
 step (``dist/skips.py``; every rank then builds the same routes).
 
+[Note: skips need no schedule change]
 Why direct sends need no change to the schedule: a skip is sent right after
 the stashing stage's F (its gradient right after the popping stage's B or I)
 and received right before the popping stage's F (the stashing stage's B or

@@ -1,5 +1,6 @@
 """What in an autograd graph stops the I/W split from re-entering it node by node.
 
+[Note: what stops the I/W split]
 ``split_backward`` runs a stage's backward in two engine calls (I, then W
 re-entering the *boundary* nodes with the gradient recorded at I). That is
 exact only if every node can be run again, with ``retain_graph=True``, and

@@ -1,5 +1,7 @@
 """Message identity between pipeline ranks: one tag per (step, direction, stage, microbatch).
 
+[Note: message tags]
+This module is the one place a message's identity is encoded and decoded.
 Bits 0-19 name the message within a step, ``(microbatch * num_stages +
 sending_stage) * 2 + direction`` (0: activation, 1: gradient), the same on
 sender and receiver. Skip connections (``pipeline_ext.skip``) have their own
@@ -10,7 +12,7 @@ layout message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the 
 agreement's tag.
 
 The step number comes from the caller (in a multi-process pipeline, the process
-group's count: ``dist/identity.GroupSteps``); in one process it is 0.
+group's count: ``dist/identity.GroupSteps``, [Note: step numbering]); in one process it is 0.
 """
 from __future__ import annotations
 
