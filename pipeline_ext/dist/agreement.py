@@ -12,8 +12,8 @@ waits (bounded by ``timeout``) for theirs:
 word   meaning
 =====  ==================================================================
 0      magic (a record from something else, or another version, is rejected by name)
-1      step number: every call of ``step``/``eval`` on this schedule, failed
-       ones included, so a rank that skipped a call is named
+1      step number: every call of ``step``/``eval`` on the process group (any
+       schedule), failed ones included, so a rank that skipped a call is named
 2      step kind: training or forward-only (``STEP_KINDS``)
 3      schedule key (hash of name, placement, microbatches, stages)
 4, 5   n_microbatches, num_stages
@@ -36,6 +36,8 @@ word   meaning
        -1: more than fit, the step's layouts are exchanged and not kept)
 37-68  the distinct microbatch signatures (at most 32)
 69-100 which of them each microbatch has, one byte per microbatch (at most 256)
+101    this rank's autocast state (``autocast_digest``; 0: off): it salts the
+       signatures the layouts are cached by
 =====  ==================================================================
 
 Every rank then runs the same pure decision (:func:`agree`) over the same
