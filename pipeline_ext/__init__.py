@@ -4,58 +4,74 @@ Schedules are data (``pipeline_ext.schedules``); one executor runs them in a
 single process (``Pipe``) or across processes (``PipelineStage`` + ``Schedule*``).
 The byte moving and waiting live in the compiled core, ``pipeline_ext._C``.
 
+The names here are what a training script needs: torch's pipelining names
+(stage, schedules, tracer front end), ``Pipe``, and the errors a step raises.
+Everything else lives in its subpackage (``training``: ties, clipping,
+checkpoints, losses, layer balance; ``schedules``: the IR, simulator and
+``select``; ``runtime``: split backward, overlap, memory; ``pipelining``: mesh
+layouts; ``pipe``: torchgpipe's balancing), and stays reachable here by the
+name it had.
+
 Names are resolved lazily (PEP 562): ``import pipeline_ext.schedules`` needs
 neither torch nor the compiled core, so schedule tooling starts fast; the first
 use of a runtime name loads them.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pipeline_ext._lazy import lazy_names
 
 __version__ = "0.1.0"
 
+_SC = "pipeline_ext.pipelining.schedule_classes"
+_SPLIT = "pipeline_ext.pipelining.model_split"
+#: the public surface (``__all__``)
 _EXPORTS = {
     "PipelineStage": "pipeline_ext.pipelining.stage",
     "PipelineSchedule": "pipeline_ext.pipelining.schedule",
-    "PipeliningMetadataError": "pipeline_ext.pipelining.stage",
-    "PipeliningShapeError": "pipeline_ext.pipelining.stage",
-    "PipelineScheduleSingle": "pipeline_ext.pipelining.schedule_classes",
-    "PipelineScheduleMulti": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleGPipe": "pipeline_ext.pipelining.schedule_classes",
-    "Schedule1F1B": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleInterleaved1F1B": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleInterleavedZeroBubble": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleLoopedBFS": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleZBH1": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleZBH2": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleZBV": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleZBVZeroBubble": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleDualPipeV": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleVHalf": "pipeline_ext.pipelining.schedule_classes",
-    "ScheduleVMin": "pipeline_ext.pipelining.schedule_classes",
-    "_ScheduleForwardOnly": "pipeline_ext.pipelining.schedule_classes",
-    "_PipelineScheduleRuntime": "pipeline_ext.pipelining.schedule_classes",
-    "get_schedule_class": "pipeline_ext.pipelining.schedule_classes",
+    "ScheduleGPipe": _SC,
+    "Schedule1F1B": _SC,
+    "ScheduleInterleaved1F1B": _SC,
+    "ScheduleInterleavedZeroBubble": _SC,
+    "ScheduleLoopedBFS": _SC,
+    "ScheduleZBH1": _SC,
+    "ScheduleZBH2": _SC,
+    "ScheduleZBVZeroBubble": _SC,
+    "ScheduleDualPipeV": _SC,
+    "ScheduleVHalf": _SC,
+    "ScheduleVMin": _SC,
+    "get_schedule_class": _SC,
+    "pipeline": _SPLIT,
+    "SplitPoint": _SPLIT,
+    "pipe_split": _SPLIT,
+    "build_stage": _SPLIT,
     "TensorChunkSpec": "pipeline_ext.runtime.microbatch",
-    "pipeline": "pipeline_ext.pipelining.model_split",
-    "SplitPoint": "pipeline_ext.pipelining.model_split",
-    "pipe_split": "pipeline_ext.pipelining.model_split",
-    "build_stage": "pipeline_ext.pipelining.model_split",
-    "split_args_kwargs_into_chunks": "pipeline_ext.runtime.microbatch",
-    "merge_chunks": "pipeline_ext.runtime.microbatch",
+    "Pipe": "pipeline_ext.pipe",
+    "ChannelError": "pipeline_ext.runtime.channel",
+    "ChannelTimeout": "pipeline_ext.runtime.channel",
     "StepAgreementError": "pipeline_ext.dist.agreement",
     "StepRejectedError": "pipeline_ext.dist.agreement",
+    "PipeliningShapeError": "pipeline_ext.pipelining.stage",
+}
+#: names whose home is a subpackage: not listed, still reachable as ``pipeline_ext.<name>``
+_ELSEWHERE = {
+    "PipeliningMetadataError": "pipeline_ext.pipelining.stage",
+    "PipelineScheduleSingle": _SC,
+    "PipelineScheduleMulti": _SC,
+    "ScheduleZBV": _SC,
+    "_ScheduleForwardOnly": _SC,
+    "_PipelineScheduleRuntime": _SC,
+    "split_args_kwargs_into_chunks": "pipeline_ext.runtime.microbatch",
+    "merge_chunks": "pipeline_ext.runtime.microbatch",
     "UnsupportedWrapperError": "pipeline_ext.dist.data_parallel",
     "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
     "split_backend": "pipeline_ext.runtime.compiled_split",
     "comm_region": "pipeline_ext.runtime.overlap",
     "overlap_point": "pipeline_ext.runtime.overlap",
     "in_overlap": "pipeline_ext.runtime.overlap",
+    "activation_bytes": "pipeline_ext.runtime.memory",
     "pipeline_mesh": "pipeline_ext.pipelining.mesh",
     "pipeline_layout": "pipeline_ext.pipelining.mesh",
     "PipelineLayout": "pipeline_ext.pipelining.mesh",
-    "Pipe": "pipeline_ext.pipe",
     "balance_by_params": "pipeline_ext.pipe.partition",
     "balance_by_time": "pipeline_ext.pipe.partition",
     "balance_by_size": "pipeline_ext.pipe.partition",
@@ -67,7 +83,6 @@ _EXPORTS = {
     "save_checkpoint": "pipeline_ext.training.checkpoint",
     "load_checkpoint": "pipeline_ext.training.checkpoint",
     "TokenMeanLoss": "pipeline_ext.training.loss",
-    "activation_bytes": "pipeline_ext.runtime.memory",
     "profile_layers": "pipeline_ext.training.balance",
     "balance_layers": "pipeline_ext.training.balance",
     "stage_modules": "pipeline_ext.training.balance",
@@ -91,18 +106,4 @@ _SUBMODULES = {
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(_SUBMODULES[name])
-    else:
-        raise AttributeError(f"module 'pipeline_ext' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, {**_EXPORTS, **_ELSEWHERE}, __all__, _SUBMODULES)

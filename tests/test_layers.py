@@ -16,6 +16,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "pipeline_ext"
 LAYERS = {"schedules": 0, "skip": 1, "runtime": 2, "dist": 3, "pipelining": 4, "pipe": 4, "training": 5, "demo": 6}
+#: modules under every layer, importable from any: the compiled core, and the packages' lazy-name helper
+BELOW_ALL = ("_C", "_lazy")
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -29,7 +31,7 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
             names = [node.module] if node.module != "pipeline_ext" else [f"pipeline_ext.{a.name}" for a in node.names]
         for name in names:
             parts = name.split(".")
-            if parts[0] == "pipeline_ext" and len(parts) > 1 and parts[1] != "_C":
+            if parts[0] == "pipeline_ext" and len(parts) > 1 and parts[1] not in BELOW_ALL:
                 out.append((node.lineno, parts[1]))
     return out
 
@@ -39,8 +41,11 @@ def _package(path: pathlib.Path) -> str:
 
 
 def test_every_file_is_in_a_package_that_names_its_layer():
-    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py" and p.stem not in BELOW_ALL)
     assert loose == [], f"modules outside a layer's package: {loose}"
+    for stem in BELOW_ALL:  # below every layer: they import nothing of the package
+        path = ROOT / f"{stem}.py"
+        assert not path.exists() or _imports(path) == [], f"{path.name} imports pipeline_ext packages"
     packages = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert packages == sorted(LAYERS), packages
 

@@ -9,6 +9,9 @@ the whole batch; ``connected.py`` joins the stages' autograd graphs for a plain
 thread and cancels them together. Below it: the same ``runtime`` executor the
 multi-process front end runs, over in-process channels.
 """
+from pipeline_ext.pipe.partition import balance_by_params, balance_by_size, balance_by_time
 from pipeline_ext.pipe.pipe import MULTI_STAGE_SCHEDULES, Pipe, PipeBusyError
+from pipeline_ext.pipe.recompute import is_checkpointing, is_recomputing
 
-__all__ = ["Pipe", "PipeBusyError", "MULTI_STAGE_SCHEDULES"]
+__all__ = ["Pipe", "PipeBusyError", "MULTI_STAGE_SCHEDULES", "balance_by_params", "balance_by_size", "balance_by_time",
+           "is_checkpointing", "is_recomputing"]

@@ -205,7 +205,7 @@ class Pipe(nn.Module):
             draws the numbers) or the model has dropout. ``False`` is refused
             with checkpointing.
         timeout: seconds a whole ``step()`` or ``pipe(x)`` may take; then it is
-            cancelled and raises ``PipelineTimeoutError`` (within ``timeout``:
+            cancelled and raises ``ChannelTimeout`` (within ``timeout``:
             its last 20 %, at most 5 s, let the workers stop). A positive,
             finite number, or None for no limit.
         deferred_batch_norm: update BatchNorm running statistics once per

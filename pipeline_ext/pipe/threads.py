@@ -20,7 +20,7 @@ step's. So the first failure, wherever it happens, *cancels the step*:
   owner refuse new work until it has returned.
 
 ``timeout`` bounds the whole step, measured in the caller: a stage that stalls
-makes the step raise ``PipelineTimeoutError`` within ``timeout`` seconds (the
+makes the step raise ``ChannelTimeout`` within ``timeout`` seconds (the
 grace period is its last part), not when the stall ends.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pipeline_ext.runtime.channel import ChannelError
-from pipeline_ext.runtime.executor import PipelineTimeoutError
+from pipeline_ext.runtime.channel import ChannelTimeout
 
 __all__ = ["CancelToken", "StepCancelled", "Activity", "GuardedRunner", "StepOutcome", "run_step_threads"]
 
@@ -206,7 +206,7 @@ def run_step_threads(
             if left <= 0:
                 now = time.monotonic()
                 busy = "; ".join(activities[r].describe(now) for r in sorted(running))
-                raised = PipelineTimeoutError(f"the step did not finish within timeout={timeout:g} s (still running: {busy})")
+                raised = ChannelTimeout(f"the step did not finish within timeout={timeout:g} s (still running: {busy})")
                 reason = f"timeout={timeout:g} s exceeded"
                 break
             try:

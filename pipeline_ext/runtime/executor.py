@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Seque
 
 import torch
 
-from pipeline_ext.runtime.channel import Handle, StepChannel
+from pipeline_ext.runtime.channel import ChannelTimeout, Handle, StepChannel
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
@@ -74,8 +74,8 @@ _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
-class PipelineTimeoutError(TimeoutError):
-    """A wait for a peer ran past the configured timeout."""
+#: another name for the one timeout error both front ends raise: ``ChannelTimeout`` (a ``TimeoutError``)
+PipelineTimeoutError = ChannelTimeout
 
 
 class PeerError(RuntimeError):

@@ -16,8 +16,7 @@ Names load lazily (as in ``pipeline_ext``): the schedules import
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pipeline_ext._lazy import lazy_names
 
 _EXPORTS = {
     "TiedParameters": "tied",
@@ -39,15 +38,5 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipeline_ext.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"pipeline_ext.training.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, {n: f"pipeline_ext.training.{m}" for n, m in _EXPORTS.items()},
+                                  __all__)
