@@ -17,23 +17,26 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
 [Note: one step, in order]
 1. ``begin``: step number from the group (``GroupSteps``), inputs checked and
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
-2. The executor runs the step's compute; at its first message the ``Step``
-   settles: ``agree`` over every rank's record (every rank takes the same
+2. The executor runs the step's compute; at its first message it calls
+   ``Step.open()``, which settles the step: ``agree`` over every rank's record (every rank takes the same
    decision, and learns every microbatch's signature), skip routes gathered if
    the declarations are new, the channel's ``begin_step`` (shared memory drops
    earlier steps' leftovers), and the step kind's layouts opened
    (``PlanCache.step``: known when every microbatch's signature was seen, else
    a discovery step).
-3. Sends and receives go through that plan's ``StepMessages`` to the channel.
+3. ``open()`` returns that plan's ``StepMessages``: the executor's sends and
+   receives go through it to the channel.
 4. Leaving the ``with step:`` block commits the plan a completed step
    discovered, or drops the send buffers of a failed one (a send may still be
-   reading them). A rank that sent nothing still settles the agreement there.
+   reading them) and tells the peers where it failed (``raised_at``: the
+   executor's data on the exception). A rank that sent nothing still settles
+   the agreement there.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,8 +50,7 @@ from pipeline_ext.dist.groups import DirectionGroups, GroupMaker, matches_by_ord
 from pipeline_ext.dist.identity import GroupSteps, stable_hash
 from pipeline_ext.dist.shm import make_channel
 from pipeline_ext.dist.skips import declarations_digest, gather_routes
-from pipeline_ext.runtime.channel import ChannelHandle
-from pipeline_ext.runtime.executor import StepInputs, where_raised
+from pipeline_ext.runtime.executor import StepInputs, raised_at
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, split_step_inputs,
                                              split_step_target, target_sizes)
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
@@ -141,32 +143,21 @@ class Step:
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
 
-    def open(self) -> None:
-        """Settle the step (see the class doc); the executor calls it right before the first message."""
-        self._open()
+    def open(self) -> StepMessages:
+        """Settle the step (see the class doc) once; the plan's messages every send and receive goes through.
 
-    def _open(self) -> StepMessages:
+        The executor calls it right before the step's first message (or skip).
+        """
         if self._messages is None:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.step)
-            messages = self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
-            # Settled: from here on the executor's sends and receives go straight to the plan's messages.
-            self.send, self.recv, self.batch = messages.send, messages.recv, messages.batch  # type: ignore[method-assign]
+            self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
         return self._messages
 
     # -- what the executor asks ---------------------------------------------------------------
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
-        return self._open().send(tensors, peer, tag, owned)
-
-    def recv(self, peer: int, tag: int) -> Any:
-        return self._open().recv(peer, tag)
-
-    def batch(self) -> ContextManager[None]:
-        return self._open().batch()
-
     def skip_routes(self) -> Optional[SkipRoutes]:
-        self._open()
+        self.open()
         return self._routes
 
     def loss_weights(self) -> Weights:
@@ -179,15 +170,15 @@ class Step:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self._plans.commit(self._open())  # a rank without messages still takes part in the agreement
+            self._plans.commit(self.open())  # a rank without messages still takes part in the agreement
             return
         if self._messages is not None:
             self._plans.abandon(self._messages)
         # The peers may be waiting in this step for what this rank will not send now: tell them, so their
         # waits end at once naming this failure, not at their timeout (on transports that can: shared memory)
         rank = self._channel.rank
-        where = where_raised(exc, rank)
-        text = (f"step {self.step} failed on rank {rank}" + (f" {where}" if where else "")
+        where = raised_at(exc)
+        text = (f"step {self.step} failed on rank {rank}" + (f" {where}" if where and where.rank == rank else "")
                 + f": {exc_type.__name__}: {str(exc)[:600]}")
         with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
             self._channel.notify_failure(self.step, text)

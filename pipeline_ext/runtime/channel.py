@@ -1,8 +1,8 @@
 """What every channel shares: the protocols the executor sees, the handle, errors and timeouts.
 
-The executor moves tensors through a ``StepChannel``: one step's messages,
-matched by (peer, tag), each ``send``/``recv`` returning a ``Handle`` whose
-``wait(timeout, what)`` blocks with the GIL released. Two implementations:
+The executor is handed a ``StepChannel`` per step; its ``open()`` returns the
+step's ``Messages``, matched by (peer, tag), each ``send``/``recv`` returning a
+``Handle`` whose ``wait(timeout, what)`` blocks with the GIL released. Two implementations:
 ``runtime/local.LocalStep`` between the worker threads of one process
 (``Pipe``), and ``dist/session.Step`` between processes. Both end in the C++
 runtime's ``Request`` (wrapped by ``ChannelHandle``).
@@ -22,7 +22,7 @@ import torch
 
 from pipeline_ext.runtime._ext import _C
 
-__all__ = ["ChannelError", "ChannelTimeout", "ChannelHandle", "Handle", "StepChannel", "check_timeout",
+__all__ = ["ChannelError", "ChannelTimeout", "ChannelHandle", "Handle", "Messages", "StepChannel", "check_timeout",
            "watch_signals"]
 
 ChannelError = _C.ChannelError
@@ -99,32 +99,40 @@ class Handle(Protocol):
     def is_completed(self) -> bool: ...
 
 
-class StepChannel(Protocol):
-    """One step's messages, as the executor sees them: everything the step needs besides the compute.
+class Messages(Protocol):
+    """One settled step's sends and receives (what ``StepChannel.open()`` returns).
 
-    ``step`` is part of every message's tag (``runtime/tags.py``). ``open()``
-    is called once, right before the step's first message: what messages need
-    is settled there (across processes, the ranks' agreement), so its errors
-    are the step's own, not a failed send's. ``send`` owns its bytes when it returns, unless the tensors are ``owned``:
+    ``send`` owns its bytes when it returns, unless the tensors are ``owned``:
     the pipeline's own (gradients autograd computed), which no one else can
     write ([Note: a send owns its bytes] in csrc/runtime/channel.h).
-    ``batch()`` groups back-to-back sends into one launch where the
-    transport can. ``skip_stages`` are this rank's stages that declare skip
-    connections; ``skip_routes()`` says where their skips go (it may wait for
-    what the ranks agreed on). ``loss_weights()`` is each microbatch's weight in
-    the loss (read on the last stage, again possibly after the agreement).
+    ``batch()`` groups back-to-back sends into one launch where the transport can.
     """
-
-    step: int
-    skip_stages: frozenset
-
-    def open(self) -> None: ...
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> Handle: ...
 
     def recv(self, peer: int, tag: int) -> Handle: ...
 
     def batch(self) -> ContextManager[None]: ...
+
+
+class StepChannel(Protocol):
+    """One step, as the executor sees it: everything the step needs besides the compute.
+
+    ``step`` is part of every message's tag (``runtime/tags.py``). ``open()``
+    is called once, right before the step's first message, and returns the
+    ``Messages`` the executor sends and receives through: what messages need
+    is settled there (across processes, the ranks' agreement), so its errors
+    are the step's own, not a failed send's. ``skip_stages`` are this rank's
+    stages that declare skip connections; ``skip_routes()`` says where their
+    skips go (it may wait for what the ranks agreed on). ``loss_weights()`` is
+    each microbatch's weight in the loss (read on the last stage, again
+    possibly after the agreement).
+    """
+
+    step: int
+    skip_stages: frozenset
+
+    def open(self) -> Messages: ...
 
     def skip_routes(self) -> Any: ...
 

@@ -24,7 +24,8 @@ and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
 process, ``dist/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
-At the first message action the executor calls ``step.open()`` and posts the
+At the first message action the executor calls ``step.open()``, which returns
+the ``Messages`` every send and receive of the step goes through, and posts the
 receive window; the compute before it runs while the step settles (across
 processes: the ranks' agreement travels during rank 0's first forward).
 
@@ -59,7 +60,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Seque
 
 import torch
 
-from pipeline_ext.runtime.channel import ChannelTimeout, Handle, StepChannel
+from pipeline_ext.runtime.channel import ChannelTimeout, Handle, Messages, StepChannel
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
@@ -68,7 +69,7 @@ from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError", "where_raised"]
+__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError", "RaisedAt", "raised_at"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -128,16 +129,28 @@ class StepInputs:
     loss_fn: Optional[LossFn] = None  # this step's loss, for the last stage (the runner's own when None)
 
 
-def _raised_on(rank: int) -> str:
-    return f"pipeline_ext: raised on rank {rank} "
+@dataclass(frozen=True)
+class RaisedAt:
+    """Where an executor saw an exception raised: its rank and the action that ran.
+
+    Travels on the exception itself (``raised_at``), so the step that failed
+    reads it as data; the user reads the same in a note on the exception.
+    """
+
+    rank: int
+    action: Action
+
+    def __str__(self) -> str:
+        a = self.action
+        return f"in {a.kind.value} of stage {a.stage}, microbatch {a.microbatch}"
 
 
-def where_raised(exc: BaseException, rank: int) -> Optional[str]:
-    """Where rank ``rank``'s executor said ``exc`` was raised ("in F of stage 1, microbatch 2"), from the note
-    it added; None when it added none (the step failed outside its actions)."""
-    prefix = _raised_on(rank)
-    where = [n[len(prefix):] for n in getattr(exc, "__notes__", ()) if n.startswith(prefix)]
-    return where[-1] if where else None
+_RAISED_AT = "_pipeline_ext_raised_at"
+
+
+def raised_at(exc: BaseException) -> Optional[RaisedAt]:
+    """Where an executor said ``exc`` was raised; None when it was raised outside the step's actions."""
+    return getattr(exc, _RAISED_AT, None)
 
 
 class _SkipMessage(NamedTuple):
@@ -155,6 +168,7 @@ class _StepState:
 
     inputs: StepInputs
     step: StepChannel
+    messages: Optional[Messages] = None  # what ``step.open()`` returned: every send and receive goes through it
     posting: bool = False  # receives are posted (from the step's first message action on)
     activations: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -290,7 +304,6 @@ class Executor:
                 forward_first[i], forward_first[j] = forward_first[j], forward_first[i]
         self.promised_peak = peak_live_activations(forward_first)
         #: where the last step failed (None when it did not)
-        self.failed_action: Optional[Action] = None
 
     # -- helpers -------------------------------------------------------------------------------
     def _peer(self, action: Union[Action, _SkipMessage]) -> int:
@@ -334,7 +347,6 @@ class Executor:
         st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions), step_bits=step_bits(step.step),
                         in_step=f" in step {step.step}")
         clock = time.perf_counter
-        self.failed_action = None
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
         custom = custom or {}
         skip_to = -1  # the second action of a pair that ran with its first
@@ -348,13 +360,13 @@ class Executor:
                 group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
             if not st.posting and action.kind in _MESSAGES:
                 st.posting = True  # from the first message on, receives are posted ahead
-                step.open()
+                self._opened(st)
                 self._post(st)
             begin = clock() if on_action is not None else 0.0
             spans: dict[Action, tuple[float, float]] = {}
             try:
                 if self._send_run_starts[i]:
-                    sends.enter_context(step.batch())
+                    sends.enter_context(st.messages.batch())
                 if fn is None:
                     self._dispatch[action.kind](action, st)
                 else:
@@ -396,19 +408,27 @@ class Executor:
         return run.spans
 
     def _fail(self, action: Action, exc: BaseException) -> None:
-        """Remember where the step failed and say it in the exception (its type is kept)."""
-        self.failed_action = action
-        note = f"{_raised_on(self.rank)}in {action.kind.value} of stage {action.stage}, microbatch {action.microbatch}"
+        """Put where the step failed on the exception, as data and in a note for the user (its type is kept)."""
+        where = RaisedAt(self.rank, action)
+        setattr(exc, _RAISED_AT, where)
+        note = f"pipeline_ext: raised on rank {self.rank} {where}"
         if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)
 
+    @staticmethod
+    def _opened(st: _StepState) -> Messages:
+        """The step's messages, opening the step first if no message moved yet (a skip can come first)."""
+        if st.messages is None:
+            st.messages = st.step.open()
+        return st.messages
+
     def _post(self, st: _StepState) -> None:
-        pending, step = st.pending, st.step
+        pending, messages = st.pending, st.messages
         while pending and len(st.posted) < self.recv_window:
             a = pending.popleft()
             peer, tag = self._peers[a], st.step_bits | self._tags[a]
             try:
-                st.posted[a] = step.recv(peer, tag)
+                st.posted[a] = messages.recv(peer, tag)
             except RuntimeError as exc:
                 raise self._start_failed(a, st, exc)
 
@@ -511,7 +531,7 @@ class Executor:
         # buffer), so it is copied; an input gradient is autograd's, sent as it is.
         owned = a.kind == ActionKind.SEND_B
         try:
-            handle = st.step.send(tensors, self._peers[a], st.step_bits | self._tags[a], owned)
+            handle = st.messages.send(tensors, self._peers[a], st.step_bits | self._tags[a], owned)
         except RuntimeError as exc:
             raise self._start_failed(a, st, exc)
         st.sends.append((a, handle))
@@ -544,7 +564,7 @@ class Executor:
                 values.update(self._take(st.skips, msg, msg))
                 continue
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
-            handle = self._start(msg, st, lambda: st.step.recv(self._peer(msg), tag))
+            handle = self._start(msg, st, lambda: self._opened(st).recv(self._peer(msg), tag))
             tensors = handle.wait(self.timeout, self._what(msg, st.step.step))
             values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
         return values
@@ -560,7 +580,8 @@ class Executor:
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
-            st.sends.append((msg, self._start(msg, st, lambda: st.step.send(tensors, self._peer(msg), tag, gradient))))
+            st.sends.append((msg, self._start(msg, st, lambda: self._opened(st).send(tensors, self._peer(msg), tag,
+                                                                                      gradient))))
 
     def _take(self, d: dict, key: Any, a: Any) -> Any:
         try:

@@ -89,8 +89,9 @@ class LocalStep:
         self._weights = list(loss_weights)
         self.skip_stages = frozenset() if self._routes is None else frozenset(self._routes.moving_stages())
 
-    def open(self) -> None:
-        """Nothing to settle between threads."""
+    def open(self) -> "LocalStep":
+        """Nothing to settle between threads: the step sends and receives through itself."""
+        return self
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
         return self._channel.send(tensors, peer, tag, owned)
