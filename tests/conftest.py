@@ -7,6 +7,8 @@ import signal
 import pytest
 import torch
 
+import mp_utils
+from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
 from pipeline_ext.dist.shm import TRANSPORT_ENV
 
@@ -70,6 +72,21 @@ def dev_shm_left_as_found():
     yield
     left = _shm_names() - before
     assert not left, f"the test session left {sorted(left)} in /dev/shm"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def rank_pools(dev_shm_left_as_found):
+    """The pools of rank processes (``mp_pool``) stop at the session's end, before /dev/shm is checked."""
+    yield
+    shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def isolated_ranks(request: pytest.FixtureRequest):
+    """A test marked ``isolated`` gets fresh rank processes from ``run_ranks``, not the session's pool."""
+    mp_utils.isolated = request.node.get_closest_marker("isolated") is not None
+    yield
+    mp_utils.isolated = False
 
 
 @pytest.fixture
