@@ -18,7 +18,9 @@ A test still gets what a fresh launch gave it:
   started): it travels with the task, and the worker puts its own back after;
 * process-wide state as a fresh process has it: intra-op threads, grad mode,
   default dtype, torch's RNG state, signal handlers and the wakeup fd, the
-  working directory, anomaly mode, deterministic algorithms, dynamo's caches.
+  working directory, anomaly mode, deterministic algorithms, dynamo's caches,
+  and the attributes of pipeline_ext's modules (and the test helpers'), which
+  a rank function may patch (``shm._host_id`` to play another host).
 
 Anything a test does that a worker cannot undo (kill, stop or exit a rank,
 leave a rank in a collective) needs fresh processes: such tests are marked
@@ -51,6 +53,11 @@ __all__ = ["run_on_pool", "shutdown_pools"]
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
 
+#: the packages whose module attributes a worker puts back after each task
+_OURS = {"pipeline_ext", "models", "mp_utils"}
+_MISSING = object()
+
+
 class _Fresh:
     """What a freshly started rank process looks like, taken before its first task and put back after each."""
 
@@ -68,7 +75,14 @@ class _Fresh:
         self.rng = torch.random.get_rng_state()
         self.dtype = torch.get_default_dtype()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.modules = set(sys.modules)
+        self.globals: dict[str, dict[str, Any]] = {}
+        self._note_modules()
+
+    def _note_modules(self) -> None:
+        """The library's module attributes as imported (a rank function may patch one, e.g. ``shm._host_id``)."""
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] in _OURS and name not in self.globals and module is not None:
+                self.globals[name] = dict(vars(module))
 
     def restore(self) -> None:
         import torch
@@ -91,6 +105,15 @@ class _Fresh:
         torch.use_deterministic_algorithms(self.deterministic)
         torch.autograd.set_detect_anomaly(False)
         torch.random.set_rng_state(self.rng)
+        for name, saved in self.globals.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            now = vars(module)
+            for key, value in saved.items():
+                if now.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+        self._note_modules()  # imported by this task: as they are now (a patch made in this very task stays)
         if "torch._dynamo" in sys.modules:  # compiled stages: recompilation limits and guards are per process
             torch._dynamo.reset()
 

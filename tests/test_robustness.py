@@ -80,6 +80,7 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
     return time.monotonic() - t0, "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["raise", "exit", "stall", "sigstop"])
@@ -120,6 +121,7 @@ def _shape_change(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_shape_change_without_input_change_names_stages_and_shapes():

@@ -256,6 +256,7 @@ def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
     return time.monotonic() - t0, "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["stall", "exit"])
@@ -310,6 +311,7 @@ def _stopped_peer(rank: int, world: int) -> tuple[float, str]:
     return time.monotonic() - t0, said
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("transport")
