@@ -13,6 +13,19 @@ from mp_utils import TEST_DEVICE_ENV
 from pipeline_ext.dist.shm import TRANSPORT_ENV
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread in the pytest process, as every rank process has (``run_ranks`` passes threads=1).
+
+    A single-process pipeline (``pe.Pipe``) runs each stage on a thread of its
+    own; with torch's default of one intra-op thread per core, every stage
+    thread's ops start an OpenMP team of their own on the same cores, and the
+    teams spin against each other: test_single_process_200_steps_no_memory_growth
+    took 0.40 s a step with 2 threads on the 2-core machine and 0.086 s with
+    one. Nothing tested depends on the thread count.
+    """
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(params=["gloo", "shm"])
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a multi-process test once per transport: the spawned ranks inherit ``$PIPELINE_EXT_TRANSPORT``.

@@ -143,16 +143,15 @@ def _worker(rank: int, world: int, conn: Any) -> None:
             reply = ("ok", fn(rank, world, *args))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             reply = ("error", traceback.format_exc())
-        finally:
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()  # every group of the task, WORLD included
-                except Exception:  # noqa: BLE001
-                    pass
-        try:
+        try:  # before the group goes: its end may wait for a peer that failed (and the pool is replaced then)
             conn.send(reply)
         except Exception:  # noqa: BLE001 - a value that does not pickle
             conn.send(("error", f"rank {rank} returned a value that cannot be sent back:\n{traceback.format_exc()}"))
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()  # every group of the task, WORLD included
+            except Exception:  # noqa: BLE001
+                pass
         fresh.restore()
         gc.collect()  # a test's cycles (and the shared memory segments they hold) go now, not during the next test
 
@@ -224,56 +223,66 @@ def run_on_pool(fn: Callable[..., Any], world: int, *args: Any, timeout: float, 
             if pool is not None:
                 pool.close(kill=True)
             pool = _pools[world] = _Pool(world)
-        task = next(_tasks)
-        init_method = f"file://{pool.dir}/rendezvous-{task}"
-        env = dict(os.environ)
-        for r, conn in enumerate(pool.conns):
-            rank_env = env
-            if own_nccl_host:  # every rank its own NCCL host (see dist.launch.spawn), per task
-                rank_env = dict(env, NCCL_HOSTID=f"pipeline_ext-pool-{os.getpid()}-{task}-rank-{r}")
-                rank_env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-            conn.send((fn, args, rank_env, init_method, pg_timeout, threads, backend))
-        out: dict[int, tuple[str, Any]] = {}
-        died: dict[int, Optional[int]] = {}
-        waiting = {conn: r for r, conn in enumerate(pool.conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(pool.procs)}
-        deadline = time.monotonic() + timeout
-        while waiting and not died and time.monotonic() < deadline:
-            for ready in wait(list(waiting) + list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
-                if ready in waiting:
-                    r = waiting.pop(ready)
-                    try:
-                        out[r] = ready.recv()
-                    except (EOFError, OSError):  # died before reporting
-                        pool.procs[r].join(timeout=5)
-                        died[r] = pool.procs[r].exitcode
-                elif ready in sentinels:
-                    r = sentinels.pop(ready)
-                    conn = pool.conns[r]
-                    if conn in waiting and conn.poll():  # reported, then ended
-                        del waiting[conn]
-                        out[r] = conn.recv()
-                    elif r not in out and r not in died:
-                        pool.procs[r].join(timeout=1)
-                        died[r] = pool.procs[r].exitcode
+        trusted = False
         try:
-            os.unlink(init_method[len("file://"):])
-        except OSError:
-            pass
-        errors = {r: v for r, (s, v) in out.items() if s == "error"}
-        if died or waiting or errors:  # the pool's state is unknown now: the next test gets a new one
-            del _pools[world]
-            pool.close(kill=True)
-        if died:
-            raise PoolError(f"{_test_name()}: pool worker rank(s) {sorted(died)} died (exit code(s) "
-                            f"{[died[r] for r in sorted(died)]}) while running {fn.__qualname__}; the pool is "
-                            "replaced (a test that kills or exits a rank must be marked isolated)")
-        if waiting:
-            hung = sorted(waiting.values())
-            raise PoolError(f"ranks {hung} did not report within {timeout:.0f} s (killed; the pool is replaced)")
-        if errors:
-            raise PoolError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
-        return out
+            out, died, hung = _run_task(pool, fn, args, timeout, pg_timeout, threads, backend, own_nccl_host)
+            trusted = not (died or hung or any(s == "error" for s, _ in out.values()))
+        finally:  # also when interrupted (pytest-timeout, Ctrl-C) with the task in flight
+            if not trusted:  # the workers' state is unknown now: the next test gets a new pool
+                _pools.pop(world, None)
+                pool.close(kill=True)
+    if died:
+        raise PoolError(f"{_test_name()}: pool worker rank(s) {sorted(died)} died (exit code(s) "
+                        f"{[died[r] for r in sorted(died)]}) while running {fn.__qualname__}; the pool is "
+                        "replaced (a test that kills or exits a rank must be marked isolated)")
+    if hung:
+        raise PoolError(f"ranks {hung} did not report within {timeout:.0f} s (killed; the pool is replaced)")
+    errors = {r: v for r, (s, v) in out.items() if s == "error"}
+    if errors:
+        raise PoolError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return out
+
+
+def _run_task(pool: _Pool, fn: Callable[..., Any], args: tuple, timeout: float, pg_timeout: float,
+              threads: Optional[int], backend: str, own_nccl_host: bool):
+    """Send one task to every worker of ``pool``; (results by rank, {rank: exit code} of the dead, ranks hung)."""
+    task = next(_tasks)
+    init_method = f"file://{pool.dir}/rendezvous-{task}"
+    env = dict(os.environ)
+    for r, conn in enumerate(pool.conns):
+        rank_env = env
+        if own_nccl_host:  # every rank its own NCCL host (see dist.launch.spawn), per task
+            rank_env = dict(env, NCCL_HOSTID=f"pipeline_ext-pool-{os.getpid()}-{task}-rank-{r}")
+            rank_env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        conn.send((fn, args, rank_env, init_method, pg_timeout, threads, backend))
+    out: dict[int, tuple[str, Any]] = {}
+    died: dict[int, Optional[int]] = {}
+    waiting = {conn: r for r, conn in enumerate(pool.conns)}
+    sentinels = {p.sentinel: r for r, p in enumerate(pool.procs)}
+    deadline = time.monotonic() + timeout
+    while waiting and not died and time.monotonic() < deadline:
+        for ready in wait(list(waiting) + list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
+            if ready in waiting:
+                r = waiting.pop(ready)
+                try:
+                    out[r] = ready.recv()
+                except (EOFError, OSError):  # died before reporting
+                    pool.procs[r].join(timeout=5)
+                    died[r] = pool.procs[r].exitcode
+            elif ready in sentinels:
+                r = sentinels.pop(ready)
+                conn = pool.conns[r]
+                if conn in waiting and conn.poll():  # reported, then ended
+                    del waiting[conn]
+                    out[r] = conn.recv()
+                elif r not in out and r not in died:
+                    pool.procs[r].join(timeout=1)
+                    died[r] = pool.procs[r].exitcode
+    try:
+        os.unlink(init_method[len("file://"):])
+    except OSError:
+        pass
+    return out, died, sorted(waiting.values()) if not died else []
 
 
 def shutdown_pools() -> None:
