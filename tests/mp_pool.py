@@ -147,13 +147,14 @@ def _worker(rank: int, world: int, conn: Any) -> None:
             conn.send(reply)
         except Exception:  # noqa: BLE001 - a value that does not pickle
             conn.send(("error", f"rank {rank} returned a value that cannot be sent back:\n{traceback.format_exc()}"))
+        reply = None
+        gc.collect()  # the task's objects (channels, shared memory, cycles) go before its groups do
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()  # every group of the task, WORLD included
             except Exception:  # noqa: BLE001
                 pass
         fresh.restore()
-        gc.collect()  # a test's cycles (and the shared memory segments they hold) go now, not during the next test
 
 
 class _Pool:

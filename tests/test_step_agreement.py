@@ -467,6 +467,7 @@ def _twin_after_one_more_group(rank: int, world: int) -> list[str]:
     return [] if dist.get_process_group_ranks(twin) == list(range(world)) else [f"twin group {twin}"]
 
 
+@pytest.mark.isolated  # about the groups a process made before: on a pool worker, earlier tests' count too
 @pytest.mark.timeout(60)
 def test_the_gloo_twin_is_made_whatever_groups_a_rank_made_before():
     """The twin was made by its members alone (use_local_synchronization), which torch names after how
