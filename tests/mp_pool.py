@@ -17,7 +17,7 @@ A test still gets what a fresh launch gave it:
   set ``$PIPELINE_EXT_TRANSPORT`` etc. with monkeypatch after the pool
   started): it travels with the task, and the worker puts its own back after;
 * process-wide state as a fresh process has it: intra-op threads, grad mode,
-  default dtype, torch's RNG state, signal handlers and the wakeup fd, the
+  default dtype, torch's RNG state, signal handlers, interval timers and the wakeup fd, the
   working directory, anomaly mode, deterministic algorithms, dynamo's caches,
   and the attributes of pipeline_ext's modules (and the test helpers'), which
   a rank function may patch (``shm._host_id`` to play another host).
@@ -94,6 +94,8 @@ class _Fresh:
         except OSError:
             pass
         signal.set_wakeup_fd(-1)
+        for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):  # before the handlers go back
+            signal.setitimer(timer, 0, 0)
         for s, handler in self.handlers.items():
             if handler is not None and signal.getsignal(s) is not handler:
                 try:

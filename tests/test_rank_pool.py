@@ -33,6 +33,7 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
         "dtype": str(torch.get_default_dtype()),
         "threads": torch.get_num_threads(),
         "sigusr1": signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
+        "timer": signal.getitimer(signal.ITIMER_REAL)[0],
         "host_id": shm._host_id.__name__,
         "rng": torch.rand(1).item(),
     }
@@ -41,6 +42,8 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(2)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 1000.0, 0)  # a test that forgot its timer
     shm._host_id = lambda: "elsewhere|boot|dev|ns"
     return found
 
@@ -56,6 +59,7 @@ def test_each_run_sees_the_callers_environment_and_fresh_process_state(monkeypat
         assert (a["marker"], b["marker"]) == ("first", "second")
         assert b["left_over"] is None, b  # the worker put its own environment back
         assert b["grad"] and b["dtype"] == "torch.float32" and b["threads"] == 1 and b["sigusr1"], b
+        assert b["timer"] == 0.0, b
         assert b["host_id"] == "_host_id", b  # a patched library function is the library's again
         assert a["rng"] == b["rng"]  # torch's RNG state as the process started, each run
         assert b["world"] == 2
