@@ -7,8 +7,23 @@ import signal
 import pytest
 import torch
 
+import mp_utils
+from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
 from pipeline_ext.dist.shm import TRANSPORT_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread in the pytest process, as every rank process has (``run_ranks`` passes threads=1).
+
+    A single-process pipeline (``pe.Pipe``) runs each stage on a thread of its
+    own; with torch's default of one intra-op thread per core, every stage
+    thread's ops start an OpenMP team of their own on the same cores, and the
+    teams spin against each other: test_single_process_200_steps_no_memory_growth
+    took 0.40 s a step with 2 threads on the 2-core machine and 0.086 s with
+    one. Nothing tested depends on the thread count.
+    """
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(params=["gloo", "shm"])
@@ -70,6 +85,21 @@ def dev_shm_left_as_found():
     yield
     left = _shm_names() - before
     assert not left, f"the test session left {sorted(left)} in /dev/shm"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def rank_pools(dev_shm_left_as_found):
+    """The pools of rank processes (``mp_pool``) stop at the session's end, before /dev/shm is checked."""
+    yield
+    shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def isolated_ranks(request: pytest.FixtureRequest):
+    """A test marked ``isolated`` gets fresh rank processes from ``run_ranks``, not the session's pool."""
+    mp_utils.isolated = request.node.get_closest_marker("isolated") is not None
+    yield
+    mp_utils.isolated = False
 
 
 @pytest.fixture

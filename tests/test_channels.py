@@ -1,18 +1,16 @@
-"""Channels: DistChannel over Gloo and over shared memory (2 spawned ranks), LocalChannel across threads."""
+"""Channels: DistChannel over Gloo and over shared memory (2 fresh rank processes), LocalChannel across threads."""
 from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-
 from loopback_pg import Loopback
+from mp_utils import _fresh_rendezvous, fresh_context
 from pipeline_ext.runtime import streams
 from pipeline_ext.dist.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError
@@ -24,17 +22,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 # -- multi-process harness -------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, scenario: str, results) -> None:
+def _worker(rank: int, init_method: str, scenario: str, results, env: dict) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # a forkserver child has the server's environment: the test's comes along
+    os.environ.update(env)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
         channel = make_channel(None, "cpu", 2)  # the transport of $PIPELINE_EXT_TRANSPORT (conftest.transport)
         if isinstance(channel, ShmChannel):
             channel.connect()  # set up now, as Gloo's pairs are at init_process_group
@@ -51,11 +45,18 @@ def _worker(rank: int, port: int, scenario: str, results) -> None:
 
 
 def _run(scenario: str, timeout: float = 40.0, expect_reports: int = 2) -> dict:
-    """Spawn 2 ranks running SCENARIOS[scenario]; returns {rank: result}; never leaves processes."""
-    ctx = mp.get_context("spawn")
+    """Start 2 fresh ranks running SCENARIOS[scenario]; returns {rank: result}; never leaves processes.
+
+    Fresh, not the session's pool (``mp_utils.run_ranks``): every scenario ends
+    its ranks with ``os._exit``, and some break their group on purpose. They
+    come from the tests' fork server (torch already imported) and meet on a
+    fresh ``file://`` rendezvous.
+    """
+    ctx = fresh_context()
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, scenario, results), daemon=True) for r in range(2)]
+    init_method = _fresh_rendezvous()
+    procs = [ctx.Process(target=_worker, args=(r, init_method, scenario, results, dict(os.environ)), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     reports: dict = {}

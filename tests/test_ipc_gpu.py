@@ -167,6 +167,7 @@ def _killed(rank: int, world: int, victim: int) -> str:
     return "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkill_of_either_rank_mid_step_is_named_and_leaves_nothing(victim):

@@ -211,6 +211,7 @@ def test_a_model_without_collectives_trains_the_same_with_and_without_overlap():
                 assert torch.equal(torch.tensor(a), torch.tensor(b))
 
 
+@pytest.mark.isolated
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("half", ["F", "B"])
 def test_a_half_that_raises_fails_the_step_on_every_rank_naming_the_pair(half):
@@ -295,6 +296,7 @@ def _moe_peer_dies(rank: int, world: int) -> dict:
     return {"error": ""}
 
 
+@pytest.mark.isolated
 @pytest.mark.timeout(240)
 def test_a_peer_that_dies_inside_a_pair_fails_every_surviving_rank_and_the_pair_is_named():
     said = run_ranks(_moe_peer_dies, 4, timeout=150, pg_timeout=20, expect_errors=True)

@@ -20,6 +20,12 @@ from mp_utils import no_complaints, run_ranks, device_under_test
 TIMEOUT = 10.0
 
 
+def _failure_timeout() -> float:
+    """The peer-failure test's timeout: short on CPU stages, where a stalled or stopped peer waits it out
+    and nothing else comes near it; NCCL's first connection on a GPU takes seconds of its own."""
+    return 4.0 if device_under_test().type == "cpu" else TIMEOUT
+
+
 class FailAt(nn.Module):
     """Linear layer that misbehaves on one call: raise, exit the process, stall, or stop (SIGSTOP) the process."""
 
@@ -37,7 +43,7 @@ class FailAt(nn.Module):
                 os._exit(3)
             if self.how == "sigstop":  # frozen, as a rank stopped by a debugger or the OS: never answers
                 os.kill(os.getpid(), signal.SIGSTOP)
-            time.sleep(TIMEOUT + 3)  # stall past the peer's timeout, then fail so the process ends
+            time.sleep(_failure_timeout() + 3)  # stall past the peer's timeout, then fail so the process ends
             raise ValueError("stalled stage gives up")
         return self.lin(x)
 
@@ -67,7 +73,7 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
     torch.manual_seed(0)
     module = nn.Linear(16, 16) if rank == 0 else nn.Sequential(FailAt(when=2, how=how), nn.Linear(16, 4))
     stage = pe.PipelineStage(module.to(device_under_test()), rank, world, device_under_test())
-    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
+    sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=_failure_timeout())
     x, y = make_batch("mlp", 8)
     t0 = time.monotonic()
     try:
@@ -80,6 +86,7 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
     return time.monotonic() - t0, "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["raise", "exit", "stall", "sigstop"])
@@ -88,7 +95,7 @@ def test_multi_process_peer_failure_makes_others_raise_within_timeout(how):
     results = run_ranks(_peer_failure, 2, how, timeout=60, expect_errors=True)
     status, value = results[0]
     assert status == "ok", value
-    _, message = value  # a wait past TIMEOUT would run into the test's own timeout
+    _, message = value  # a wait past _failure_timeout() would run into the test's own timeout
     assert "peer rank 1" in message and "microbatch" in message, message
     if how in ("stall", "sigstop"):
         assert "TimeoutError" in message or "ChannelTimeout" in message, message
@@ -120,6 +127,7 @@ def _shape_change(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_shape_change_without_input_change_names_stages_and_shapes():

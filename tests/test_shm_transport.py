@@ -125,6 +125,7 @@ def _killed(rank: int, world: int, victim: int, pid_dir: str, when: str) -> tupl
     return during, "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("when", ["mid-step", "before-first-step"])

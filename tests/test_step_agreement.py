@@ -237,14 +237,18 @@ def test_loss_fn_none_on_every_rank_is_a_forward_only_step():
     no_complaints(_forward_only_without_loss, 2, timeout=40)
 
 
-def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
+def _absent_peer(rank: int, world: int, how: str, done: str) -> tuple[float, str]:
     import torch.distributed as dist
 
     dist.barrier()  # both ranks are through process-group start-up before rank 0 goes
     if rank == 0:
         if how == "exit":
             os._exit(3)
-        time.sleep(3 * 3 + 2)  # never calls step() within the peer's timeout
+        # never calls step() within the peer's timeout: stays away until rank 1's step has ended (it marks
+        # ``done``), or 11 s at most, instead of always sleeping the 11 s out
+        deadline = time.monotonic() + 3 * 3 + 2
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 0.0, "slept"
     sched = _schedule(rank, world, build("mlp", world), timeout=3.0)
     x, y = make_batch("mlp", 8)
@@ -253,14 +257,17 @@ def _absent_peer(rank: int, world: int, how: str) -> tuple[float, str]:
         _call(sched, rank, x, y)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    finally:
+        open(done, "w").close()
     return time.monotonic() - t0, "no error"
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["stall", "exit"])
-def test_a_peer_that_never_comes_is_named_within_the_timeout(how):
-    results = run_ranks(_absent_peer, 2, how, timeout=60, expect_errors=True)
+def test_a_peer_that_never_comes_is_named_within_the_timeout(how, tmp_path):
+    results = run_ranks(_absent_peer, 2, how, str(tmp_path / "rank-1-done"), timeout=60, expect_errors=True)
     status, value = results[1]
     assert status == "ok", value
     _, message = value  # a wait past timeout=3.0 would run into the test's own timeout
@@ -310,6 +317,7 @@ def _stopped_peer(rank: int, world: int) -> tuple[float, str]:
     return time.monotonic() - t0, said
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("transport")
@@ -465,6 +473,7 @@ def _twin_after_one_more_group(rank: int, world: int) -> list[str]:
     return [] if dist.get_process_group_ranks(twin) == list(range(world)) else [f"twin group {twin}"]
 
 
+@pytest.mark.isolated  # about the groups a process made before: on a pool worker, earlier tests' count too
 @pytest.mark.timeout(60)
 def test_the_gloo_twin_is_made_whatever_groups_a_rank_made_before():
     """The twin was made by its members alone (use_local_synchronization), which torch names after how

@@ -31,19 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any,
-           pg_timeout: float, threads: Optional[int], backend: str = "gloo", own_nccl_host: bool = False) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, init_method: str, args: tuple, results: Any,
+           pg_timeout: float, threads: Optional[int], backend: str = "gloo", own_nccl_host: bool = False,
+           env: Optional[dict] = None) -> None:
     import torch
     import torch.distributed as dist
 
+    if env is not None:  # a forkserver child has the fork server's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(env)
     if threads is not None:
         torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if own_nccl_host:
-        os.environ["NCCL_HOSTID"] = f"pipeline_ext-{port}-rank-{rank}"
+        os.environ["NCCL_HOSTID"] = f"pipeline_ext-{init_method.rsplit('/', 1)[-1]}-rank-{rank}"
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -58,7 +62,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0,
           threads: Optional[int] = 1, raise_errors: bool = True, backend: str = "gloo",
-          own_nccl_host: bool = False) -> dict[int, tuple[str, Any]]:
+          own_nccl_host: bool = False, context: Any = "spawn",
+          init_method: Optional[str] = None) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return ``{rank: (status, value)}``.
 
     ``fn`` must be importable (a module-level function). ``threads`` sets each
@@ -73,14 +78,22 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     traceback; without it, a rank that died without reporting comes back as
     ``("died", exitcode)``. A rank still running after ``timeout`` seconds
     always raises (every rank still alive is killed).
+
+    ``context``: a multiprocessing start method's name, or a context
+    (the tests pass a forkserver that has torch preloaded; the ranks then get
+    the caller's environment explicitly, as a spawned child inherits it).
+    ``init_method``: the ranks' rendezvous (default: TCP on a free port of
+    127.0.0.1; the tests use a fresh ``file://`` path, no port to race for).
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(context) if isinstance(context, str) else context
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, pg_timeout, threads, backend,
-                                              own_nccl_host), daemon=True)
+    if init_method is None:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    env = None if ctx.get_start_method() in ("spawn", "fork") else dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, init_method, args, results, pg_timeout, threads, backend,
+                                              own_nccl_host, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
