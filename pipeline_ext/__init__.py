@@ -23,34 +23,16 @@ from pipeline_ext._lazy import lazy_names
 __version__ = "0.1.0"
 
 _SC = "pipeline_ext.pipelining.schedule_classes"
-_SPLIT = "pipeline_ext.pipelining.model_split"
-#: the public surface (``__all__``)
+#: the public surface (``__all__``); each resolves through the subpackage that lists it, or its module
 _EXPORTS = {
-    "PipelineStage": "pipeline_ext.pipelining.stage",
-    "PipelineSchedule": "pipeline_ext.pipelining.schedule",
-    "ScheduleGPipe": _SC,
-    "Schedule1F1B": _SC,
-    "ScheduleInterleaved1F1B": _SC,
-    "ScheduleInterleavedZeroBubble": _SC,
-    "ScheduleLoopedBFS": _SC,
-    "ScheduleZBH1": _SC,
-    "ScheduleZBH2": _SC,
-    "ScheduleZBVZeroBubble": _SC,
-    "ScheduleDualPipeV": _SC,
-    "ScheduleVHalf": _SC,
-    "ScheduleVMin": _SC,
-    "get_schedule_class": _SC,
-    "pipeline": _SPLIT,
-    "SplitPoint": _SPLIT,
-    "pipe_split": _SPLIT,
-    "build_stage": _SPLIT,
-    "TensorChunkSpec": "pipeline_ext.runtime.microbatch",
+    **dict.fromkeys(["PipelineStage", "PipelineSchedule", "get_schedule_class", "pipeline", "SplitPoint",
+                     "pipe_split", "build_stage", "PipeliningShapeError"], "pipeline_ext.pipelining"),
+    **dict.fromkeys(["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+                     "ScheduleLoopedBFS", "ScheduleZBH1", "ScheduleZBH2", "ScheduleZBVZeroBubble",
+                     "ScheduleDualPipeV", "ScheduleVHalf", "ScheduleVMin"], _SC),
+    **dict.fromkeys(["TensorChunkSpec", "ChannelError", "ChannelTimeout"], "pipeline_ext.runtime"),
     "Pipe": "pipeline_ext.pipe",
-    "ChannelError": "pipeline_ext.runtime.channel",
-    "ChannelTimeout": "pipeline_ext.runtime.channel",
-    "StepAgreementError": "pipeline_ext.dist.agreement",
-    "StepRejectedError": "pipeline_ext.dist.agreement",
-    "PipeliningShapeError": "pipeline_ext.pipelining.stage",
+    **dict.fromkeys(["StepAgreementError", "StepRejectedError"], "pipeline_ext.dist.agreement"),
 }
 #: names whose home is a subpackage (listed there): not in ``__all__``, still reachable as ``pipeline_ext.<name>``
 _ELSEWHERE = {

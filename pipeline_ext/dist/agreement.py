@@ -56,7 +56,6 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -348,6 +347,7 @@ class StepAgreement:
         """
         out = []
         for args, kwargs in zip(args_chunks, kwargs_chunks):
+            fresh = _Fresh.made
             key = _flat_key(args, kwargs)
             if key is None:  # nested containers: the general (slower) pytree walk
                 leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
@@ -355,6 +355,9 @@ class StepAgreement:
             sig = self._signatures.get(key)
             if sig is None:
                 sig = stable_hash(repr(key))
+                if _Fresh.made != fresh:  # a key no later step can meet: not worth a cache entry
+                    out.append(sig)
+                    continue
                 if len(self._signatures) >= _CACHE_LIMIT:
                     self._signatures.clear()
                 self._signatures[key] = sig
@@ -481,10 +484,11 @@ def _object_key(x: Any) -> Any:
 class _Fresh:
     """A key equal only to itself, and with a repr of its own: a signature no earlier step had."""
 
-    _count = itertools.count()
+    made = 0  # how many there are: a key holding one is not cached (microbatch_signatures)
 
     def __init__(self) -> None:
-        self.n = next(_Fresh._count)
+        _Fresh.made += 1
+        self.n = _Fresh.made
 
     def __repr__(self) -> str:
         return f"fresh-{self.n}"
