@@ -1,14 +1,24 @@
-"""Names a package resolves on first use (PEP 562), so importing it stays cheap.
+"""Imports put off until they are needed, so that importing pipeline_ext (and starting a rank) stays cheap.
 
 ``import pipeline_ext.schedules`` must not load torch or the compiled core,
 and ``pipeline_ext.training`` must not load torch.distributed.checkpoint until
 a checkpoint is saved: each package lists its names and the module each lives
-in, and this resolves and caches them.
+in, and ``lazy_names`` resolves and caches them.
+
+``when_imported`` runs a function once a module of someone else's is
+imported, or at once if it is already: pipeline_ext's schedule classes
+register as subclasses of ``torch.distributed.pipelining``'s base class when
+(and only if) a program loads torch's pipelining package, which costs a
+rank about a second of start-up (dynamo, DTensor) that a program using only
+pipeline_ext would otherwise pay.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import sys
+import threading
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 
@@ -36,3 +46,58 @@ def lazy_names(package: str, names: dict[str, str], public: list[str],
         return list(public)
 
     return getattr_, dir_
+
+
+class _Loader(importlib.abc.Loader):
+    """A module's own loader, then the functions waiting for that module."""
+
+    def __init__(self, loader: Any, after: list[Callable[[ModuleType], None]]):
+        self._loader, self._after = loader, after
+
+    def create_module(self, spec: Any) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self._loader  # the module keeps its own loader, not this one
+        for fn in self._after:
+            fn(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the module's own loader answers
+        return getattr(self._loader, name)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path``; finds nothing itself, only wraps the loader of a module someone waits for."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[Callable[[ModuleType], None]]] = {}
+        self.lock = threading.Lock()
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        with self.lock:
+            after = self.waiting.pop(name, None)
+        if after is None:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self or not hasattr(finder, "find_spec") else finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Loader(spec.loader, after)
+                return spec
+        return None
+
+
+_after_import = _AfterImport()
+
+
+def when_imported(module: str, fn: Callable[[ModuleType], None]) -> None:
+    """Call ``fn(module)`` once ``module`` is imported: now if it is already, else right after its import runs."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        fn(loaded)
+        return
+    with _after_import.lock:
+        _after_import.waiting.setdefault(module, []).append(fn)
+        if _after_import not in sys.meta_path:
+            sys.meta_path.insert(0, _after_import)

@@ -35,6 +35,7 @@ pipeline.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -213,9 +214,13 @@ def gradient_sync_for(module: nn.Module, pp_group: Optional[dist.ProcessGroup] =
     pipeline group, and parameters with post-accumulate-grad hooks outside
     FSDP2 (they would fire once per microbatch).
     """
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    # [Note: wrappers are looked for only where they can exist] An FSDP module exists only in a program that imported
+    # torch.distributed.fsdp (fully_shard and FSDP1 both live there), so a program that did not is not made to import
+    # it (with DTensor, about 1.5 s of every rank's start-up on a small machine) only to learn that nothing is one.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    FSDPModule, FullyShardedDataParallel = (fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else (_Never, _Never)
     ddps, fsdps = [], []
     pp_ranks = _group_ranks(pp_group) if dist.is_initialized() else set()
     for name, m in module.named_modules():
@@ -265,8 +270,14 @@ def gradient_sync_for(module: nn.Module, pp_group: Optional[dist.ProcessGroup] =
     return None
 
 
+class _Never:
+    """A class no object is an instance of: a wrapper class of a module the program never imported."""
+
+
 def _is_ddp_replicate(m: nn.Module) -> bool:
     """Whether ``replicate(m)`` (the DDP-based composable API, not FSDP2's replicate) was applied."""
+    if "torch.distributed._composable.replicate" not in sys.modules:  # see [Note: wrappers are looked for only ...]
+        return False
     try:
         from torch.distributed._composable.replicate import _ReplicateState
         from torch.distributed._composable_state import _get_module_state

@@ -9,11 +9,13 @@ parameters, and every ``Schedule*`` class only names which built-in schedule
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
 from pipeline_ext import schedules as S
+from pipeline_ext._lazy import when_imported
 from pipeline_ext.pipelining.schedule import PipelineSchedule
 from pipeline_ext.pipelining.stage import PipelineStage
 from pipeline_ext.schedules.csv_io import torch_order
@@ -232,16 +234,13 @@ class ScheduleVMin(_PipelineScheduleRuntime):
     schedule_name = "v_min"
 
 
-def _register_with_torch() -> None:
+def _register_with_torch(schedules: ModuleType) -> None:
     """``issubclass(cls, torch's _PipelineSchedule)`` holds for every class here, as torch code checks it."""
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:  # a torch without pipelining: nothing to be a subclass of
-        return
-    _PipelineSchedule.register(PipelineSchedule)
+    schedules._PipelineSchedule.register(PipelineSchedule)
 
 
-_register_with_torch()
+# once a program imports torch's pipelining (only code that does can ask), not before: see pipeline_ext/_lazy.py
+when_imported("torch.distributed.pipelining.schedules", _register_with_torch)
 
 # torch's names (case-insensitive, as in torch), plus ours and torchtitan's spellings.
 _BY_NAME: dict[str, type] = {

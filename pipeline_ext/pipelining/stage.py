@@ -6,6 +6,7 @@ runs; a schedule (``schedule.py``) drives it. Declared shapes (torch's
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -197,15 +198,35 @@ class PipelineStage(StagePosition):
         self.output_chunks.clear()
 
 
-try:  # torch's class, so `except PipeliningMetadataError` in torch code catches ours too
-    from torch.distributed.pipelining._utils import PipeliningMetadataError
-except ImportError:  # pragma: no cover - older torch
-    class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
-        """A stage's inputs or outputs are not what it declared."""
+def __getattr__(name: str) -> Any:  # PEP 562: the error classes are made on first use, see _errors
+    if name in ("PipeliningMetadataError", "PipeliningShapeError"):
+        return _errors()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class PipeliningShapeError(ValueError, PipeliningMetadataError):
-    """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
+@functools.lru_cache(maxsize=None)
+def _errors() -> dict[str, type]:
+    """``PipeliningMetadataError`` (torch's class) and ``PipeliningShapeError`` (ours, a subclass of it).
+
+    Ours derives from torch's, so that ``except PipeliningMetadataError`` in
+    code written for torch catches it too. Importing torch's class imports
+    ``torch.distributed.pipelining`` (DTensor, dynamo, sympy: about 3.5 s of
+    a rank's start-up on a small machine), so it happens when the classes are
+    first asked for, not when a stage is made.
+    """
+    try:
+        from torch.distributed.pipelining._utils import PipeliningMetadataError
+    except ImportError:  # pragma: no cover - older torch
+        class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
+            """A stage's inputs or outputs are not what it declared."""
+
+        PipeliningMetadataError.__module__ = __name__
+
+    class PipeliningShapeError(ValueError, PipeliningMetadataError):
+        """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
+
+    PipeliningShapeError.__module__, PipeliningShapeError.__qualname__ = __name__, "PipeliningShapeError"
+    return {"PipeliningMetadataError": PipeliningMetadataError, "PipeliningShapeError": PipeliningShapeError}
 
 
 def _checked_call(stage: PipelineStage) -> Optional[Callable[..., Any]]:
@@ -240,7 +261,7 @@ def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected:
                 problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
                 break
     if problem:
-        raise PipeliningShapeError(f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args "
+        raise _errors()["PipeliningShapeError"](f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args "
                                    "describe one microbatch; leave them out to let shapes be discovered)")
 
 
