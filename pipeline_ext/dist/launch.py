@@ -2,8 +2,10 @@
 
 The demo and the benchmarks start their own ranks instead of asking the user
 for ``torchrun``: one command must be enough to see a pipeline train. This is
-the small, safe version of that: spawned processes (``torch.multiprocessing``),
-Gloo on 127.0.0.1 on a free port, a process-group timeout on every collective,
+the small, safe version of that: processes from a fork server
+(``torch.multiprocessing``) that has imported the caller's script, torch and
+pipeline_ext once for all the ranks (a spawned rank re-imports them, seconds
+each on a small machine), Gloo on 127.0.0.1 on a free port, a process-group timeout on every collective,
 one wall-clock timeout for the whole run after which every rank still alive is
 killed, and a rank's exception comes back to the caller with its traceback.
 """
@@ -60,9 +62,28 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_method: str, args
                 pass
 
 
+#: what the fork server imports once for every rank it forks: the caller's script (``__main__``, and with it what the
+#: script imports, as a spawned rank would import it), torch and pipeline_ext
+FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "pipeline_ext"]
+
+
+def _context(context: Any) -> Any:
+    """The multiprocessing context ``context`` names (``"forkserver"``: with ``FORKSERVER_PRELOAD``), or itself."""
+    import torch.multiprocessing as mp
+
+    if not isinstance(context, str):
+        return context
+    if context == "forkserver" and "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux
+        context = "spawn"
+    ctx = mp.get_context(context)
+    if context == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once this process's fork server runs
+    return ctx
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0,
           threads: Optional[int] = 1, raise_errors: bool = True, backend: str = "gloo",
-          own_nccl_host: bool = False, context: Any = "spawn",
+          own_nccl_host: bool = False, context: Any = "forkserver",
           init_method: Optional[str] = None) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return ``{rank: (status, value)}``.
 
@@ -79,15 +100,16 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     ``("died", exitcode)``. A rank still running after ``timeout`` seconds
     always raises (every rank still alive is killed).
 
-    ``context``: a multiprocessing start method's name, or a context
-    (the tests pass a forkserver that has torch preloaded; the ranks then get
-    the caller's environment explicitly, as a spawned child inherits it).
+    ``context``: a multiprocessing start method's name, or a context. The
+    default, a fork server that has imported the caller's script, torch and
+    pipeline_ext, starts a rank in milliseconds where ``"spawn"`` re-imports
+    all three in every rank; either way a rank runs in a process that never
+    ran the caller's code past its imports (no threads, no CUDA), and gets
+    the caller's environment as it is now.
     ``init_method``: the ranks' rendezvous (default: TCP on a free port of
     127.0.0.1; the tests use a fresh ``file://`` path, no port to race for).
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context(context) if isinstance(context, str) else context
+    ctx = _context(context)
     results = ctx.Queue()
     if init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
