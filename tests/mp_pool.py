@@ -254,7 +254,7 @@ def _run_task(pool: _Pool, fn: Callable[..., Any], args: tuple, timeout: float, 
     env = dict(os.environ)
     for r, conn in enumerate(pool.conns):
         rank_env = env
-        if own_nccl_host:  # every rank its own NCCL host (see dist.launch.spawn), per task
+        if own_nccl_host:  # every rank its own NCCL host (see comm.launch.spawn), per task
             rank_env = dict(env, NCCL_HOSTID=f"pipeline_ext-pool-{os.getpid()}-{task}-rank-{r}")
             rank_env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         conn.send((fn, args, rank_env, init_method, pg_timeout, threads, backend))

@@ -1,4 +1,4 @@
-"""The same-host shared-memory transport (dist/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
+"""The same-host shared-memory transport (comm/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
 
 Messages themselves are tested under both transports by test_channels.py,
 test_distributed.py, test_robustness.py and test_step_agreement.py (the
@@ -18,7 +18,7 @@ import pipeline_ext as pe
 from models import build, loss_fn, make_batch
 from mp_utils import no_complaints, run_ranks
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.dist.shm import TRANSPORT_ENV, make_channel, requested_transport
+from pipeline_ext.comm.shm import TRANSPORT_ENV, make_channel, requested_transport
 
 SEGMENT_PREFIX = "pipeline_ext_shm."
 
@@ -45,7 +45,7 @@ def _choices(rank: int, world: int) -> dict:
     """auto on one host is shared memory; with rank 1 pretending to be elsewhere, Gloo, and 'shm' an error."""
     import torch.distributed as dist
 
-    import pipeline_ext.dist.shm as shm
+    import pipeline_ext.comm.shm as shm
 
     out = {"auto": make_channel(None, "cpu", 2, "auto").connect()}
     if rank == 1:

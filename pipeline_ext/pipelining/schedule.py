@@ -34,9 +34,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
-from pipeline_ext.dist.groups import group_timeout
-from pipeline_ext.dist.session import FORWARD, TRAIN, Session
-from pipeline_ext.dist.trace import gather_steps
+from pipeline_ext.comm.groups import group_timeout
+from pipeline_ext.comm.session import FORWARD, TRAIN, Session
+from pipeline_ext.comm.trace import gather_steps
 from pipeline_ext.pipelining.model_split import as_stage
 from pipeline_ext.pipelining.stage import PipelineStage, _match_meta
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
@@ -177,7 +177,7 @@ class PipelineSchedule:
             first_stage = self.stages.get(0)
             declared = first_stage is not None and first_stage.input_args is not None
             check_first = functools.partial(_check_declared_inputs, first_stage) if declared else None
-            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (dist/shm.py)
+            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/shm.py)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),

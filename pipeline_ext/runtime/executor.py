@@ -21,7 +21,7 @@ What it does per action (stage s, microbatch m):
 
 Everything one step needs is handed to ``run``: the inputs (``StepInputs``)
 and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
-process, ``dist/session.Step`` across processes). The executor only computes
+process, ``comm/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
 At the first message action the executor calls ``step.open()``, which returns

@@ -5,7 +5,7 @@ j (never through the stages between), and its gradient directly back. Routes
 are built from what every stage *declares* (its ``@skippable`` layers), so
 they are known before anything runs: a Pipe builds them from its partitions,
 a multi-process pipeline from the declarations every rank gathers in its first
-step (``dist/skips.py``; every rank then builds the same routes).
+step (``comm/skips.py``; every rank then builds the same routes).
 
 [Note: skips need no schedule change]
 Why direct sends need no change to the schedule: a skip is sent right after

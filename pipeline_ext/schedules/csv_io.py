@@ -4,7 +4,7 @@ One row per rank, one action per cell, spelled as torch spells them (``0F1``,
 ``1I0``, ``2W3``, ``0SEND_F1``: the same spelling as our text format). An
 empty cell is torch's idle slot. torch's FSDP bookkeeping actions (UNSHARD,
 RESHARD, REDUCE_GRAD) are dropped on reading: our runtime reshards and
-reduces data-parallel gradients itself (dist/data_parallel.py). An
+reduces data-parallel gradients itself (comm/data_parallel.py). An
 overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order, and is
 kept as a pair (``Schedule.overlapped``): a function registered for
 OVERLAP_F_B gets both at once, and writing the schedule back spells the pair

@@ -13,7 +13,7 @@ first message: shared memory when every rank of the group is on this host
 describes itself to every peer over the group when its first channel on that
 group is built (see ``_Setup``). The channel stays stateless and matches by (peer,
 tag) exactly like Gloo, so the executor and the communication plans
-(``dist/comm_plan.py``) use it unchanged. All channels of one process on one
+(``comm/comm_plan.py``) use it unchanged. All channels of one process on one
 group share one transport, as they share the group's Gloo pairs.
 
 Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "ShmChannel", "UnsettledTransport", "check_request",
@@ -337,7 +337,7 @@ class _Setup:
 
 
 # By group object (weakly), in flight or decided: a group destroyed and made again under the same name gets
-# a transport of its own, as it gets step numbers of its own (dist/identity.GroupSteps).
+# a transport of its own, as it gets step numbers of its own (comm/identity.GroupSteps).
 _setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTransport]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
