@@ -10,7 +10,7 @@ import torch
 import mp_utils
 from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
-from pipeline_ext.comm.shm import TRANSPORT_ENV
+from pipeline_ext.comm.transport import TRANSPORT_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:

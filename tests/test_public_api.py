@@ -61,3 +61,12 @@ def test_the_old_package_name_dist_still_imports_the_same_objects_and_warns(monk
         assert getattr(pe.dist, module) is comm_module
     assert {"launch", "shm", "session", "agreement"} <= set(pe.dist.__all__)
     assert "dist" not in pe.__all__ and "comm" in pe.__all__
+
+
+def test_names_moved_out_of_a_module_still_import_from_it():
+    from pipeline_ext.comm import shm, transport
+
+    for name in ("TRANSPORTS", "TRANSPORT_ENV", "UnsettledTransport", "check_request", "decide_transport",
+                 "ipc_unavailable", "probe_verdict", "requested_transport"):
+        assert getattr(shm, name) is getattr(transport, name), name
+        assert name in shm.__all__

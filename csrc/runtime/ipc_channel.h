@@ -88,7 +88,7 @@ class IpcChannel : public Channel {
   std::shared_ptr<IpcState> state_;
 };
 
-// The setup's probe (comm/shm.py): whether this process can open memory another
+// The setup's probe (comm/transport.py): whether this process can open memory another
 // process exported. ipc_export_probe: the IPC handle of `tensor`'s memory (a CUDA
 // tensor from the caching allocator; bytes to send to the peers).
 // ipc_open_probe: opens a peer's handle on `device` and closes it again; empty

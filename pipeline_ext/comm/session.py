@@ -205,7 +205,7 @@ class Session:
         self._local = frozenset(local_stages)
         self._check_first = check_first
         records = host_group(group, device)
-        #: the transport (``comm/shm.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
+        #: the transport (``comm/transport.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
         #: describe themselves to each other over the records' (Gloo) group
         self.channel = make_channel(group, device, num_stages, transport, timeout, setup_group=records)
         # NCCL: each direction between two ranks on a group of its own (comm/groups.py); not when CUDA IPC is forced

@@ -177,7 +177,7 @@ class PipelineSchedule:
             first_stage = self.stages.get(0)
             declared = first_stage is not None and first_stage.input_args is not None
             check_first = functools.partial(_check_declared_inputs, first_stage) if declared else None
-            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/shm.py)
+            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport.py)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
