@@ -70,3 +70,6 @@ def test_names_moved_out_of_a_module_still_import_from_it():
                  "ipc_unavailable", "probe_verdict", "requested_transport"):
         assert getattr(shm, name) is getattr(transport, name), name
         assert name in shm.__all__
+    from pipeline_ext.runtime import executor, group_run
+
+    assert executor.GroupRun is group_run.GroupRun and "GroupRun" in executor.__all__
