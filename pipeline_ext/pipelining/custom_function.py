@@ -8,12 +8,13 @@ schedule's ``fwd_recv_ops`` / ``bwd_recv_ops``. The executor knows none of
 that: it calls a plain callable per compute kind with our actions and a
 ``GroupRun`` (``runtime/group_run.py``). This module translates between the
 two and nothing else: torch's computation types to our keys (``custom_key``),
-our actions to torch's (``torch_action``), torch's receive bookkeeping as a
+our actions to torch's (``torch_action``, from schedules/csv_io.py, which
+makes torch's ``pipeline_order`` with it), torch's receive bookkeeping as a
 view of what the step has received (``ReceivedView``), and, per step, the
 callables that bind the stages to the ``GroupRun`` and call the user's
 function with torch's context (``bind_custom_functions``). Its own module so
-that torch's private objects stay in one place; ``PipelineSchedule``
-(schedule.py) keeps the registration and the step. Why a registered function
+that the step API does not handle torch's private objects:
+``PipelineSchedule`` (schedule.py) keeps the registration and the step. Why a registered function
 cannot change the messages: [Note: custom functions change when, not what]
 in ``runtime/executor.py``.
 """
@@ -23,9 +24,10 @@ import functools
 from typing import Any, Callable, Optional
 
 from pipeline_ext import schedules as S
+from pipeline_ext.schedules.csv_io import torch_action
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
-__all__ = ["custom_key", "torch_action", "ReceivedView", "bind_custom_functions"]
+__all__ = ["custom_key", "ReceivedView", "bind_custom_functions"]
 
 
 _TORCH_KINDS = {"F": S.ActionKind.F, "B": S.ActionKind.B, "I": S.ActionKind.I, "W": S.ActionKind.W,
@@ -46,14 +48,6 @@ def custom_key(computation_type: Any) -> Any:
         raise ValueError(f"Invalid computation type {computation_type}. Only FORWARD, FULL_BACKWARD, BACKWARD_INPUT, "
                          "BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD and REDUCE_GRAD are supported.")
     return _TORCH_KINDS[name]
-
-
-def torch_action(actions: tuple) -> Any:
-    """torch's ``_Action`` for an action, or for an overlapped pair (stage -1, forward first, as torch has it)."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
-
-    subs = sorted((_Action.from_str(str(a)) for a in actions), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
-    return subs[0] if len(subs) == 1 else _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
 
 
 class _Done:
