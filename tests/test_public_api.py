@@ -73,3 +73,7 @@ def test_names_moved_out_of_a_module_still_import_from_it():
     from pipeline_ext.runtime import executor, group_run
 
     assert executor.GroupRun is group_run.GroupRun and "GroupRun" in executor.__all__
+    from pipeline_ext.pipe import pipe, placement
+
+    assert pipe.MULTI_STAGE_SCHEDULES is placement.MULTI_STAGE_SCHEDULES is pe.pipe.MULTI_STAGE_SCHEDULES
+    assert pipe.Partition is placement.Partition
