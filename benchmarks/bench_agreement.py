@@ -1,7 +1,7 @@
 """What the step agreement costs: one exchange of step records vs Gloo's own message latency.
 
 Every ``step()``/``eval()`` exchanges a 36-word record with every other rank
-(dist/agreement.py). This times, on 2 Gloo ranks in the same
+(comm/agreement.py). This times, on 2 Gloo ranks in the same
 processes and interleaved repeats: the exchange (post + wait, as the executor
 does it when nothing overlaps it), a plain ``dist.send``/``dist.recv``
 ping-pong of the same 288 bytes (the floor: one round trip), and the record's
@@ -24,7 +24,7 @@ import torch
 def worker(rank: int, world: int, n: int, repeats: int) -> dict[str, float]:
     import torch.distributed as dist
 
-    from pipeline_ext.dist.agreement import StepAgreement, StepRecord
+    from pipeline_ext.comm.agreement import StepAgreement, StepRecord
 
     agreement = StepAgreement(None, rank, world, torch.device("cpu"), 30.0)
     step = [0]
@@ -73,7 +73,7 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], n: int, repeats: int
 
 
 def main() -> None:
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=300, help="calls per timed repeat")

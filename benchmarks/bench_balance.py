@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
     ap.add_argument("--profile-repeats", type=int, default=5)
     a = vars(ap.parse_args())
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     # pg_timeout: the other ranks wait in a broadcast while rank 0 profiles
     res = spawn(worker, a["ranks"], a, timeout=1800, pg_timeout=600, threads=1)

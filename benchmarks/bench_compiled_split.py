@@ -103,7 +103,7 @@ def _zb_h1_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, li
 
 
 def zb_h1(args: argparse.Namespace) -> None:
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     out = spawn(_zb_h1_rank, 2, args, timeout=1200, threads=args.threads)
     # a step ends when its slowest rank does: take the max over ranks per repeat

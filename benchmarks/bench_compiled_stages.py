@@ -179,7 +179,7 @@ def print_table(rows: list[dict], checks: dict[tuple[str, str], dict[str, float]
 
 
 def main() -> None:
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=128, help="model width")

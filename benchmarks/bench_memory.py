@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0, help="interleaved repeats timing each schedule's step (0: none)")
     ap.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     a = ap.parse_args()
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     res = spawn(worker, WORLD, a.schedules, a.d, a.microbatches, a.device, a.repeats, a.steps, timeout=1800,
                 threads=1)

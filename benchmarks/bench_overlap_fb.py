@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="also write one overlapped step's measured timeline (PNG, and "
                                                   "Chrome trace JSON beside it)")
     args = ap.parse_args()
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     alone = pair_alone(args.d_model, args.rows, args.delay, 3 * args.repeats)
     out = spawn(worker, 2, args.d_model, args.rows, args.delay, args.repeats, args.microbatches, args.trace,

@@ -33,7 +33,7 @@ shared memory), in the same interleaved repeats.
     PYTHONPATH=. python benchmarks/bench_pipeline.py --device cuda --dims 4096   # GPU ranks, NCCL
 
 ``--device cuda`` puts every rank's stages on ``cuda:0`` (the ranks share one
-GPU, each an NCCL host of its own: ``dist.launch.spawn(own_nccl_host=True)``),
+GPU, each an NCCL host of its own: ``comm.launch.spawn(own_nccl_host=True)``),
 and both libraries move messages over NCCL (ours: ``transport="process_group"``).
 With one GPU shared, absolute times mean little; the ratio and the host cost
 per action (``--overhead --device cuda``) do.
@@ -420,7 +420,7 @@ def main() -> None:
         args.transports = ["process_group"]  # NCCL; shared memory is for CPU stages
     ranks = dict(backend="cpu:gloo,cuda:nccl" if gpu else "gloo", own_nccl_host=gpu)
 
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     if args.overhead:
         m = args.overhead_microbatches

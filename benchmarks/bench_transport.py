@@ -54,7 +54,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
 
     from pipeline_ext.runtime._ext import _C
-    from pipeline_ext.dist.shm import make_channel
+    from pipeline_ext.comm.shm import make_channel
 
     peer = 1 - rank
     torch_name, pg_name, same_host_name = COLUMNS[device]
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=0.0, help="rank 1 waits this long before answering")
     args = ap.parse_args()
 
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")

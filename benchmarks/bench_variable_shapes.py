@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--transport", default="auto", choices=["auto", "gloo", "shm"])
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     out = spawn(worker, WORLD, args.d, args.blocks, args.repeats, args.steps, args.transport, timeout=args.timeout,
                 threads=1)

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from benchmarks.bench_pipeline import BATCH, CASES, MICROBATCHES, WORLD, _ours, _rank_of, loss_fn, make_step, mlp_stages
-from pipeline_ext.dist.launch import spawn
+from pipeline_ext.comm.launch import spawn
 
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zb_h1"]
 ALONE_REPS, WARMUP = 200, 3

@@ -376,7 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
     if args.spawn:
-        from pipeline_ext.dist.launch import spawn
+        from pipeline_ext.comm.launch import spawn
 
         try:
             layout = describe_layout(args.spawn, args.pp, args.schedule)

@@ -32,7 +32,7 @@ _EXPORTS = {
                      "ScheduleDualPipeV", "ScheduleVHalf", "ScheduleVMin"], _SC),
     **dict.fromkeys(["TensorChunkSpec", "ChannelError", "ChannelTimeout"], "pipeline_ext.runtime"),
     "Pipe": "pipeline_ext.pipe",
-    **dict.fromkeys(["StepAgreementError", "StepRejectedError"], "pipeline_ext.dist.agreement"),
+    **dict.fromkeys(["StepAgreementError", "StepRejectedError"], "pipeline_ext.comm.agreement"),
 }
 #: names whose home is a subpackage (listed there): not in ``__all__``, still reachable as ``pipeline_ext.<name>``
 _ELSEWHERE = {
@@ -47,14 +47,14 @@ _ELSEWHERE = {
                      "TokenMeanLoss", "profile_layers", "balance_layers", "stage_modules", "block_ranges",
                      "sizes_with_ends", "LayerChain"], "pipeline_ext.training"),
     **dict.fromkeys(["balance_stages", "LayerCost"], "pipeline_ext.schedules"),
-    "UnsupportedWrapperError": "pipeline_ext.dist.data_parallel",
+    "UnsupportedWrapperError": "pipeline_ext.comm.data_parallel",
 }
 #: subpackages, and the modules users reach as ``pipeline_ext.<name>`` (``from pipeline_ext import ops``)
 _SUBMODULES = {
     "schedules": "pipeline_ext.schedules",
     "skip": "pipeline_ext.skip",
     "runtime": "pipeline_ext.runtime",
-    "dist": "pipeline_ext.dist",
+    "comm": "pipeline_ext.comm",
     "pipelining": "pipeline_ext.pipelining",
     "pipe": "pipeline_ext.pipe",
     "training": "pipeline_ext.training",
@@ -62,5 +62,10 @@ _SUBMODULES = {
     "microbatch": "pipeline_ext.runtime.microbatch",
 }
 
+#: old names of renamed subpackages, kept for one release: not in ``__all__``; importing one warns (``dist.py``)
+_DEPRECATED = {
+    "dist": "pipeline_ext.dist",  # now ``comm``
+}
+
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
-__getattr__, __dir__ = lazy_names(__name__, {**_EXPORTS, **_ELSEWHERE}, __all__, _SUBMODULES)
+__getattr__, __dir__ = lazy_names(__name__, {**_EXPORTS, **_ELSEWHERE}, __all__, {**_SUBMODULES, **_DEPRECATED})

@@ -10,7 +10,7 @@ import torch
 import mp_utils
 from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
-from pipeline_ext.dist.shm import TRANSPORT_ENV
+from pipeline_ext.comm.transport import TRANSPORT_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,7 +52,7 @@ def rank_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     The spawned ranks inherit both choices (``$PIPELINE_EXT_TRANSPORT``, and
     ``$PIPELINE_EXT_TEST_DEVICE`` that ``tests/models.py`` and ``mp_utils``
     read): on the GPU the default group is Gloo + NCCL and every rank is an
-    NCCL host of its own (``dist.launch.spawn(own_nccl_host=True)``), so
+    NCCL host of its own (``comm.launch.spawn(own_nccl_host=True)``), so
     ranks sharing one GPU run the NCCL path. The reference model runs on the
     same device.
     """

@@ -20,7 +20,7 @@ A test still gets what a fresh launch gave it:
   default dtype, torch's RNG state, signal handlers, interval timers and the wakeup fd, the
   working directory, anomaly mode, deterministic algorithms, dynamo's caches,
   and the attributes of pipeline_ext's modules (and the test helpers'), which
-  a rank function may patch (``shm._host_id`` to play another host).
+  a rank function may patch (``transport._host_id`` to play another host).
 
 Anything a test does that a worker cannot undo (kill, stop or exit a rank,
 leave a rank in a collective) needs fresh processes: such tests are marked
@@ -79,7 +79,7 @@ class _Fresh:
         self._note_modules()
 
     def _note_modules(self) -> None:
-        """The library's module attributes as imported (a rank function may patch one, e.g. ``shm._host_id``)."""
+        """The library's module attributes as imported (a rank function may patch one, e.g. ``transport._host_id``)."""
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] in _OURS and name not in self.globals and module is not None:
                 self.globals[name] = dict(vars(module))
@@ -254,7 +254,7 @@ def _run_task(pool: _Pool, fn: Callable[..., Any], args: tuple, timeout: float, 
     env = dict(os.environ)
     for r, conn in enumerate(pool.conns):
         rank_env = env
-        if own_nccl_host:  # every rank its own NCCL host (see dist.launch.spawn), per task
+        if own_nccl_host:  # every rank its own NCCL host (see comm.launch.spawn), per task
             rank_env = dict(env, NCCL_HOSTID=f"pipeline_ext-pool-{os.getpid()}-{task}-rank-{r}")
             rank_env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         conn.send((fn, args, rank_env, init_method, pg_timeout, threads, backend))

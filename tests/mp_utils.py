@@ -11,7 +11,7 @@ Where the ranks come from (start-up used to be most of the suite's time):
 * for a test marked ``isolated`` (it kills, stops or exits a rank, or expects
   ranks to fail), or any ``expect_errors`` run, or with
   ``PIPELINE_EXT_TEST_POOL=0`` in the environment: fresh processes from
-  ``pipeline_ext.dist.launch.spawn`` (what the demo and the benchmarks use),
+  ``pipeline_ext.comm.launch.spawn`` (what the demo and the benchmarks use),
   forked from a fork server that has torch and pipeline_ext imported
   already, meeting on a fresh ``file://`` rendezvous (no port to race for).
 """
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline_ext.dist.launch import RankError, free_port, spawn
+from pipeline_ext.comm.launch import RankError, free_port, spawn
 
 __all__ = ["free_port", "run_ranks", "rank_values", "no_complaints", "TEST_DEVICE_ENV", "device_under_test",
            "fresh_context", "POOL_ENV"]
@@ -39,7 +39,7 @@ isolated = False
 
 #: what the fork server imports once, so that a fresh rank does not: torch (and its distributed package),
 #: the library and the test helpers the rank functions use
-_PRELOAD = ["torch", "torch.distributed", "pipeline_ext", "pipeline_ext.dist.shm", "pytest", "mp_utils", "models"]
+_PRELOAD = ["torch", "torch.distributed", "pipeline_ext", "pipeline_ext.comm.shm", "pytest", "mp_utils", "models"]
 
 _ctx = None
 _rendezvous_dir = None

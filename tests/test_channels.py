@@ -12,11 +12,11 @@ import torch
 from loopback_pg import Loopback
 from mp_utils import _fresh_rendezvous, fresh_context
 from pipeline_ext.runtime import streams
-from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError
 from pipeline_ext.runtime.local import LocalHub
-from pipeline_ext.dist.comm_plan import PlanCache
-from pipeline_ext.dist.shm import ShmChannel, make_channel
+from pipeline_ext.comm.comm_plan import PlanCache
+from pipeline_ext.comm.shm import ShmChannel, make_channel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

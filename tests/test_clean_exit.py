@@ -33,7 +33,7 @@ import threading
 
 import pytest
 
-from pipeline_ext.dist.launch import free_port
+from pipeline_ext.comm.launch import free_port
 
 JOB = textwrap.dedent("""
     import os

@@ -4,7 +4,7 @@ What only NCCL can show (its streams, its coalesced launches) runs in
 ``tests/test_cuda_paths.py`` on a GPU. What these tests pin down on CPU:
 
 - each direction between two ranks can go over a group of its own
-  (``dist/groups.py``): the channel sends over one and receives over the
+  (``comm/groups.py``): the channel sends over one and receives over the
   other, the groups are made in one global order (a 3-rank ring would deadlock
   otherwise), and a pipeline routed through them trains exactly as the unsplit
   model;
@@ -25,9 +25,9 @@ from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints
 from pipeline_ext import schedules as S
-from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.local import LocalChannel
-from pipeline_ext.dist.groups import matches_by_order, message_pairs
+from pipeline_ext.comm.groups import matches_by_order, message_pairs
 
 
 def test_message_pairs_are_both_directions_of_every_boundary_between_ranks():
@@ -144,7 +144,7 @@ def test_back_to_back_sends_go_in_one_batch_and_receives_never(monkeypatch):
 def _ring_through_direction_groups(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from pipeline_ext.dist.groups import DirectionGroups
+    from pipeline_ext.comm.groups import DirectionGroups
 
     num_stages = 2 * world  # interleaved 1F1B: stage s on rank s % world, so the last rank sends to rank 0
     modules, ref = build("mlp", num_stages), build("mlp", num_stages)

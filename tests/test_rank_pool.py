@@ -21,7 +21,7 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
     """Reports what it found, then changes everything a worker must put back."""
     import torch.distributed as dist
 
-    import pipeline_ext.dist.shm as shm
+    import pipeline_ext.comm.transport as transport
 
     found = {
         "pid": os.getpid(),
@@ -34,7 +34,7 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
         "threads": torch.get_num_threads(),
         "sigusr1": signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
         "timer": signal.getitimer(signal.ITIMER_REAL)[0],
-        "host_id": shm._host_id.__name__,
+        "host_id": transport._host_id.__name__,
         "rng": torch.rand(1).item(),
     }
     os.environ["POOL_TEST_LEFT_OVER"] = marker
@@ -44,7 +44,7 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
     signal.setitimer(signal.ITIMER_REAL, 1000.0, 0)  # a test that forgot its timer
-    shm._host_id = lambda: "elsewhere|boot|dev|ns"
+    transport._host_id = lambda: "elsewhere|boot|dev|ns"
     return found
 
 

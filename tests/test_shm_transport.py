@@ -1,4 +1,4 @@
-"""The same-host shared-memory transport (dist/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
+"""Same-host shared-memory transport (comm/transport.py, comm/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
 
 Messages themselves are tested under both transports by test_channels.py,
 test_distributed.py, test_robustness.py and test_step_agreement.py (the
@@ -18,7 +18,8 @@ import pipeline_ext as pe
 from models import build, loss_fn, make_batch
 from mp_utils import no_complaints, run_ranks
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.dist.shm import TRANSPORT_ENV, make_channel, requested_transport
+from pipeline_ext.comm.shm import make_channel
+from pipeline_ext.comm.transport import TRANSPORT_ENV, requested_transport
 
 SEGMENT_PREFIX = "pipeline_ext_shm."
 
@@ -45,11 +46,11 @@ def _choices(rank: int, world: int) -> dict:
     """auto on one host is shared memory; with rank 1 pretending to be elsewhere, Gloo, and 'shm' an error."""
     import torch.distributed as dist
 
-    import pipeline_ext.dist.shm as shm
+    import pipeline_ext.comm.transport as transport
 
     out = {"auto": make_channel(None, "cpu", 2, "auto").connect()}
     if rank == 1:
-        shm._host_id = lambda: "elsewhere|boot|dev|ns"
+        transport._host_id = lambda: "elsewhere|boot|dev|ns"
     group = dist.new_group([0, 1])
     out["other_host"] = make_channel(group, "cpu", 2, "auto").connect()
     try:
@@ -62,11 +63,11 @@ def _choices(rank: int, world: int) -> dict:
         def no_room(*args):
             raise _C.ChannelError("cannot allocate 16777216 bytes in /dev/shm: No space left on device")
 
-        shm._C = type("NoShm", (), {"ShmChannel": staticmethod(no_room), "wait_work": staticmethod(_C.wait_work),
-                                   "ProcessGroupChannel": _C.ProcessGroupChannel})
+        transport._C = type("NoShm", (), {"ShmChannel": staticmethod(no_room), "wait_work": staticmethod(_C.wait_work),
+                                         "ProcessGroupChannel": _C.ProcessGroupChannel})
     small = dist.new_group([0, 1])
     out["no_room"] = make_channel(small, "cpu", 2, "auto").connect()
-    shm._C = _C
+    transport._C = _C
     # Gloo underneath the fallback really moves the data
     ch = make_channel(group, "cpu", 2, "auto")
     if rank == 0:

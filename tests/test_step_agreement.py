@@ -1,4 +1,4 @@
-"""Every rank agrees on every step, or every rank says why (dist/agreement.py).
+"""Every rank agrees on every step, or every rank says why (comm/agreement.py).
 
 The loops here are the ones users write: catch the library's error, skip the
 batch, go on; validate between training steps; and the accidents of a
@@ -18,7 +18,7 @@ import torch
 
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints, rank_values, run_ranks, device_under_test
-from pipeline_ext.dist.agreement import (MAX_MICROBATCHES, MAX_SIGNATURES, StepAgreementError, StepRecord,
+from pipeline_ext.comm.agreement import (MAX_MICROBATCHES, MAX_SIGNATURES, StepAgreementError, StepRecord,
                                          StepRejectedError, agree, sizes_digest)
 
 TIMEOUT = 10.0

@@ -244,7 +244,7 @@ def test_an_object_argument_that_decides_the_output_shape_is_part_of_the_signatu
 
 
 def test_object_leaves_are_keyed_by_value_or_anew_each_step():
-    from pipeline_ext.dist.agreement import StepAgreement
+    from pipeline_ext.comm.agreement import StepAgreement
 
     keys = StepAgreement(None, 0, 1, torch.device("cpu"), 1.0)
     x = torch.zeros(2, D)

@@ -19,8 +19,8 @@ from torch import nn
 
 import pipeline_ext as pe
 from pipeline_ext import schedules as S
-from pipeline_ext.dist.agreement import StepRejectedError
-from pipeline_ext.dist.session import TRAIN
+from pipeline_ext.comm.agreement import StepRejectedError
+from pipeline_ext.comm.session import TRAIN
 from mp_utils import rank_values, run_ranks
 
 VOCAB, D = 11, 8
@@ -302,7 +302,7 @@ def _too_many_signatures(rank: int, world: int, n: int) -> tuple[float, list[int
 
 
 def test_more_distinct_shapes_than_a_record_describes_are_exchanged_every_step():
-    from pipeline_ext.dist.agreement import MAX_SIGNATURES
+    from pipeline_ext.comm.agreement import MAX_SIGNATURES
 
     for rank, (worst, cached) in rank_values(_too_many_signatures, 2, MAX_SIGNATURES + 2, timeout=120).items():
         assert worst < 1e-5 and cached == [0, 0], (rank, worst, cached)

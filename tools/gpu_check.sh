@@ -106,7 +106,7 @@ step pytest_cuda 900 "$PY" -m pytest -m "cuda and not slow" -q -p no:cacheprovid
 
 # 2a. multi-process pipelines on the GPU: the multi-process equivalence, agreement and PP x DP tests,
 # parametrised by device (tests/conftest.py: rank_device, stage_device), every rank's stages on cuda:0,
-# the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, dist.launch.spawn), the
+# the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, comm.launch.spawn), the
 # reference model on the same GPU.
 MP_TESTS=(tests/test_distributed.py tests/test_step_agreement.py tests/test_data_parallel.py)
 step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-900}" "$PY" -m pytest -m "cuda and slow" -v -p no:cacheprovider \

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline_ext.dist.launch import spawn
+from pipeline_ext.comm.launch import spawn
 
 CASES = {"even": [(8, 8)], "uneven": [(7, 8)], "batch_change": [(8, 8), (6, 8)],
          "seq_change": [(4, 5, 8), (4, 3, 8)]}

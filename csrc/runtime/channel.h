@@ -197,7 +197,7 @@ class Channel {
 //   record_stream keeps every buffer alive for the streams that use it.
 // - Routes. With set_route(), the messages to a peer and from it go over two
 //   different process groups (two 2-rank groups per pair of ranks, see
-//   dist/groups.py). NCCL runs all P2P of one communicator on one
+//   comm/groups.py). NCCL runs all P2P of one communicator on one
 //   stream in issue order; a pipeline posts receives ahead, so a receive
 //   waiting there would block a later send to the same peer, on both ranks at
 //   once (a deadlock). One direction per communicator keeps each stream FIFO

@@ -145,7 +145,7 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from pipeline_ext import schedules as S
-    from pipeline_ext.dist.launch import spawn
+    from pipeline_ext.comm.launch import spawn
 
     args = _args(argv)
     v = S.default_stages_per_rank(args.schedule)

@@ -29,7 +29,6 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -38,10 +37,12 @@ from torch import nn
 
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.batchnorm import DeferredStats
-from pipeline_ext.pipe.recompute import CallRng, checkpoint_phase, checkpoint_predicate, uses_randomness
+from pipeline_ext.pipe.call import Call, CallerContext, stage_call
+from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partition, build_schedule, check_chunks,
+                                         check_shared_layers, fit_balance, resolve_devices)
+from pipeline_ext.pipe.recompute import CallRng, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
                                              microbatch_sizes, split_step_inputs, split_step_target)
-from pipeline_ext.pipe.partition import balance_by_params
 from pipeline_ext.runtime.channel import check_timeout
 from pipeline_ext.runtime.local import LocalHub, LocalStep
 from pipeline_ext.pipe.connected import ConnectedRunner
@@ -53,131 +54,12 @@ from pipeline_ext.runtime.skips import SkipRoutes
 from pipeline_ext.skip import verify_skippables
 
 
+# MULTI_STAGE_SCHEDULES and Partition live in placement.py; they stay importable from here
 __all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
-
-Device = Union[str, int, torch.device]
-
-#: built-in schedules that place two stages on every rank by default
-#: built-in schedules that put several stages on a device by default (from the schedule registry)
-MULTI_STAGE_SCHEDULES = frozenset(n for n in S.available() if S.default_stages_per_rank(n) > 1)
 
 
 class PipeBusyError(RuntimeError):
     """The Pipe is already running a call (on another thread), or a cancelled call's worker is still running."""
-
-
-class Partition(nn.Sequential):
-    """A stage: consecutive layers, under their names in the user's Sequential.
-
-    The first layer gets the stage's inputs; every later one gets the previous
-    layer's output as one argument (torchgpipe), or, with ``unpack_tuples``, a
-    tuple spread into positional arguments.
-    """
-
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", unpack_tuples: bool = False) -> None:
-        super().__init__(layers)
-        self.unpack_tuples = unpack_tuples
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        layers = iter(self._modules.values())
-        first = next(layers, None)
-        if first is None:
-            return args[0] if len(args) == 1 else args
-        out = first(*args, **kwargs)
-        for layer in layers:
-            out = layer(*out) if self.unpack_tuples and isinstance(out, tuple) else layer(out)
-        return out
-
-
-class _Alias(torch.autograd.Function):
-    """Identity that is not a view: an in-place first layer may modify a stage's input (a leaf)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-@dataclass
-class _Context:
-    """Autograd and autocast state of the calling thread, re-entered in every worker thread."""
-
-    grad: bool
-    autocast: list[tuple[str, torch.dtype]]
-
-    @classmethod
-    def capture(cls) -> "_Context":
-        types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        return cls(
-            torch.is_grad_enabled(),
-            [(t, torch.get_autocast_dtype(t)) for t in types if torch.is_autocast_enabled(t)],
-        )
-
-    def enter(self, stack: ExitStack) -> None:
-        stack.enter_context(torch.set_grad_enabled(self.grad))
-        for device_type, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
-
-
-class _Call:
-    """What one ``step()`` or ``pipe(x)`` call shares between its stages.
-
-    Its own RNG seeds (recomputation after the call returned uses them), which
-    microbatches recompute, which (stage, microbatch) forwards already ran (so
-    the second one is the recomputation), and how each stage's output was
-    shaped (a tensor, a tuple or a list), so that the next stage gets it back
-    as one argument although the channels move flat tuples of tensors.
-    """
-
-    def __init__(self, rng: CallRng, ckpt: Optional[Callable[[int], bool]]) -> None:
-        self.rng = rng
-        self.ckpt = ckpt
-        self.ran: set[tuple[int, int]] = set()
-        self.shapes: dict[tuple[int, int], Optional[type]] = {}
-        self.lock = threading.Lock()
-
-    def phase(self, stage: int, mb: int) -> Optional[str]:
-        if self.ckpt is None or not self.ckpt(mb):
-            return None
-        with self.lock:
-            first = (stage, mb) not in self.ran
-            self.ran.add((stage, mb))
-        return "checkpointing" if first else "recomputing"
-
-
-def _devices(devices: Optional[Sequence[Device]]) -> list[torch.device]:
-    if devices is None:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", d) for d in range(n)] or [torch.device("cpu")]
-    out = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
-    if not out:
-        raise ValueError("devices must name at least one device")
-    return out
-
-
-def _chunks(chunks: Any) -> int:
-    """torchgpipe accepts any integral number (``chunks=42.0``)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, (int, float)) or int(chunks) != chunks or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-    return int(chunks)
-
-
-def _check_shared_layers(layers: list[tuple[str, nn.Module]], balance: list[int], devices: list[torch.device]) -> None:
-    """A module or parameter used by stages on different devices cannot work; same device is fine."""
-    owner: dict[int, tuple[int, str]] = {}
-    stage_of = [s for s, b in enumerate(balance) for _ in range(b)]
-    for (name, layer), s in zip(layers, stage_of):
-        for obj, what in [(layer, f"layer {name!r}")] + [(p, f"a parameter of layer {name!r}") for p in layer.parameters()]:
-            first = owner.setdefault(id(obj), (s, name))
-            if devices[first[0]] != devices[s]:
-                raise ValueError(
-                    f"{what} is also used by layer {first[1]!r}, which is on stage {first[0]} ({devices[first[0]]}), "
-                    f"but this stage {s} is on {devices[s]}: a module or parameter shared by stages on different "
-                    "devices cannot live on both; put those stages on one device (or untie the weights)"
-                )
 
 
 class Pipe(nn.Module):
@@ -231,7 +113,7 @@ class Pipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}")
-        self.chunks = _chunks(chunks)
+        self.chunks = check_chunks(chunks)
         checkpoint = str(checkpoint)
         checkpoint_predicate(checkpoint, self.chunks)  # validates the mode
         if deterministic is False and checkpoint != "never":
@@ -245,15 +127,15 @@ class Pipe(nn.Module):
         self._deterministic = deterministic
         verify_skippables(module)  # every stash has its pop (torchgpipe checks this here too)
         layers = list(module._modules.items())  # every entry, a repeated module too (children() lists it once)
-        devices_ = _devices(devices)
+        devices_ = resolve_devices(devices)
         if not layers:
             if balance is not None and list(balance) not in ([], [0]):
                 raise ValueError(f"balance {list(balance)} for an empty Sequential must be []")
             self._init_empty()
             return
-        balance, devices_ = self._fit(module, layers, balance, devices_, schedule)
+        balance, devices_ = fit_balance(module, layers, balance, devices_, schedule)
         self.devices = devices_
-        schedule_obj = self._schedule(schedule, len(devices_), self.chunks, balance)
+        schedule_obj = build_schedule(schedule, len(devices_), self.chunks, balance)
         n = schedule_obj.num_stages
         if len(balance) != n or any(b < 1 for b in balance) or sum(balance) != len(layers):
             raise ValueError(
@@ -262,7 +144,7 @@ class Pipe(nn.Module):
             )
         self.balance = balance
         self.stage_devices = [devices_[r] for r in schedule_obj.stage_to_rank]
-        _check_shared_layers(layers, balance, self.stage_devices)
+        check_shared_layers(layers, balance, self.stage_devices)
         bounds = [sum(balance[:i]) for i in range(n + 1)]
         self.partitions = nn.ModuleList(
             Partition(OrderedDict(layers[bounds[i] : bounds[i + 1]]), unpack_tuples) for i in range(n)
@@ -296,48 +178,6 @@ class Pipe(nn.Module):
         self._abandoned = []
         self._abandoned_backward = False
         self.peak_live_microbatches = []
-
-    @staticmethod
-    def _fit(
-        module: nn.Sequential,
-        layers: list,
-        balance: Optional[Sequence[int]],
-        devices: list[torch.device],
-        schedule: Union[str, S.Schedule],
-    ) -> tuple[list[int], list[torch.device]]:
-        """Balance and the devices it uses: torchgpipe's rules for one-stage-per-device schedules."""
-        one_per_device = isinstance(schedule, str) and schedule not in MULTI_STAGE_SCHEDULES
-        if balance is None:
-            n = len(devices) * (1 if one_per_device or not isinstance(schedule, str) else 2)
-            if isinstance(schedule, S.Schedule):
-                n = schedule.num_stages
-            if n > len(layers) and one_per_device:
-                devices, n = devices[: len(layers)], len(layers)
-            return balance_by_params(module, n), devices
-        balance = [int(b) for b in balance]
-        if any(b < 1 for b in balance) or sum(balance) != len(layers):
-            raise ValueError(f"balance {balance} must be positive layer counts summing to the module's {len(layers)} layers")
-        if one_per_device:
-            if len(balance) > len(devices):
-                raise IndexError(
-                    f"balance has {len(balance)} stages but only {len(devices)} devices were given "
-                    f"(schedule {schedule!r} places one stage per device)"
-                )
-            devices = devices[: len(balance)]  # extra devices are ignored, as in torchgpipe
-        return balance, devices
-
-    @staticmethod
-    def _schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Sequence[int]) -> S.Schedule:
-        if isinstance(schedule, S.Schedule):
-            if schedule.num_ranks != p or schedule.n_microbatches != chunks:
-                raise ValueError(
-                    f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.n_microbatches} "
-                    f"microbatches, but the pipe has {p} devices and chunks={chunks}"
-                )
-            return schedule
-        if len(balance) % p:
-            raise ValueError(f"balance has {len(balance)} stages, not a multiple of the {p} devices")
-        return S.build(schedule, p, chunks, stages_per_rank=len(balance) // p)
 
     def _schedules_for(self, m: int, why: str) -> tuple[S.Schedule, S.Schedule]:
         """Training and forward-only schedules for ``m`` microbatches (``why`` it is not ``chunks``)."""
@@ -390,38 +230,16 @@ class Pipe(nn.Module):
         raise TypeError(self._MOVE)
 
     # -- running --------------------------------------------------------------------------------
-    def _new_call(self, m: int) -> _Call:
+    def _new_call(self, m: int) -> Call:
         """A call over ``m`` microbatches: recomputation in training mode only (torchgpipe), seeds when needed."""
         recomputes = self.training and torch.is_grad_enabled() and self.checkpoint != "never"
         det = self._deterministic
         seeded = det is True or (det is None and (recomputes or self._has_dropout))
-        return _Call(CallRng.draw(seeded), checkpoint_predicate(self.checkpoint, m) if recomputes else None)
+        return Call(CallRng.draw(seeded), checkpoint_predicate(self.checkpoint, m) if recomputes else None)
 
-    def _call_for(self, stage: int, call: _Call, alias_inputs: bool) -> Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]:
+    def _call_for(self, stage: int, call: Call, alias_inputs: bool) -> Callable[[int, nn.Module, Sequence[Any], dict[str, Any]], Any]:
         """How stage ``stage`` runs its module on a microbatch within ``call``."""
-        device = self.stage_devices[stage]
-        unpack = self.unpack_tuples
-
-        def run(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-            if alias_inputs:
-                args = [_Alias.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
-            if stage > 0 and not unpack:
-                shape = call.shapes[(stage - 1, mb)]
-                args = [shape(args)] if shape is not None else list(args)
-            phase = call.phase(stage, mb)
-            versions = [a._version for a in args if isinstance(a, torch.Tensor)] if phase == "checkpointing" else None
-            with checkpoint_phase(phase), call.rng(stage, mb, device):
-                out = module(*args, **kwargs)
-            if versions is not None and versions != [a._version for a in args if isinstance(a, torch.Tensor)]:
-                raise RuntimeError(
-                    f"stage {stage} modified its input in place (microbatch {mb}) while being checkpointed: its "
-                    "recomputation would start from the modified input and give wrong gradients. Make the first "
-                    "operation out of place, or use checkpoint='never'"
-                )
-            call.shapes[(stage, mb)] = type(out) if isinstance(out, (tuple, list)) else None
-            return out
-
-        return run
+        return stage_call(call, stage, self.stage_devices[stage], self.unpack_tuples, alias_inputs)
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int], str]:
         """The batch cut into ``chunks`` microbatches (fewer when it has fewer rows), and what to call their number."""
@@ -481,7 +299,7 @@ class Pipe(nn.Module):
         if self.skip_routes:
             check_tag_space(schedule.num_stages, schedule.n_microbatches, skips=True)
         hub = LocalHub(self.devices, send_timeout=wait_timeout)
-        context = _Context.capture()
+        context = CallerContext.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
         executors = [

@@ -13,7 +13,11 @@ Each process holds one stage (or several, for interleaved and V schedules).
 A step is: ``Session.begin`` (check and post this rank's part) -> step
 pre-hooks -> ``Executor.run`` over the returned ``Step`` -> step post-hooks
 -> merge the last stage's outputs. The schedule classes
-(``schedule_classes.py``) only choose which schedule (data) to build.
+(``schedule_classes.py``) only choose which schedule (data) to build. torch's
+custom functions (``register_custom_function``) are translated to and from
+torch's objects in ``custom_function.py``; torch's order and CSV format
+(``pipeline_order``, ``_dump_csv``, ``_load_csv``) are read and written by
+``schedules/csv_io.py``.
 
 Differences from torch, on purpose: batches that do not divide into the
 microbatches are allowed (losses are weighted by each microbatch's rows, so the
@@ -34,9 +38,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext import schedules as S
-from pipeline_ext.dist.groups import group_timeout
-from pipeline_ext.dist.session import FORWARD, TRAIN, Session
-from pipeline_ext.dist.trace import gather_steps
+from pipeline_ext.comm.groups import group_timeout
+from pipeline_ext.comm.session import FORWARD, TRAIN, Session
+from pipeline_ext.comm.trace import gather_steps
+from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_functions, custom_key
 from pipeline_ext.pipelining.model_split import as_stage
 from pipeline_ext.pipelining.stage import PipelineStage, _match_meta
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
@@ -61,61 +66,6 @@ def _is_stand_in(stage: Any) -> bool:
     """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so)."""
     return (not isinstance(stage, PipelineStage) and getattr(stage, "submod", False) is None
             and all(hasattr(stage, a) for a in ("num_stages", "group_size", "group_rank")))
-
-
-_TORCH_KINDS = {"F": S.ActionKind.F, "B": S.ActionKind.B, "I": S.ActionKind.I, "W": S.ActionKind.W,
-                "OVERLAP_F_B": OVERLAP_F_B}
-_TORCH_FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-_TORCH_NAMES = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-
-
-def _custom_key(computation_type: Any) -> Any:
-    """Our key for torch's computation type (or its spelling); None for torch's FSDP kinds (nothing to call)."""
-    name = computation_type.value if isinstance(computation_type, S.ActionKind) else str(computation_type)
-    torch_name = getattr(computation_type, "name", None)  # torch's _ComputationType: FORWARD, OVERLAP_F_B, ...
-    if isinstance(torch_name, str) and not isinstance(computation_type, S.ActionKind):
-        name = _TORCH_NAMES.get(torch_name, torch_name)
-    if name in _TORCH_FSDP_KINDS:
-        return None
-    if name not in _TORCH_KINDS:
-        raise ValueError(f"Invalid computation type {computation_type}. Only FORWARD, FULL_BACKWARD, BACKWARD_INPUT, "
-                         "BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD and REDUCE_GRAD are supported.")
-    return _TORCH_KINDS[name]
-
-
-def _torch_action(actions: tuple) -> Any:
-    """torch's ``_Action`` for an action, or for an overlapped pair (stage -1, forward first, as torch has it)."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
-
-    subs = sorted((_Action.from_str(str(a)) for a in actions), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
-    return subs[0] if len(subs) == 1 else _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
-
-
-class _Done:
-    """A finished receive, for torch's ``_wait_batch_p2p`` (the executor waited on it already)."""
-
-    def wait(self, *args: Any) -> bool:
-        return True
-
-
-class _ReceivedView:
-    """torch's ``fwd_recv_ops`` / ``bwd_recv_ops`` inside a custom function: keys whose input is here."""
-
-    def __init__(self, schedule: "PipelineSchedule", forward: bool) -> None:
-        self._schedule, self._forward = schedule, forward
-
-    def _run(self) -> Any:
-        return next((st._run for st in self._schedule.stages.values() if st._run is not None), None)
-
-    def __contains__(self, key: Any) -> bool:
-        run, (stage, mb) = self._run(), key
-        kind = S.ActionKind.F if self._forward else S.ActionKind.B
-        return run is not None and run.ready(S.Action(stage, kind, mb))
-
-    def pop(self, key: Any, *default: Any) -> list:
-        if key not in self and not default:
-            raise KeyError(key)
-        return [_Done()] if key in self else default[0]
 
 
 class PipelineSchedule:
@@ -177,7 +127,7 @@ class PipelineSchedule:
             first_stage = self.stages.get(0)
             declared = first_stage is not None and first_stage.input_args is not None
             check_first = functools.partial(_check_declared_inputs, first_stage) if declared else None
-            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (dist/shm.py)
+            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport.py)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
@@ -249,7 +199,7 @@ class PipelineSchedule:
         exactly as without the function, so a registered function changes when
         the compute runs, never what travels. Registering again replaces.
         """
-        key = _custom_key(computation_type)
+        key = custom_key(computation_type)
         if key is None:
             return
         if not callable(custom_function):
@@ -265,24 +215,7 @@ class PipelineSchedule:
         """
         if not self._custom_functions:
             return self._overlap_for_step()
-        from torch.distributed.pipelining.schedules import _PipelineContext
-
-        n = self.n_microbatches
-        ctx = _PipelineContext(self, list(step_inputs.args) or [()] * n, list(step_inputs.kwargs) or [{}] * n,
-                               list(step_inputs.targets) or None, losses)
-        self.backward_counter.clear()
-
-        def call(fn: Callable[[Any, Any], None], actions: tuple, run: Any) -> None:
-            action = _torch_action(actions)
-            for stage in self.stages.values():
-                stage._bind(run)
-            try:
-                fn(action, ctx)
-            finally:
-                for stage in self.stages.values():
-                    stage._bind(None)
-
-        custom = {key: functools.partial(call, fn) for key, fn in self._custom_functions.items()}
+        custom = bind_custom_functions(self, self._custom_functions, step_inputs, losses)
         if not set(custom) & {OVERLAP_F_B, S.ActionKind.F, S.ActionKind.B, S.ActionKind.I}:
             custom.update(self._overlap_for_step())
         return custom
@@ -302,14 +235,14 @@ class PipelineSchedule:
         return self.n_microbatches
 
     @property
-    def fwd_recv_ops(self) -> "_ReceivedView":
+    def fwd_recv_ops(self) -> ReceivedView:
         """torch's pending forward receives, as the custom function sees them: (stage, mb) whose input is here."""
-        return _ReceivedView(self, forward=True)
+        return ReceivedView(self, forward=True)
 
     @property
-    def bwd_recv_ops(self) -> "_ReceivedView":
+    def bwd_recv_ops(self) -> ReceivedView:
         """torch's pending backward receives: (stage, mb) whose output gradient is here."""
-        return _ReceivedView(self, forward=False)
+        return ReceivedView(self, forward=False)
 
     def _maybe_compute_loss(self, stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any) -> None:
         """torch's step after a last-stage forward; here the forward computed the loss already (nothing to do)."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.dist.data_parallel import gradient_sync_for
+from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
@@ -30,7 +30,7 @@ class PipelineStage(StagePosition):
 
     A ``submodule`` wrapped in ``DistributedDataParallel`` or ``fully_shard``
     (FSDP2) over the data-parallel group has its gradients reduced exactly once
-    per step (dist/data_parallel.py); a wrapper that cannot be made exact
+    per step (comm/data_parallel.py); a wrapper that cannot be made exact
     raises ``UnsupportedWrapperError`` here.
     """
 

@@ -4,7 +4,7 @@ The executor is handed a ``StepChannel`` per step; its ``open()`` returns the
 step's ``Messages``, matched by (peer, tag), each ``send``/``recv`` returning a
 ``Handle`` whose ``wait(timeout, what)`` blocks with the GIL released. Two implementations:
 ``runtime/local.LocalStep`` between the worker threads of one process
-(``Pipe``), and ``dist/session.Step`` between processes. Both end in the C++
+(``Pipe``), and ``comm/session.Step`` between processes. Both end in the C++
 runtime's ``Request`` (wrapped by ``ChannelHandle``).
 
 Every wait releases the GIL and raises ``ChannelTimeout`` (a ``TimeoutError``)

@@ -21,7 +21,7 @@ What it does per action (stage s, microbatch m):
 
 Everything one step needs is handed to ``run``: the inputs (``StepInputs``)
 and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
-process, ``dist/session.Step`` across processes). The executor only computes
+process, ``comm/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
 At the first message action the executor calls ``step.open()``, which returns
@@ -35,16 +35,18 @@ F also sends the skips it stashed straight to the popping stage's rank (or
 hands them over locally), and the popping stage's F receives them first; the
 gradients go back the same way around B/I. These messages are not actions of
 the schedule: they ride on F, B and I, whose order already guarantees that a
-skip is sent before it is waited for (``runtime/skips.py``).
+skip is sent before it is waited for (``runtime/skips.py``, which also
+names a skip message, ``SkipMessage``, and packs it).
 
 [Note: custom functions change when, not what]
 Custom functions (torch's ``register_custom_function``): ``run`` may be handed,
 per compute kind (or ``OVERLAP_F_B`` for an overlapped pair of
 ``Schedule.overlapped``), a plain callable to call instead of running those
-actions. It gets the action(s) and a ``GroupRun`` that runs each through the
-handler above, once; all must have run when it returns. Only when compute
-runs changes: receives were waited on before (lowering puts a pair's receives
-before it) and sends go after, so the messages are those of the plain run.
+actions. It gets the action(s) and a ``GroupRun`` (``runtime/group_run.py``)
+that runs each through the handler above, once; all must have run when it
+returns. Only when compute runs changes: receives were waited on before
+(lowering puts a pair's receives before it) and sends go after, so the
+messages are those of the plain run.
 The callable is built by the schedule (pipelining/), which keeps torch's
 objects there.
 
@@ -56,7 +58,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -64,7 +66,8 @@ from pipeline_ext.runtime.channel import ChannelTimeout, Handle, Messages, StepC
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
-from pipeline_ext.runtime.skips import pack_skip_grads, pack_skips, unpack_skips
+from pipeline_ext.runtime.group_run import CustomFunction, GroupRun
+from pipeline_ext.runtime.skips import SkipMessage, pack_skip_grads, pack_skips, unpack_skips
 from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
@@ -153,15 +156,6 @@ def raised_at(exc: BaseException) -> Optional[RaisedAt]:
     return getattr(exc, _RAISED_AT, None)
 
 
-class _SkipMessage(NamedTuple):
-    """A skip message (or its gradient) between a stashing and a popping stage: not an action of the schedule."""
-
-    src: int
-    dst: int
-    microbatch: int
-    gradient: bool
-
-
 @dataclass
 class _StepState:
     """One step's state inside ``Executor.run``: what it was handed, and what is in flight."""
@@ -175,57 +169,10 @@ class _StepState:
     to_send: dict[Action, list[torch.Tensor]] = field(default_factory=dict)
     posted: dict[Action, Handle] = field(default_factory=dict)
     sends: deque = field(default_factory=deque)  # (action or skip message, handle) in issue order
-    skips: dict[_SkipMessage, SkipValues] = field(default_factory=dict)  # handed over on this rank
+    skips: dict[SkipMessage, SkipValues] = field(default_factory=dict)  # handed over on this rank
     pending: deque = field(default_factory=deque)  # receives not posted yet
     step_bits: int = 0  # the step's part of every tag (``tags.step_bits``)
     in_step: str = ""  # how a wait's description ends: " in step N"
-
-
-class GroupRun:
-    """What a registered function gets to run the action(s) it was handed, in the executor's step.
-
-    ``run(action)`` runs one of them (each once) as the executor would have:
-    its input is the step's microbatch, a received or handed-over value, and
-    its result goes where the schedule's next actions expect it. It returns
-    what the stage produced: an F's outputs (on the last stage, the stage's
-    output), a B's or I's input gradients, None for W. ``ready(action)`` says
-    whether the input of a not-yet-run F, B or I is here (received or handed
-    over). Valid only while the function runs.
-
-    ``run`` may be called from other threads (an overlapped pair's halves,
-    ``runtime/overlap.py``) as long as only one of them runs an action's
-    code at a time; ``spans`` keeps each action's own measured start and end
-    for the trace, so overlapped actions show as overlapping.
-    """
-
-    def __init__(self, executor: "Executor", group: tuple[Action, ...], st: _StepState) -> None:
-        self._executor, self._st = executor, st
-        self.actions = group
-        self.done: dict[Action, Any] = {}
-        self.spans: dict[Action, tuple[float, float]] = {}
-        self.closed = False
-
-    def ready(self, action: Action) -> bool:
-        key = (action.stage, action.microbatch)
-        if action.kind == ActionKind.F:
-            return action.stage == 0 or key in self._st.activations
-        return self._executor.runners[action.stage].is_last or key in self._st.grads
-
-    def __call__(self, action: Action) -> Any:
-        if self.closed:
-            raise RuntimeError(f"{action} was run after the function registered for it returned")
-        if action not in self.actions:
-            raise ValueError(f"{action} is not among the actions handed to this function: "
-                             f"{' '.join(map(str, self.actions))}")
-        if action in self.done:
-            raise StageError(f"{action} ran twice in one step")
-        start = time.perf_counter()
-        self.done[action] = self._executor._dispatch[action.kind](action, self._st)
-        self.spans[action] = (start, time.perf_counter())
-        return self.done[action]
-
-
-CustomFunction = Callable[[tuple[Action, ...], GroupRun], None]
 
 
 class Executor:
@@ -306,19 +253,19 @@ class Executor:
         #: where the last step failed (None when it did not)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _peer(self, action: Union[Action, _SkipMessage]) -> int:
-        if isinstance(action, _SkipMessage):  # the other end of the skip, seen from this rank
+    def _peer(self, action: Union[Action, SkipMessage]) -> int:
+        if isinstance(action, SkipMessage):  # the other end of the skip, seen from this rank
             src, dst = self._rank_of[action.src], self._rank_of[action.dst]
             return dst if self.rank == src else src
         if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
             return self._rank_of[action.stage + 1]
         return self._rank_of[action.stage - 1]
 
-    def _what(self, action: Union[Action, _SkipMessage], step: int) -> str:
+    def _what(self, action: Union[Action, SkipMessage], step: int) -> str:
         return f"{self._about(action)} in step {step}"
 
-    def _about(self, action: Union[Action, _SkipMessage]) -> str:
-        if isinstance(action, _SkipMessage):
+    def _about(self, action: Union[Action, SkipMessage]) -> str:
+        if isinstance(action, SkipMessage):
             what = (f"the skips of stage {action.src} for stage {action.dst}" if not action.gradient
                     else f"the gradient of stage {action.src}'s skips from stage {action.dst}")
             return (f"rank {self.rank} waiting on {what}, microbatch {action.microbatch}, with peer rank "
@@ -432,14 +379,14 @@ class Executor:
             except RuntimeError as exc:
                 raise self._start_failed(a, st, exc)
 
-    def _start(self, a: Union[Action, _SkipMessage], st: _StepState, post: Callable[[], Handle]) -> Handle:
+    def _start(self, a: Union[Action, SkipMessage], st: _StepState, post: Callable[[], Handle]) -> Handle:
         """Post a send or receive; a failure to even start it says which and with whom."""
         try:
             return post()
         except RuntimeError as exc:
             raise self._start_failed(a, st, exc)
 
-    def _start_failed(self, a: Union[Action, _SkipMessage], st: _StepState, exc: RuntimeError) -> BaseException:
+    def _start_failed(self, a: Union[Action, SkipMessage], st: _StepState, exc: RuntimeError) -> BaseException:
         """What to raise when starting ``a`` raised ``exc``: a timeout or peer error as it is, else a ``PeerError``
         saying which message and with whom (the cause chained)."""
         if isinstance(exc, (TimeoutError, PeerError)):
@@ -559,7 +506,7 @@ class Executor:
         peers = routes.destinations(stage) if gradient else routes.sources(stage)
         values: dict[SkipKey, Optional[torch.Tensor]] = {}
         for peer, keys in peers.items():
-            msg = _SkipMessage(stage, peer, m, True) if gradient else _SkipMessage(peer, stage, m, False)
+            msg = SkipMessage(stage, peer, m, True) if gradient else SkipMessage(peer, stage, m, False)
             if self._local(peer):
                 values.update(self._take(st.skips, msg, msg))
                 continue
@@ -574,7 +521,7 @@ class Executor:
         """After F: send the skips ``stage`` stashed; after B/I: the gradients of those it popped."""
         peers = routes.sources(stage) if gradient else routes.destinations(stage)
         for peer, keys in peers.items():
-            msg = _SkipMessage(peer, stage, m, True) if gradient else _SkipMessage(stage, peer, m, False)
+            msg = SkipMessage(peer, stage, m, True) if gradient else SkipMessage(stage, peer, m, False)
             if self._local(peer):
                 st.skips[msg] = {k: values.get(k) for k in keys}
                 continue

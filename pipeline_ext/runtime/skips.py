@@ -1,11 +1,11 @@
-"""Skip routes: which stage sends which skip to which stage, and how a skip message is packed.
+"""Skip routes: which stage sends which skip to which stage, what names a skip message, and how one is packed.
 
 A skip stashed on stage i and popped on stage j > i travels directly from i to
 j (never through the stages between), and its gradient directly back. Routes
 are built from what every stage *declares* (its ``@skippable`` layers), so
 they are known before anything runs: a Pipe builds them from its partitions,
 a multi-process pipeline from the declarations every rank gathers in its first
-step (``dist/skips.py``; every rank then builds the same routes).
+step (``comm/skips.py``; every rank then builds the same routes).
 
 [Note: skips need no schedule change]
 Why direct sends need no change to the schedule: a skip is sent right after
@@ -17,11 +17,16 @@ So the skip is always on its way before it is waited for, whatever the schedule.
 Messages are matched by tag (``runtime/tags.py`` gives skips their own
 tags), which Gloo and the in-process channels do; NCCL matches by order only,
 so skips between processes are refused there.
+
+The executor moves the messages (a stage's F and B/I send and receive them,
+``runtime/executor.py``); what identifies one (``SkipMessage``: stashing
+stage, popping stage, microbatch, direction) and what it carries
+(``pack_skips``, ``pack_skip_grads``) are here, with the routes they follow.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,8 +34,8 @@ from torch import nn
 from pipeline_ext.skip.skippable import Skippable, SkipRouteError
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["StageSkips", "SkipRoutes", "SkipRouteError", "declared_skips", "pack_skips", "unpack_skips",
-           "pack_skip_grads"]
+__all__ = ["StageSkips", "SkipRoutes", "SkipRouteError", "SkipMessage", "declared_skips", "pack_skips",
+           "unpack_skips", "pack_skip_grads"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,15 @@ def _random_namespace_hint(key: SkipKey, other_side: dict[SkipKey, int]) -> str:
         return ""
     return (f"; a skip named {key.name!r} exists under another namespace: between processes a namespace must be "
             "named (Namespace('...')) so every rank builds the same one")
+
+
+class SkipMessage(NamedTuple):
+    """A skip message (or its gradient) between a stashing and a popping stage: not an action of the schedule."""
+
+    src: int
+    dst: int
+    microbatch: int
+    gradient: bool
 
 
 def pack_skips(keys: Sequence[SkipKey], values: dict[SkipKey, Optional[torch.Tensor]]) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ Conventions, shared with the executor:
   the batch's rows) before backward, so gradients add up to those of the mean
   loss over the whole batch even when microbatches are uneven;
 - a data-parallel wrapped stage (DDP, FSDP2) gets a ``grad_sync``
-  (dist/data_parallel.py): begun at the step's first forward, asked before
+  (comm/data_parallel.py): begun at the step's first forward, asked before
   every B/I/W, finished after the step's last B or W (one per microbatch), so
   gradients are reduced exactly once per step.
 - skip connections (``pipeline_ext.skip``): the skips popped on this stage
@@ -179,7 +179,7 @@ class StageRunner(StagePosition):
 
     ``grad_sync`` (with ``n_microbatches``, the microbatches of one training
     step) syncs a data-parallel wrapped stage once per step; see
-    ``dist/data_parallel.py``.
+    ``comm/data_parallel.py``.
 
     ``release_outputs`` (default on; also an attribute, read at each F): keep
     only the autograd edge of each sent output, not the tensor, so its bytes

@@ -12,7 +12,7 @@ layout message (the C++ channel's ``LAYOUT_TAG_BIT``), and ``2**31 - 1`` is the 
 agreement's tag.
 
 The step number comes from the caller (in a multi-process pipeline, the process
-group's count: ``dist/identity.GroupSteps``, [Note: step numbering]); in one process it is 0.
+group's count: ``comm/identity.GroupSteps``, [Note: step numbering]); in one process it is 0.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def split_microbatch(message: int, num_stages: int) -> tuple[int, int]:
 
     A message's layout follows from its microbatch's inputs, not from where
     the microbatch sits in the step: layouts are cached per microbatch
-    signature under the second part (``dist/comm_plan.py``), so a microbatch
+    signature under the second part (``comm/comm_plan.py``), so a microbatch
     seen before has known layouts wherever it comes in a later step.
     """
     rest = message & _IN_STEP

@@ -4,7 +4,7 @@ One row per rank, one action per cell, spelled as torch spells them (``0F1``,
 ``1I0``, ``2W3``, ``0SEND_F1``: the same spelling as our text format). An
 empty cell is torch's idle slot. torch's FSDP bookkeeping actions (UNSHARD,
 RESHARD, REDUCE_GRAD) are dropped on reading: our runtime reshards and
-reduces data-parallel gradients itself (dist/data_parallel.py). An
+reduces data-parallel gradients itself (comm/data_parallel.py). An
 overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order, and is
 kept as a pair (``Schedule.overlapped``): a function registered for
 OVERLAP_F_B gets both at once, and writing the schedule back spells the pair
@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline_ext.schedules.ir import OVERLAP_F_B, Action, Schedule, ScheduleError, check_pairs
 
-__all__ = ["dump_csv", "load_csv", "from_cells", "torch_order", "FORMATS"]
+__all__ = ["dump_csv", "load_csv", "from_cells", "torch_order", "torch_action", "FORMATS"]
 
 FORMATS = ("compute_only", "compute_comms")
 _FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
@@ -45,23 +45,27 @@ def dump_csv(schedule: Schedule, path: str) -> None:
             writer.writerow([str(g[0]) if len(g) == 1 else f"({g[0]};{g[1]}){OVERLAP_F_B}" for g in groups])
 
 
+def torch_action(group: Sequence[Action]) -> Any:
+    """torch's ``_Action`` for an action, or for an overlapped pair (stage -1, forward first, as torch has it).
+
+    The spelling is shared, so each action is converted through its string.
+    """
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
+
+    if len(group) == 1:
+        return _Action.from_str(str(group[0]))
+    # torch's pair: stage -1, no microbatch, the forward first (torch's sub-action order)
+    subs = sorted((_Action.from_str(str(a)) for a in group), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
+    return _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
+
+
 def torch_order(schedule: Schedule, compute_only: bool = True) -> dict[int, list[Any]]:
     """Every rank's compute actions (or all its actions) as torch's ``_Action`` objects (torch's ``pipeline_order``).
 
     torch code reads an order with ``action.computation_type`` and compares
-    it with ``_Action(stage, F, mb)``; the spelling is shared, so each action
-    is converted through its string.
+    it with ``_Action(stage, F, mb)`` (``torch_action`` makes each).
     """
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B as TORCH_OVERLAP_F_B, _Action
-
-    def one(group: tuple[Action, ...]) -> Any:
-        if len(group) == 1:
-            return _Action.from_str(str(group[0]))
-        # torch's pair: stage -1, no microbatch, the forward first (torch's sub-action order)
-        subs = sorted((_Action.from_str(str(a)) for a in group), key=lambda a: not str(a).endswith(f"F{a.microbatch_index}"))
-        return _Action(-1, TORCH_OVERLAP_F_B, None, tuple(subs))
-
-    return {r: [one(g) for g in _grouped(schedule, [a for a in acts if a.is_compute or not compute_only])]
+    return {r: [torch_action(g) for g in _grouped(schedule, [a for a in acts if a.is_compute or not compute_only])]
             for r, acts in enumerate(schedule.actions)}
 
 

@@ -2,7 +2,7 @@
 
 ``skippable.py`` is what users write; ``tracker.py`` holds a skip between its
 stash and its pop within one forward. Where each skip travels between stages
-is the runtime's business (``runtime/skips.py``, and ``dist/skips.py``
+is the runtime's business (``runtime/skips.py``, and ``comm/skips.py``
 between processes).
 """
 from pipeline_ext.skip.namespace import Namespace

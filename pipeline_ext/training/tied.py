@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_ext.pipelining.schedule import PipelineSchedule
-from pipeline_ext.dist.groups import GroupMaker
+from pipeline_ext.comm.groups import GroupMaker
 from pipeline_ext.training.stages import LocalStages, local_stages, unwrap
 
 __all__ = ["TiedParameters", "tie_parameters", "ties_of"]

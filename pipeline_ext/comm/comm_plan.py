@@ -39,9 +39,9 @@ from typing import ContextManager, Hashable, Optional, Sequence, Union
 import torch
 
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.dist.channels import DistChannel
+from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelHandle, ChannelTimeout, _ms
-from pipeline_ext.dist.identity import stable_hash
+from pipeline_ext.comm.identity import stable_hash
 from pipeline_ext.runtime.tags import SKIP_LANE, describe_tag, message_of, split_microbatch
 
 __all__ = ["PlanCache", "StepMessages", "DEFAULT_MAX_SIGNATURES"]

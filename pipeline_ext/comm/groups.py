@@ -24,7 +24,7 @@ the same peer, on both ranks at once: rank 0 waits for a gradient before its
 activation can leave, rank 1 waits for that activation before it can make the
 gradient. With one 2-rank group per direction, each stream carries one
 direction's messages, issued in the same order at both ends (the plan's
-ordering rule, ``dist/comm_plan.py``), so every stream drains. NCCL creates a
+ordering rule, ``comm/comm_plan.py``), so every stream drains. NCCL creates a
 communicator lazily, inside its first operation (collective too), which in a
 pipeline would happen in schedule order, different on every rank; so the two
 members of each direction group run one small all-reduce right after making

@@ -16,7 +16,7 @@ every rank calls the same steps. On the wire:
   times out on its sender, which closes the connection: a failed step's message
   is never delivered to another step. The step bits of the tag keep steps
   apart besides.
-- NCCL matches by order on one communicator per direction (``dist/groups.py``).
+- NCCL matches by order on one communicator per direction (``comm/groups.py``).
 
 The step number (modulo 1024) is also part of every message's tag
 (``runtime/tags.py``, [Note: message tags]).

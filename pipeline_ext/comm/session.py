@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 
 from pipeline_ext import schedules as S
-from pipeline_ext.dist.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
+from pipeline_ext.comm.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
                                          StepAgreementError, StepRecord, agree, autocast_digest, describable,
                                          sizes_digest)
-from pipeline_ext.dist.comm_plan import PlanCache, StepMessages
-from pipeline_ext.dist.groups import DirectionGroups, GroupMaker, matches_by_order
-from pipeline_ext.dist.identity import GroupSteps, stable_hash
-from pipeline_ext.dist.shm import make_channel
-from pipeline_ext.dist.skips import declarations_digest, gather_routes
+from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
+from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
+from pipeline_ext.comm.identity import GroupSteps, stable_hash
+from pipeline_ext.comm.shm import make_channel
+from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.executor import StepInputs, raised_at
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, split_step_inputs,
                                              split_step_target, target_sizes)
@@ -191,7 +191,7 @@ class Session:
     (``runtime/skips.declared_skips``). ``check_first(mb, args)`` checks each
     microbatch of stage 0 against declared shapes before the step is posted
     (None: nothing to check). ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
-    (``dist/shm.make_channel``).
+    (``comm/shm.make_channel``).
     """
 
     def __init__(self, *, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, num_stages: int,
@@ -205,10 +205,10 @@ class Session:
         self._local = frozenset(local_stages)
         self._check_first = check_first
         records = host_group(group, device)
-        #: the transport (``dist/shm.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
+        #: the transport (``comm/transport.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
         #: describe themselves to each other over the records' (Gloo) group
         self.channel = make_channel(group, device, num_stages, transport, timeout, setup_group=records)
-        # NCCL: each direction between two ranks on a group of its own (dist/groups.py); not when CUDA IPC is forced
+        # NCCL: each direction between two ranks on a group of its own (comm/groups.py); not when CUDA IPC is forced
         self._directions = (DirectionGroups(group, device)
                             if matches_by_order(group, device) and self.channel.requested != "ipc" else None)
         self.agreement = StepAgreement(records, rank, num_ranks, torch.device("cpu"), timeout,

@@ -1,20 +1,22 @@
-"""The transport of a multi-process pipeline: Gloo/NCCL, same-host shared memory (CPU) or CUDA IPC (GPU).
+"""Which transport a multi-process pipeline's channels use, and the setup over the group that settles it.
 
-Why a second transport: a Gloo message costs the receiver an IO-thread and a
-condition-variable wake-up, milliseconds per message on a loaded 2-core box,
-and 1F1B has two messages per microbatch on its critical path. Between
-processes of one host, C++ ``ShmChannel`` (csrc/runtime/shm_channel.h) writes
-the bytes into the receiver's inbox (a ring in POSIX shared memory) and wakes
-it through a futex after a short spin.
+One mechanism, the choice: the request (``requested_transport``,
+``check_request``), each rank's description of itself to every peer
+(``_Setup``: host, shared-memory inbox, whether it can use CUDA IPC, a probe),
+the decision every rank takes alike from those descriptions
+(``decide_transport``, ``probe_verdict``), and the per-group record of what was
+settled (``_post`` when a group's first channel is built, ``_connect`` at its
+first message; ``UnsettledTransport`` stands in for a channel's C++ channel
+until then). The channels that move the bytes over what this settles
+(``ShmChannel``, ``IpcChannel``, and ``make_channel`` that builds the one a
+request asks for) are in ``shm.py``: the decision is a pure function of the
+ranks' descriptions, read and tested without a channel, and the channels do
+not depend on how the ranks came to agree.
 
-:class:`ShmChannel` is a :class:`DistChannel` whose transport is decided at its
-first message: shared memory when every rank of the group is on this host
-(same hostname, boot, /dev/shm and pid namespace), Gloo otherwise. Each rank
-describes itself to every peer over the group when its first channel on that
-group is built (see ``_Setup``). The channel stays stateless and matches by (peer,
-tag) exactly like Gloo, so the executor and the communication plans
-(``dist/comm_plan.py``) use it unchanged. All channels of one process on one
-group share one transport, as they share the group's Gloo pairs.
+Each rank describes itself to every peer over the group when its first
+channel on that group is built (see ``_Setup``); the transport is decided at
+the first message. All channels of one process on one group share one
+transport, as they share the group's Gloo pairs.
 
 Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
 ``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"process_group"`` (the
@@ -22,7 +24,7 @@ process group's own backend, Gloo on CPU and NCCL on GPU, whatever the hosts;
 ``"gloo"`` and ``"nccl"`` are accepted as other names for it), ``"shm"`` (shared
 memory, an error naming the hosts when the ranks are not all on this one) or
 ``"ipc"`` (GPU stages: CUDA IPC between the processes of one host, see
-:class:`IpcChannel`; an error naming the problem on CPU stages, across hosts,
+``IpcChannel`` in shm.py; an error naming the problem on CPU stages, across hosts,
 or where IPC is not available).
 
 GPU stages: ``"auto"`` is the process group (NCCL): the CUDA IPC channel has
@@ -33,12 +35,6 @@ can use it (a CUDA build of ``pipeline_ext._C``, a CUDA device), which is what
 description alone, so every rank takes the same branch.
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
-
-Crash safety: an inbox is an anonymous file (``memfd_create``) that the peers
-open through ``/proc/<pid>/fd``: nothing is ever named in /dev/shm, so no exit
-(an exception, ``os._exit``, SIGKILL, before or after the first step) leaves
-anything behind; a peer whose process is gone is reported by the wait
-(through a pidfd) within 50 ms, as Gloo reports a closed socket.
 """
 from __future__ import annotations
 
@@ -53,11 +49,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.dist.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "ShmChannel", "UnsettledTransport", "check_request",
-           "decide_transport", "ipc_unavailable", "make_channel", "probe_verdict", "requested_transport"]
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "UnsettledTransport", "check_request", "decide_transport",
+           "ipc_unavailable", "probe_verdict", "requested_transport"]
 
 TRANSPORTS = ("auto", "process_group", "shm", "ipc")
 #: other names accepted for a transport
@@ -91,28 +86,6 @@ def check_request(choice: str, device: torch.device) -> None:
     if choice == "ipc" and device.type != "cuda":
         raise ValueError(f"transport='ipc' moves CUDA tensors between the processes of one host; stages on "
                          f"{device} use shared memory or the process group (transport='auto', 'shm' or 'process_group')")
-
-
-def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.device], num_stages: Optional[int],
-                 transport: Optional[str] = None, timeout: float = 300.0,
-                 setup_group: Optional[dist.ProcessGroup] = None) -> DistChannel:
-    """The channel of a pipeline's stages on ``device`` (see the module doc for ``transport``).
-
-    ``setup_group``: a group that moves CPU tensors (Gloo) with the ranks of
-    ``group``, over which GPU stages describe themselves to each other
-    ("auto" and "ipc"); ``group`` itself when not given (then it must move CPU tensors).
-    """
-    choice = requested_transport(transport)
-    device = torch.device(device)
-    check_request(choice, device)
-    if choice == "process_group" or device.type not in ("cpu", "cuda"):
-        return DistChannel(group, device, num_stages=num_stages)
-    if device.type == "cuda":
-        if choice != "ipc":  # "auto": NCCL until the CUDA IPC channel has run on a GPU (module doc)
-            return DistChannel(group, device, num_stages=num_stages)
-        return IpcChannel(group, device, num_stages=num_stages, required=True, timeout=timeout,
-                          setup_group=setup_group)
-    return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
 
 
 def ipc_unavailable(device: Union[str, torch.device]) -> str:
@@ -337,7 +310,7 @@ class _Setup:
 
 
 # By group object (weakly), in flight or decided: a group destroyed and made again under the same name gets
-# a transport of its own, as it gets step numbers of its own (dist/identity.GroupSteps).
+# a transport of its own, as it gets step numbers of its own (comm/identity.GroupSteps).
 _setups: "weakref.WeakKeyDictionary[dist.ProcessGroup, Union[_Setup, _GroupTransport]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -380,13 +353,13 @@ def _connect(group: dist.ProcessGroup, required: Union[bool, str], timeout: floa
 class UnsettledTransport:
     """The C++ channel of a ``ShmChannel`` whose transport is not settled yet: shared memory or the group's own.
 
-    It takes the C++ channel's place until the first message (or ``begin_step``)
+    ``owner`` is that ``ShmChannel`` (or ``IpcChannel``, comm/shm.py). It takes the C++ channel's place until the first message (or ``begin_step``)
     settles the group's transport (collective over the group, see ``_Setup``);
     then the ``ShmChannel`` holds the settled ``_C.ShmChannel`` or
     ``_C.ProcessGroupChannel`` itself, and this object is dropped.
     """
 
-    def __init__(self, owner: "ShmChannel", group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
+    def __init__(self, owner: Any, group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
                  device: torch.device = torch.device("cpu"), wire: Optional[dist.ProcessGroup] = None) -> None:
         self._owner, self._group, self._required, self._timeout = owner, group, required, timeout
         self.rank = group.rank()
@@ -408,85 +381,3 @@ class UnsettledTransport:
 
     def recv_layout(self, *args: Any) -> Any:
         return self._resolve().recv_layout(*args)
-
-
-class ShmChannel(DistChannel):
-    """A ``DistChannel`` over same-host shared memory (CPU stages); falls back to Gloo across hosts.
-
-    ``required``: shared memory or an error (``transport="shm"``), instead of
-    Gloo when the ranks are not all on this host. ``timeout`` bounds the wait
-    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "process_group".
-    """
-
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
-                 required: bool = False, timeout: float = 300.0) -> None:
-        self.group = self.resolve_group(group)
-        self.num_stages = num_stages
-        self.transport: Optional[str] = None
-        self.requested = "shm" if required else "auto"
-        self._pg = UnsettledTransport(self, self.group, required, timeout)
-
-    @property
-    def packs_single(self) -> bool:  # type: ignore[override]
-        """On shared memory (or CUDA IPC) one tensor is copied into the ring (an exported block) as it is: no
-        pack buffer for it."""
-        return self.transport not in ("shm", "ipc")
-
-    def matches_by_tag(self) -> bool:
-        """Settles the transport (collective over the group), then says whether it matches by tag."""
-        return self.connect() != "process_group" or self.device.type == "cpu"
-
-    def _settled(self, transport: _GroupTransport) -> None:
-        """The transport was just decided (``transport.channel`` is now ``_pg``)."""
-
-    def begin_step(self, step: int) -> None:
-        """Settle the transport (as the step's first message would); on shared memory, drop what earlier
-        steps left in the inbox: a message is only ever taken by the step that sent it."""
-        self.connect()
-        super().begin_step(step)
-
-    def connect(self) -> str:
-        """Decide the transport now (collective over the group, as the first message would); returns it."""
-        if isinstance(self._pg, UnsettledTransport):
-            self._pg._resolve()
-        assert self.transport is not None
-        return self.transport
-
-
-class IpcChannel(ShmChannel):
-    """A ``DistChannel`` for GPU stages over CUDA IPC between the processes of one host; NCCL otherwise.
-
-    The C++ ``_C.IpcChannel`` (csrc/runtime/ipc_channel.h): control messages
-    (tag, layout, IPC handles of the sender's exported block and its events)
-    travel over the shared-memory rings, matched by (peer, tag) like Gloo; the
-    receiver copies the payload with ``cudaMemcpyAsync`` on its receive stream.
-    Decided at the first message like ``ShmChannel``: the ranks describe
-    themselves over ``setup_group`` (a group that moves CPU tensors, e.g. the
-    Gloo twin of an NCCL group; ``group`` itself by default) and every rank
-    takes the same transport (``decide_transport``). ``required``: CUDA IPC or
-    an error (``transport="ipc"``). Routes (``set_route``) apply to the NCCL
-    fallback only.
-    """
-
-    def __init__(self, group: Optional[dist.ProcessGroup], device: Union[str, torch.device],
-                 num_stages: Optional[int] = None, required: bool = False, timeout: float = 300.0,
-                 setup_group: Optional[dist.ProcessGroup] = None) -> None:
-        self.group = self.resolve_group(group)
-        self.num_stages = num_stages
-        self.transport: Optional[str] = None
-        self.requested = "ipc" if required else "auto"
-        self._routes: dict[int, tuple] = {}
-        self._pg = UnsettledTransport(self, self.group, "ipc" if required else False, timeout,
-                                      torch.device(device), setup_group)
-
-    def set_route(self, peer: int, send_group: dist.ProcessGroup, send_peer: int,
-                  recv_group: dist.ProcessGroup, recv_peer: int) -> None:
-        """Kept until the transport is settled; used by the NCCL fallback, not by CUDA IPC (it matches by tag)."""
-        self._routes[peer] = (send_group, send_peer, recv_group, recv_peer)
-        if self.transport == "process_group":
-            super().set_route(peer, *self._routes[peer])
-
-    def _settled(self, transport: _GroupTransport) -> None:
-        if transport.kind == "process_group":
-            for peer, route in self._routes.items():
-                transport.channel.set_route(peer, *route)

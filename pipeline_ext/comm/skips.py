@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline_ext.dist.identity import stable_hash
+from pipeline_ext.comm.identity import stable_hash
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
 
 __all__ = ["declarations_digest", "gather_routes"]

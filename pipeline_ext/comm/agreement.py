@@ -65,7 +65,7 @@ from torch.utils import _pytree as pytree
 
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
-from pipeline_ext.dist.identity import stable_hash
+from pipeline_ext.comm.identity import stable_hash
 
 __all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "MAX_SIGNATURES", "MAX_MICROBATCHES", "Agreement",
            "PendingExchange", "StepRecord", "StepAgreement", "StepAgreementError", "StepRejectedError", "agree",

@@ -25,9 +25,11 @@ module doc walks through one step). Around it, everything said on the wire:
    agreement compares their digests) every rank rediscovers.
 
 The channels (``channels.DistChannel`` over C++ ``ProcessGroupChannel``;
-``shm.ShmChannel`` over shared memory) keep no state: one message per send,
-a receive into a buffer of a given layout. ``groups.py`` makes the groups
-(NCCL: one per direction), ``data_parallel.py`` syncs DDP/FSDP2 stages once
-per step, ``skips.py`` gathers skip declarations, ``trace.py`` gathers traces,
-``launch.py`` starts local ranks for the demo, benchmarks and tests.
+``shm.ShmChannel`` over shared memory, ``shm.IpcChannel`` over CUDA IPC) keep
+no state: one message per send, a receive into a buffer of a given layout;
+``transport.py`` decides, together with the peers, which one a group uses.
+``groups.py`` makes the groups (NCCL: one per direction), ``data_parallel.py``
+syncs DDP/FSDP2 stages once per step, ``skips.py`` gathers skip declarations,
+``trace.py`` gathers traces, ``launch.py`` starts local ranks for the demo,
+benchmarks and tests.
 """

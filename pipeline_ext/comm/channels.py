@@ -3,9 +3,9 @@
 It keeps no state: it moves one message per call (packed into ONE buffer the
 send owns, so the caller may write its tensors again) and posts receives into
 buffers of a layout it is given. Which layouts are known is the step's
-communication plan (``dist/comm_plan.py``, held by the session per step kind);
+communication plan (``comm/comm_plan.py``, held by the session per step kind);
 a step talks to the channel through that plan's ``StepMessages``. Same-host
-shared memory (``dist/shm.py``) is the other implementation of the same
+shared memory (``comm/shm.py``) is the other implementation of the same
 interface.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ class DistChannel:
                   recv_group: "torch.distributed.ProcessGroup", recv_peer: int) -> None:
         """Messages to ``peer`` go over ``send_group`` (to its rank ``send_peer``), from it over ``recv_group``.
 
-        NCCL pipelines route each direction over a group of its own (``dist/groups.py``).
+        NCCL pipelines route each direction over a group of its own (``comm/groups.py``).
         """
         self._pg.set_route(peer, send_group, send_peer, recv_group, recv_peer)
 
