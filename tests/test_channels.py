@@ -16,7 +16,7 @@ from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError
 from pipeline_ext.runtime.local import LocalHub
 from pipeline_ext.comm.comm_plan import PlanCache
-from pipeline_ext.comm.shm import ShmChannel, make_channel
+from pipeline_ext.comm.shm import AutoChannel, make_channel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,7 +30,7 @@ def _worker(rank: int, init_method: str, scenario: str, results, env: dict) -> N
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
         channel = make_channel(None, "cpu", 2)  # the transport of $PIPELINE_EXT_TRANSPORT (conftest.transport)
-        if isinstance(channel, ShmChannel):
+        if isinstance(channel, AutoChannel):
             channel.connect()  # set up now, as Gloo's pairs are at init_process_group
         out = SCENARIOS[scenario](rank, channel)
     except BaseException:  # reported to the parent, which fails the test

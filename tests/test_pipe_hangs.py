@@ -58,7 +58,7 @@ def test_stalled_stage_raises_within_the_timeout_and_the_pipe_recovers():
                    schedule="1f1b", timeout=1.0)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
     try:
-        with pytest.raises(pe.ChannelTimeout, match=r"timeout=1 s.*rank 1 in F of stage 1") as info:
+        with pytest.raises(pe.ChannelTimeout, match=r"timeout=1 s.*worker 1 in F of stage 1") as info:
             pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
         assert any("abandoned" in n for n in info.value.__notes__)
         with pytest.raises(PipeBusyError, match="cancelled call is still running"):  # the stuck worker still runs

@@ -183,7 +183,7 @@ def test_ctrl_c_cancels_the_step_and_a_retry_equals_the_unsplit_model(main_threa
     x, y = torch.randn(12, 8), torch.randn(12, 2)
     with pytest.raises(KeyboardInterrupt) as info:
         pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
-    assert not [t for t in threading.enumerate() if t.name.startswith("pipe-rank")]  # every worker stopped
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipe-worker")]  # every worker stopped
     assert all(p.grad is None for p in model.parameters())  # partial gradients discarded...
     assert any("partial gradients were discarded" in n for n in getattr(info.value, "__notes__", []))  # ...and said
     pipe.zero_grad()

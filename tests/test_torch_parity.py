@@ -48,8 +48,7 @@ def test_losses_list_is_refilled_and_inputs_on_other_ranks_are_ignored():
 def test_torch_class_names():
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-    assert pe.ScheduleZBVZeroBubble is pe.ScheduleZBV
-    assert pe.get_schedule_class("ZBVZeroBubble") is pe.ScheduleZBV
+    assert pe.get_schedule_class("ZBVZeroBubble") is pe.ScheduleZBVZeroBubble
     for name, cls in [("1F1B", pe.Schedule1F1B), ("Interleaved1F1B", pe.ScheduleInterleaved1F1B),
                       ("GPipe", pe.ScheduleGPipe), ("LoopedBFS", pe.ScheduleLoopedBFS),
                       ("InterleavedZeroBubble", pe.ScheduleInterleavedZeroBubble), ("DualPipeV", pe.ScheduleDualPipeV),
@@ -58,7 +57,7 @@ def test_torch_class_names():
         assert pe.get_schedule_class(name) is cls and pe.get_schedule_class(name.upper()) is cls
     for cls in (pe.ScheduleGPipe, pe.Schedule1F1B, pe.ScheduleZBH1, pe._ScheduleForwardOnly):
         assert issubclass(cls, pe.PipelineScheduleSingle) and issubclass(cls, _PipelineSchedule)
-    for cls in (pe.ScheduleInterleaved1F1B, pe.ScheduleLoopedBFS, pe.ScheduleInterleavedZeroBubble, pe.ScheduleZBV,
+    for cls in (pe.ScheduleInterleaved1F1B, pe.ScheduleLoopedBFS, pe.ScheduleInterleavedZeroBubble, pe.ScheduleZBVZeroBubble,
                 pe.ScheduleDualPipeV):
         assert issubclass(cls, pe.PipelineScheduleMulti) and issubclass(cls, _PipelineSchedule)
     # torch's keyword arguments are visible in the signatures (mypy, Sphinx)

@@ -121,7 +121,7 @@ class Channel {
   // `owned` tensors are the pipeline's own (autograd's gradients: no one else
   // can write them): a single contiguous one on the channel's device is sent
   // as itself, without the copy. LocalChannel (local_channel.h) and the Python
-  // StepChannel protocol (runtime/channel.py) keep the same rule. If `expected` is
+  // StepContext protocol (runtime/channel.py) keep the same rule. If `expected` is
   // given the layout must equal it (checked before anything is sent). If
   // `with_layout`, the layout goes first under tag | kLayoutTagBit. Returns the
   // request (it keeps the buffers alive) and the layout that was sent. The

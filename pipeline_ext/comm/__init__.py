@@ -25,7 +25,7 @@ module doc walks through one step). Around it, everything said on the wire:
    agreement compares their digests) every rank rediscovers.
 
 The channels (``channels.DistChannel`` over C++ ``ProcessGroupChannel``;
-``shm.ShmChannel`` over shared memory, ``shm.IpcChannel`` over CUDA IPC) keep
+``shm.AutoChannel`` over shared memory or the group, ``shm.IpcChannel`` over CUDA IPC) keep
 no state: one message per send, a receive into a buffer of a given layout;
 ``transport.py`` decides, together with the peers, which one a group uses.
 ``groups.py`` makes the groups (NCCL: one per direction), ``data_parallel.py``

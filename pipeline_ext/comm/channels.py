@@ -28,7 +28,7 @@ class DistChannel:
     """Point-to-point messages over a torch.distributed group (Gloo on CPU, NCCL on GPU); stateless.
 
     The Python face of one C++ type, ``_C.Channel`` (held as ``_pg``): here a
-    ``_C.ProcessGroupChannel``; ``ShmChannel`` holds a ``_C.ShmChannel`` (or,
+    ``_C.ProcessGroupChannel``; ``AutoChannel`` holds a ``_C.ShmChannel`` (or,
     across hosts, a ``_C.ProcessGroupChannel``) behind the same methods.
     ``group`` defaults to the default (WORLD) group; peers are ranks *in that
     group*. ``device`` is where receive buffers live (``"cuda:i"`` with NCCL).

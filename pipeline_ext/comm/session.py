@@ -50,6 +50,7 @@ from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_ord
 from pipeline_ext.comm.identity import GroupSteps, stable_hash
 from pipeline_ext.comm.shm import make_channel
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
+from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, split_step_inputs,
                                              split_step_target, target_sizes)
@@ -135,7 +136,7 @@ class Step:
     def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
                  decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
                  plans: PlanCache) -> None:
-        self.step = number
+        self.number = number
         self.inputs = inputs
         self.skip_stages = skips.stages
         self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
@@ -151,7 +152,7 @@ class Step:
         if self._messages is None:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
-            self._channel.begin_step(self.step)
+            self._channel.begin_step(self.number)
             self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
         return self._messages
 
@@ -178,19 +179,19 @@ class Step:
         # waits end at once naming this failure, not at their timeout (on transports that can: shared memory)
         rank = self._channel.rank
         where = raised_at(exc)
-        text = (f"step {self.step} failed on rank {rank}" + (f" {where}" if where and where.rank == rank else "")
+        text = (f"step {self.number} failed on rank {rank}" + (f" {where}" if where and where.rank == rank else "")
                 + f": {exc_type.__name__}: {str(exc)[:600]}")
         with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
-            self._channel.notify_failure(self.step, text)
+            self._channel.notify_failure(self.number, text)
 
 
 class Session:
     """What every step of one schedule on this rank shares; ``begin`` starts a step.
 
     ``local_stages``: this rank's stage indices; ``skips``: what each declares
-    (``runtime/skips.declared_skips``). ``check_first(mb, args)`` checks each
-    microbatch of stage 0 against declared shapes before the step is posted
-    (None: nothing to check). ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
+    (``runtime/skips.declared_skips``). ``declared_first``: what stage 0
+    declares (``runtime/declared.py``; None when this rank does not hold it):
+    each of its microbatches is checked against it before the step is posted. ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
     (``comm/shm.make_channel``).
     """
 
@@ -198,12 +199,12 @@ class Session:
                  device: torch.device, local_stages: Sequence[int], skips: dict[int, StageSkips],
                  n_microbatches: int, loss_fn: Optional[LossFn], chunk_spec: Any, scale_grads: bool,
                  timeout: float, transport: Optional[str],
-                 check_first: Optional[Callable[[int, tuple], None]] = None) -> None:
+                 declared_first: Optional[Declared] = None) -> None:
         self.rank, self.num_ranks, self.num_stages, self.device = rank, num_ranks, num_stages, device
         self.n_microbatches, self.loss_fn, self.chunk_spec, self.scale_grads = (n_microbatches, loss_fn,
                                                                                 chunk_spec, scale_grads)
         self._local = frozenset(local_stages)
-        self._check_first = check_first
+        self._declared_first = declared_first
         records = host_group(group, device)
         #: the transport (``comm/transport.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
         #: describe themselves to each other over the records' (Gloo) group
@@ -271,9 +272,9 @@ class Session:
                                    "use eval() to run forward only")
             if self._has_first:
                 inputs.args, inputs.kwargs, sizes = self._inputs(args, kwargs, split)
-                if self._check_first is not None:  # declared shapes: refuse before any stage runs
+                if self._declared_first is not None:  # declared shapes: refuse before any stage runs
                     for mb, chunk in enumerate(inputs.args):
-                        self._check_first(mb, tuple(chunk))
+                        self._declared_first.check("inputs", mb, tuple(chunk))
                 record.rows, record.sizes = sum(sizes), sizes_digest(sizes)
                 record.microbatches = describable(self.agreement.microbatch_signatures(inputs.args, inputs.kwargs))
             if self._has_last:

@@ -7,7 +7,7 @@ processes of one host, C++ ``ShmChannel`` (csrc/runtime/shm_channel.h) writes
 the bytes into the receiver's inbox (a ring in POSIX shared memory) and wakes
 it through a futex after a short spin.
 
-:class:`ShmChannel` is a :class:`DistChannel` whose transport is decided at its
+:class:`AutoChannel` is a :class:`DistChannel` whose transport is decided at its
 first message: shared memory when every rank of the group is on this host
 (same hostname, boot, /dev/shm and pid namespace), Gloo otherwise. Which one,
 and the setup over the group that decides it, is ``transport.py``'s (its
@@ -37,7 +37,7 @@ from pipeline_ext.comm.transport import (TRANSPORTS, TRANSPORT_ENV, UnsettledTra
                                          check_request, decide_transport, ipc_unavailable, probe_verdict,
                                          requested_transport)
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "ShmChannel", "UnsettledTransport", "check_request",
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "IpcChannel", "AutoChannel", "UnsettledTransport", "check_request",
            "decide_transport", "ipc_unavailable", "make_channel", "probe_verdict", "requested_transport"]
 
 
@@ -60,10 +60,10 @@ def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.de
             return DistChannel(group, device, num_stages=num_stages)
         return IpcChannel(group, device, num_stages=num_stages, required=True, timeout=timeout,
                           setup_group=setup_group)
-    return ShmChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
+    return AutoChannel(group, num_stages=num_stages, required=choice == "shm", timeout=timeout)
 
 
-class ShmChannel(DistChannel):
+class AutoChannel(DistChannel):
     """A ``DistChannel`` over same-host shared memory (CPU stages); falls back to Gloo across hosts.
 
     ``required``: shared memory or an error (``transport="shm"``), instead of
@@ -106,14 +106,14 @@ class ShmChannel(DistChannel):
         return self.transport
 
 
-class IpcChannel(ShmChannel):
+class IpcChannel(AutoChannel):
     """A ``DistChannel`` for GPU stages over CUDA IPC between the processes of one host; NCCL otherwise.
 
     The C++ ``_C.IpcChannel`` (csrc/runtime/ipc_channel.h): control messages
     (tag, layout, IPC handles of the sender's exported block and its events)
     travel over the shared-memory rings, matched by (peer, tag) like Gloo; the
     receiver copies the payload with ``cudaMemcpyAsync`` on its receive stream.
-    Decided at the first message like ``ShmChannel``: the ranks describe
+    Decided at the first message like ``AutoChannel``: the ranks describe
     themselves over ``setup_group`` (a group that moves CPU tensors, e.g. the
     Gloo twin of an NCCL group; ``group`` itself by default) and every rank
     takes the same transport (``decide_transport``). ``required``: CUDA IPC or

@@ -8,7 +8,7 @@ the decision every rank takes alike from those descriptions
 settled (``_post`` when a group's first channel is built, ``_connect`` at its
 first message; ``UnsettledTransport`` stands in for a channel's C++ channel
 until then). The channels that move the bytes over what this settles
-(``ShmChannel``, ``IpcChannel``, and ``make_channel`` that builds the one a
+(``AutoChannel``, ``IpcChannel``, and ``make_channel`` that builds the one a
 request asks for) are in ``shm.py``: the decision is a pure function of the
 ranks' descriptions, read and tested without a channel, and the channels do
 not depend on how the ranks came to agree.
@@ -351,11 +351,11 @@ def _connect(group: dist.ProcessGroup, required: Union[bool, str], timeout: floa
 
 
 class UnsettledTransport:
-    """The C++ channel of a ``ShmChannel`` whose transport is not settled yet: shared memory or the group's own.
+    """The C++ channel of an ``AutoChannel`` whose transport is not settled yet: shared memory or the group's own.
 
-    ``owner`` is that ``ShmChannel`` (or ``IpcChannel``, comm/shm.py). It takes the C++ channel's place until the first message (or ``begin_step``)
+    ``owner`` is that ``AutoChannel`` (or ``IpcChannel``, comm/shm.py). It takes the C++ channel's place until the first message (or ``begin_step``)
     settles the group's transport (collective over the group, see ``_Setup``);
-    then the ``ShmChannel`` holds the settled ``_C.ShmChannel`` or
+    then the ``AutoChannel`` holds the settled ``_C.ShmChannel`` or
     ``_C.ProcessGroupChannel`` itself, and this object is dropped.
     """
 

@@ -8,7 +8,7 @@ memory (torchgpipe's): measured CUDA memory of each layer's forward on a GPU,
 parameter and activation sizes on the CPU. The min-max split itself
 (``split_min_max``) is the schedules package's, shared with
 ``schedules.balance_stages``, which minimises a schedule's simulated step
-time instead (for the multi-process stages, ``pipeline_ext.training.balance``).
+time instead (for the multi-process stages, ``pipeline_ext.training.profiling``).
 
 Profiling leaves the model as it was: it runs on deep copies of the layers in
 training mode (BatchNorm running statistics and ``.grad`` untouched, the

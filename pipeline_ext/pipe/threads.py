@@ -80,8 +80,8 @@ class Activity:
 
     def describe(self, now: float) -> str:
         if self.current is None:
-            return f"rank {self.rank} (waiting for a message)"
-        return f"rank {self.rank} in {self.current} (for {now - self.since:.1f} s)"
+            return f"worker {self.rank} (waiting for a message)"
+        return f"worker {self.rank} in {self.current} (for {now - self.since:.1f} s)"
 
 
 class GuardedRunner:
@@ -160,7 +160,7 @@ def run_step_threads(
     on_cancel: Callable[[str], None],
     on_failure: Callable[[StepOutcome], Optional[str]],
     grace: float,
-    name: str = "pipe-rank",
+    name: str = "pipe-worker",
 ) -> None:
     """Run ``jobs[r]`` on daemon thread r and wait; on any failure cancel all of them and raise.
 
@@ -182,7 +182,7 @@ def run_step_threads(
             # ("the channel hub was closed"), which must not reach the caller in its place.
             first = None
             if not isinstance(exc, StepCancelled):
-                first = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+                first = f"worker {rank} failed: {type(exc).__name__}: {exc}"
                 if not token.cancel(first):
                     first = None
             done.put((rank, exc))
@@ -216,7 +216,7 @@ def run_step_threads(
             running.discard(rank)
             if exc is not None:
                 errors.append((rank, exc))
-                reason = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+                reason = f"worker {rank} failed: {type(exc).__name__}: {exc}"
     except BaseException as exc:  # Ctrl-C (or anything else) while the caller waits
         raised = exc
         reason = f"{type(exc).__name__} in the calling thread"
@@ -253,7 +253,7 @@ def run_step_threads(
             + ". It stops before its next action; until it returns, the Pipe refuses new calls.",
         )
     # the others' errors, except the consequences of cancelling (a closed channel, a refused next action)
-    others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in errors if e is not raised and not isinstance(e, ChannelError) and "step cancelled: " not in str(e)]
+    others = [f"worker {r}: {type(e).__name__}: {e}" for r, e in errors if e is not raised and not isinstance(e, ChannelError) and "step cancelled: " not in str(e)]
     if others:
         _note(raised, "pipeline_ext: other workers failed too: " + " | ".join(others[:4]))
     note = on_failure(outcome)

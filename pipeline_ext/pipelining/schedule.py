@@ -29,7 +29,6 @@ comes in a later step.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
@@ -43,7 +42,7 @@ from pipeline_ext.comm.session import FORWARD, TRAIN, Session
 from pipeline_ext.comm.trace import gather_steps
 from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_functions, custom_key
 from pipeline_ext.pipelining.model_split import as_stage
-from pipeline_ext.pipelining.stage import PipelineStage, _match_meta
+from pipeline_ext.pipelining.stage import PipelineStage
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
@@ -55,11 +54,6 @@ from pipeline_ext.schedules.ir import OVERLAP_F_B
 
 # torch's Schedule* names are in schedule_classes.py
 __all__ = ["PipelineSchedule"]
-
-
-def _check_declared_inputs(stage: PipelineStage, mb: int, args: tuple) -> None:
-    """Stage 0's microbatch ``mb`` against its declared ``input_args``, before the step is posted."""
-    _match_meta(stage, "inputs", mb, args, stage.input_args)
 
 
 def _is_stand_in(stage: Any) -> bool:
@@ -125,15 +119,14 @@ class PipelineSchedule:
         self._session: Optional[Session] = None
         if not self.inspect_only:
             first_stage = self.stages.get(0)
-            declared = first_stage is not None and first_stage.input_args is not None
-            check_first = functools.partial(_check_declared_inputs, first_stage) if declared else None
             # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport.py)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
                 skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
                 n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
-                scale_grads=scale_grads, timeout=timeout, transport=transport, check_first=check_first)
+                scale_grads=scale_grads, timeout=timeout, transport=transport,
+                declared_first=first_stage._declared if first_stage is not None else None)
         self.schedule: Optional[S.Schedule] = None
         #: one executor per step kind (a forward-only one is built at the first eval)
         self._executors: dict[int, Executor] = {}

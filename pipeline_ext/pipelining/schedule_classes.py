@@ -9,6 +9,7 @@ parameters, and every ``Schedule*`` class only names which built-in schedule
 """
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
@@ -31,7 +32,6 @@ __all__ = [
     "ScheduleLoopedBFS",
     "ScheduleZBH1",
     "ScheduleZBH2",
-    "ScheduleZBV",
     "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV",
     "get_schedule_class",
@@ -213,7 +213,12 @@ class ScheduleZBVZeroBubble(_PipelineScheduleRuntime):
     schedule_name = "zbv"
 
 
-ScheduleZBV = ScheduleZBVZeroBubble  # our earlier name for the same class
+def __getattr__(name: str) -> Any:  # PEP 562: a deprecated name that still resolves
+    if name == "ScheduleZBV":
+        warnings.warn("ScheduleZBV is ScheduleZBVZeroBubble (torch's name); the short name goes away in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return ScheduleZBVZeroBubble
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ScheduleDualPipeV(_PipelineScheduleRuntime):

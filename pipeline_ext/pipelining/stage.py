@@ -6,8 +6,7 @@ runs; a schedule (``schedule.py``) drives it. Declared shapes (torch's
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch import nn
 
 from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
+from pipeline_ext.runtime.declared import Declared, errors
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
 __all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError"]
@@ -78,9 +78,14 @@ class PipelineStage(StagePosition):
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
 
+    @property
+    def _declared(self) -> Declared:
+        """What this stage declares (``input_args``/``output_args``), as the runtime checks it."""
+        return Declared(self.stage_index, self.input_args, self.output_args)
+
     def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
         """This stage's runner for a schedule (the schedule's executor drives it)."""
-        kwargs = dict(call=_checked_call(self), grad_sync=self.grad_sync, n_microbatches=n_microbatches)
+        kwargs = dict(call=self._declared.call(), grad_sync=self.grad_sync, n_microbatches=n_microbatches)
         if self.dw_builder is not None:
             runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
                                                   dw_builder=self.dw_builder, **kwargs)
@@ -198,71 +203,10 @@ class PipelineStage(StagePosition):
         self.output_chunks.clear()
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: the error classes are made on first use, see _errors
+def __getattr__(name: str) -> Any:  # PEP 562: the error classes are made on first use (runtime/declared.py)
     if name in ("PipeliningMetadataError", "PipeliningShapeError"):
-        return _errors()[name]
+        return errors()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@functools.lru_cache(maxsize=None)
-def _errors() -> dict[str, type]:
-    """``PipeliningMetadataError`` (torch's class) and ``PipeliningShapeError`` (ours, a subclass of it).
-
-    Ours derives from torch's, so that ``except PipeliningMetadataError`` in
-    code written for torch catches it too. Importing torch's class imports
-    ``torch.distributed.pipelining`` (DTensor, dynamo, sympy: about 3.5 s of
-    a rank's start-up on a small machine), so it happens when the classes are
-    first asked for, not when a stage is made.
-    """
-    try:
-        from torch.distributed.pipelining._utils import PipeliningMetadataError
-    except ImportError:  # pragma: no cover - older torch
-        class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
-            """A stage's inputs or outputs are not what it declared."""
-
-        PipeliningMetadataError.__module__ = __name__
-
-    class PipeliningShapeError(ValueError, PipeliningMetadataError):
-        """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
-
-    PipeliningShapeError.__module__, PipeliningShapeError.__qualname__ = __name__, "PipeliningShapeError"
-    return {"PipeliningMetadataError": PipeliningMetadataError, "PipeliningShapeError": PipeliningShapeError}
-
-
-def _checked_call(stage: PipelineStage) -> Optional[Callable[..., Any]]:
-    """Check each microbatch against torch's ``input_args``/``output_args`` when given (shapes, dtypes)."""
-    if stage.input_args is None and stage.output_args is None:
-        return None
-
-    def call(mb: int, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if stage.input_args is not None:
-            _match_meta(stage, "inputs", mb, tuple(args), stage.input_args)
-        out = module(*args, **kwargs)
-        if stage.output_args is not None:
-            _match_meta(stage, "outputs", mb, out, stage.output_args)
-        return out
-
-    return call
-
-
-def _match_meta(stage: PipelineStage, what: str, mb: int, actual: Any, expected: Any) -> None:
-    from torch.utils import _pytree as pytree
-
-    expected = expected if isinstance(expected, tuple) or what == "outputs" else (expected,)
-    got, want = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
-    problem = None
-    if len(got) != len(want):
-        problem = f"{len(got)} values where {what[:-1]}_args has {len(want)}"
-    else:
-        for i, (g, w) in enumerate(zip(got, want)):
-            if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != w.shape
-                                                or g.dtype != w.dtype):
-                desc = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
-                problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
-                break
-    if problem:
-        raise _errors()["PipeliningShapeError"](f"stage {stage.stage_index}, microbatch {mb}: {problem} (input_args/output_args "
-                                   "describe one microbatch; leave them out to let shapes be discovered)")
 
 
 def _as_group(group: Any) -> Optional[dist.ProcessGroup]:

@@ -1,6 +1,6 @@
 """What every channel shares: the protocols the executor sees, the handle, errors and timeouts.
 
-The executor is handed a ``StepChannel`` per step; its ``open()`` returns the
+The executor is handed a ``StepContext`` per step; its ``open()`` returns the
 step's ``Messages``, matched by (peer, tag), each ``send``/``recv`` returning a
 ``Handle`` whose ``wait(timeout, what)`` blocks with the GIL released. Two implementations:
 ``runtime/local.LocalStep`` between the worker threads of one process
@@ -22,7 +22,7 @@ import torch
 
 from pipeline_ext.runtime._ext import _C
 
-__all__ = ["ChannelError", "ChannelTimeout", "ChannelHandle", "Handle", "Messages", "StepChannel", "check_timeout",
+__all__ = ["ChannelError", "ChannelTimeout", "ChannelHandle", "Handle", "Messages", "StepContext", "check_timeout",
            "watch_signals"]
 
 ChannelError = _C.ChannelError
@@ -100,7 +100,7 @@ class Handle(Protocol):
 
 
 class Messages(Protocol):
-    """One settled step's sends and receives (what ``StepChannel.open()`` returns).
+    """One settled step's sends and receives (what ``StepContext.open()`` returns).
 
     ``send`` owns its bytes when it returns, unless the tensors are ``owned``:
     the pipeline's own (gradients autograd computed), which no one else can
@@ -115,10 +115,10 @@ class Messages(Protocol):
     def batch(self) -> ContextManager[None]: ...
 
 
-class StepChannel(Protocol):
+class StepContext(Protocol):
     """One step, as the executor sees it: everything the step needs besides the compute.
 
-    ``step`` is part of every message's tag (``runtime/tags.py``). ``open()``
+    ``number`` (the step's number) is part of every message's tag (``runtime/tags.py``). ``open()``
     is called once, right before the step's first message, and returns the
     ``Messages`` the executor sends and receives through: what messages need
     is settled there (across processes, the ranks' agreement), so its errors
@@ -129,7 +129,7 @@ class StepChannel(Protocol):
     possibly after the agreement).
     """
 
-    step: int
+    number: int
     skip_stages: frozenset
 
     def open(self) -> Messages: ...

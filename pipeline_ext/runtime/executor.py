@@ -20,7 +20,7 @@ What it does per action (stage s, microbatch m):
   which keeps FIFO order per peer) and waited on here, right before use.
 
 Everything one step needs is handed to ``run``: the inputs (``StepInputs``)
-and the step's messages (a ``StepChannel``: ``runtime/local.LocalStep`` in one
+and the step's messages (a ``StepContext``: ``runtime/local.LocalStep`` in one
 process, ``comm/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
@@ -62,7 +62,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
-from pipeline_ext.runtime.channel import ChannelTimeout, Handle, Messages, StepChannel
+from pipeline_ext.runtime.channel import ChannelTimeout, Handle, Messages, StepContext
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
@@ -161,7 +161,7 @@ class _StepState:
     """One step's state inside ``Executor.run``: what it was handed, and what is in flight."""
 
     inputs: StepInputs
-    step: StepChannel
+    step: StepContext
     messages: Optional[Messages] = None  # what ``step.open()`` returned: every send and receive goes through it
     posting: bool = False  # receives are posted (from the step's first message action on)
     activations: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
@@ -279,7 +279,7 @@ class Executor:
         return 0 <= stage < self.num_stages and self._rank_of[stage] == self.rank
 
     # -- step ----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, step: StepChannel,
+    def run(self, inputs: StepInputs, step: StepContext,
             on_action: Optional[Callable[[Action, float, float], None]] = None,
             custom: Optional[Mapping[Any, CustomFunction]] = None) -> None:
         """Execute this rank's actions for one step over ``step``'s messages; raise on the first failure.
@@ -291,8 +291,8 @@ class Executor:
         the pair) and a ``GroupRun`` that runs each of them, once, when the
         function says (see ``GroupRun``).
         """
-        st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions), step_bits=step_bits(step.step),
-                        in_step=f" in step {step.step}")
+        st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions), step_bits=step_bits(step.number),
+                        in_step=f" in step {step.number}")
         clock = time.perf_counter
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
         custom = custom or {}
@@ -391,7 +391,7 @@ class Executor:
         saying which message and with whom (the cause chained)."""
         if isinstance(exc, (TimeoutError, PeerError)):
             return exc
-        what = self._what(a, st.step.step).replace("waiting on", "starting")
+        what = self._what(a, st.step.number).replace("waiting on", "starting")
         err = PeerError(f"{what}: {exc}")
         err.__cause__ = exc
         return err
@@ -510,9 +510,9 @@ class Executor:
             if self._local(peer):
                 values.update(self._take(st.skips, msg, msg))
                 continue
-            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.number)
             handle = self._start(msg, st, lambda: self._opened(st).recv(self._peer(msg), tag))
-            tensors = handle.wait(self.timeout, self._what(msg, st.step.step))
+            tensors = handle.wait(self.timeout, self._what(msg, st.step.number))
             values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
         return values
 
@@ -526,7 +526,7 @@ class Executor:
                 st.skips[msg] = {k: values.get(k) for k in keys}
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
-            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.step)
+            tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.number)
             st.sends.append((msg, self._start(msg, st, lambda: self._opened(st).send(tensors, self._peer(msg), tag,
                                                                                       gradient))))
 

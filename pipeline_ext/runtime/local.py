@@ -74,13 +74,13 @@ class LocalHub:
 
 
 class LocalStep:
-    """One step on a ``LocalChannel``: the in-process twin of ``dist.Session``'s step (everything known up front).
+    """One step on a ``LocalChannel``: the in-process twin of ``comm.session.Step`` (everything known up front).
 
     There is nothing to agree on between threads of one process: the step
     number is 0, and the skip routes and loss weights are given.
     """
 
-    step = 0
+    number = 0
 
     def __init__(self, channel: LocalChannel, skip_routes: Any = None,
                  loss_weights: Sequence[Union[float, torch.Tensor]] = ()) -> None:

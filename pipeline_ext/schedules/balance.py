@@ -17,7 +17,7 @@ count split as starting points, then a local search that moves one cut point
 at a time by up to ``max_shift`` layers while the simulated step time (then the
 largest stage) improves. Pure Python on numbers, so it lives with the
 schedules (no torch): the torch side measures the costs
-(``pipeline_ext.training.balance.profile_layers``).
+(``pipeline_ext.training.profiling.profile_layers``).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ A schedule computes each stage's gradients. A training loop also needs:
   it, or into a pipeline cut differently, and resume bitwise;
 - ``loss``: what the per-microbatch losses mean, and an exact token mean;
 - ``stages``: the one description of "this rank's stages" the tools share;
-- ``balance``: each layer's measured cost, and the cut into stages with the
+- ``profiling``: each layer's measured cost, and the cut into stages with the
   least simulated step time under the chosen schedule.
 
 Names load lazily (as in ``pipeline_ext``): the schedules import
@@ -29,12 +29,12 @@ _EXPORTS = {
     "FQNMap": "checkpoint",
     "TokenMeanLoss": "loss",
     "loss_weights": "loss",
-    "profile_layers": "balance",
-    "balance_layers": "balance",
-    "LayerChain": "balance",
-    "stage_modules": "balance",
-    "block_ranges": "balance",
-    "sizes_with_ends": "balance",
+    "profile_layers": "profiling",
+    "balance_layers": "profiling",
+    "LayerChain": "profiling",
+    "stage_modules": "profiling",
+    "block_ranges": "profiling",
+    "sizes_with_ends": "profiling",
 }
 
 __all__ = sorted(_EXPORTS)

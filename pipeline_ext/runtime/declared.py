@@ -1,0 +1,91 @@
+"""A stage's declared shapes (torch's ``input_args``/``output_args``): one microbatch's, checked on every one.
+
+Declaring shapes is optional (they are discovered on the first step); when a
+stage declares them, a microbatch that does not match raises
+``PipeliningShapeError`` naming the stage, the microbatch and the value. The
+first stage's inputs are checked by the session before the step is posted,
+so every rank refuses the step together and nothing runs; outputs, and the
+inputs of later stages, are checked around the stage's forward.
+
+``PipeliningShapeError`` derives from torch's ``PipeliningMetadataError``, so
+that ``except PipeliningMetadataError`` in code written for torch catches it
+too. Importing torch's class imports ``torch.distributed.pipelining``
+(dynamo, DTensor, sympy: seconds of a rank's start-up on a small machine),
+so both classes are made when first asked for (``errors``), not on import.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["Declared", "errors"]
+
+
+@functools.lru_cache(maxsize=None)
+def errors() -> dict[str, type]:
+    """``PipeliningMetadataError`` (torch's class) and ``PipeliningShapeError`` (ours, a subclass of it)."""
+    try:
+        from torch.distributed.pipelining._utils import PipeliningMetadataError
+    except ImportError:  # pragma: no cover - older torch
+        class PipeliningMetadataError(RuntimeError):  # type: ignore[no-redef]
+            """A stage's inputs or outputs are not what it declared."""
+
+        PipeliningMetadataError.__module__ = "pipeline_ext.pipelining.stage"
+
+    class PipeliningShapeError(ValueError, PipeliningMetadataError):
+        """A microbatch does not match the stage's declared ``input_args``/``output_args`` (shape or dtype)."""
+
+    # named where users import it from, so that it pickles and prints as pipeline_ext.pipelining.stage's
+    PipeliningShapeError.__module__, PipeliningShapeError.__qualname__ = ("pipeline_ext.pipelining.stage",
+                                                                          "PipeliningShapeError")
+    return {"PipeliningMetadataError": PipeliningMetadataError, "PipeliningShapeError": PipeliningShapeError}
+
+
+@dataclass(frozen=True)
+class Declared:
+    """Stage ``stage``'s declared ``inputs`` and ``outputs`` (one microbatch's; None: not declared)."""
+
+    stage: int
+    inputs: Any = None
+    outputs: Any = None
+
+    def check(self, what: str, mb: int, actual: Any) -> None:
+        """Raise ``PipeliningShapeError`` unless ``actual`` (microbatch ``mb``'s "inputs" or "outputs") matches."""
+        from torch.utils import _pytree as pytree
+
+        expected = self.inputs if what == "inputs" else self.outputs
+        if expected is None:
+            return
+        expected = expected if isinstance(expected, tuple) or what == "outputs" else (expected,)
+        got, want = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+        problem = None
+        if len(got) != len(want):
+            problem = f"{len(got)} values where {what[:-1]}_args has {len(want)}"
+        else:
+            for i, (g, w) in enumerate(zip(got, want)):
+                if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != w.shape
+                                                    or g.dtype != w.dtype):
+                    desc = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+                    problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
+                    break
+        if problem:
+            raise errors()["PipeliningShapeError"](
+                f"stage {self.stage}, microbatch {mb}: {problem} (input_args/output_args describe one microbatch; "
+                "leave them out to let shapes be discovered)")
+
+    def call(self) -> Optional[Callable[..., Any]]:
+        """The stage's forward with both checks around it (None when nothing is declared)."""
+        if self.inputs is None and self.outputs is None:
+            return None
+
+        def call(mb: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            self.check("inputs", mb, tuple(args))
+            out = module(*args, **kwargs)
+            self.check("outputs", mb, out)
+            return out
+
+        return call
