@@ -22,106 +22,13 @@
 
 #include "kernels/copy.h"
 #include "runtime/interrupt.h"
+#include "runtime/shm_segment.h"
 
 namespace pipeline_ext {
 namespace {
 
+using namespace shm;  // the segment's layout and primitives (shm_segment.h)
 using Clock = std::chrono::steady_clock;
-
-constexpr uint64_t kMagic = 0x31306d68735f6570ULL;  // "pe_shm01"
-constexpr uint32_t kVersion = 4;
-constexpr int64_t kAlign = 64;
-constexpr int64_t kRecordHeader = 64;
-constexpr int64_t kPadTag = -1;
-// A failure notice: a peer's step (the record's) failed; the payload says how (notify_failure).
-constexpr int64_t kFailureTag = -2;
-constexpr int64_t kMaxFailureText = 1024;
-// A message that does not fit goes in chunks; none smaller than this (or than
-// what is left of the message), so a nearly full ring does not cut it to crumbs.
-constexpr int64_t kMinChunk = 64 * 1024;
-
-int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
-
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
-              "shared-memory rings need lock-free atomics (they are shared between processes)");
-
-// One ring's counters: bytes published by the producer, bytes released by the
-// consumer (both only grow; position = counter % ring_bytes). Own cache lines.
-struct RingControl {
-  alignas(64) std::atomic<uint64_t> head;
-  alignas(64) std::atomic<uint64_t> tail;
-};
-
-struct SegmentHeader {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t nranks;
-  int64_t owner_rank;
-  int64_t owner_pid;
-  int64_t ring_bytes;
-  // Bumped by anyone with news for the owner (a record in one of its rings, or
-  // space freed in a ring the owner writes to); the owner sleeps on it (futex).
-  alignas(64) std::atomic<uint32_t> doorbell;
-  alignas(64) std::atomic<uint32_t> sleepers;  // owner threads asleep (or about to be) on the doorbell
-};
-
-struct RecordHeader {
-  int64_t record_bytes;  // header + payload, rounded up to kAlign; the next record starts after it
-  int64_t tag;           // kPadTag: filler up to the end of the ring; kFailureTag: a failure notice
-  int64_t total;         // bytes of the whole message
-  int64_t offset;        // where this chunk goes in the message
-  int64_t chunk;         // payload bytes in this record
-  int64_t step;          // the sender's step when it sent the message (ShmChannel::begin_step)
-  int64_t reserved[2];
-};
-static_assert(sizeof(RecordHeader) == kRecordHeader);
-
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
-}
-
-void ring_doorbell(SegmentHeader* h) {
-  h->doorbell.fetch_add(1, std::memory_order_seq_cst);
-  if (h->sleepers.load(std::memory_order_seq_cst) > 0) futex(&h->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-std::string errno_text() { return std::strerror(errno); }
-
-// One mapped inbox. Rings are numbered by producer rank; the owner has none of its own.
-struct Mapping {
-  void* base = nullptr;
-  size_t bytes = 0;
-
-  static size_t controls_offset() { return static_cast<size_t>(round_up(sizeof(SegmentHeader), kAlign)); }
-  static size_t data_offset(int nranks) {
-    return static_cast<size_t>(round_up(controls_offset() + nranks * sizeof(RingControl), 4096));
-  }
-  static size_t total_bytes(int nranks, int64_t ring_bytes) {
-    return data_offset(nranks) + static_cast<size_t>(nranks - 1) * static_cast<size_t>(ring_bytes);
-  }
-
-  SegmentHeader* header() const { return static_cast<SegmentHeader*>(base); }
-  RingControl* ring(int producer) const {
-    return reinterpret_cast<RingControl*>(static_cast<uint8_t*>(base) + controls_offset()) + producer;
-  }
-  uint8_t* data(int producer) const {
-    const auto* h = header();
-    const int slot = producer < h->owner_rank ? producer : producer - 1;
-    return static_cast<uint8_t*>(base) + data_offset(static_cast<int>(h->nranks)) + slot * h->ring_bytes;
-  }
-  void unmap() {
-    if (base) munmap(base, bytes);
-    base = nullptr;
-  }
-};
 
 // Messages are matched by (step, tag): a tag alone repeats in every step.
 using Key = std::pair<int64_t, int64_t>;
@@ -205,15 +112,8 @@ struct ShmState {
 
   SegmentHeader* bell() const { return own.header(); }
 
-  // False once the peer's process has exited (zombies included: the pidfd is readable then).
-  bool alive(int peer) const {
-    const auto& p = peers[peer];
-    if (p.pidfd >= 0) {
-      pollfd fd{p.pidfd, POLLIN, 0};
-      return poll(&fd, 1, 0) == 0;
-    }
-    return !(kill(static_cast<pid_t>(p.pid), 0) != 0 && errno == ESRCH);
-  }
+  // False once the peer's process has exited (zombies included).
+  bool alive(int peer) const { return shm::process_alive(peers[peer].pidfd, peers[peer].pid); }
 
   std::string peer_gone(int peer) const {
     return "rank " + std::to_string(peer) + " (pid " + std::to_string(peers[peer].pid) +
@@ -573,32 +473,11 @@ ShmChannel::ShmChannel(int rank, int size, int64_t ring_bytes, int64_t spin_us, 
   s.spin = std::chrono::microseconds(spin_us);
   s.slice = Millis(slice_ms);
   s.peers.resize(size);
-  // An anonymous file (memfd): it has no name anywhere, so it cannot outlive its last user, whatever
-  // the exit (SIGKILL included). Peers reach it through /proc/<pid>/fd while this rank lives.
-  const int fd = static_cast<int>(syscall(SYS_memfd_create, "pipeline_ext_shm", MFD_CLOEXEC));
-  if (fd < 0) throw ChannelError("shared-memory transport: cannot create an inbox (memfd_create): " + errno_text());
-  s.fd = fd;
-  s.name = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
-  const size_t bytes = Mapping::total_bytes(size, ring_bytes);
-  // Allocated now (not sparse): no room is an error here, not a SIGBUS in a later write.
-  const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  if (err != 0) {
-    throw ChannelError("shared-memory transport: cannot allocate " + std::to_string(bytes) + " bytes of shared "
-                       "memory for an inbox: " + std::strerror(err) + " (set PIPELINE_EXT_TRANSPORT=gloo, or a smaller "
-                       "PIPELINE_EXT_SHM_RING_BYTES)");
-  }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED) throw ChannelError("shared-memory transport: cannot map the inbox: " + errno_text());
-  s.own.base = base;
-  s.own.bytes = bytes;
-  auto* h = new (base) SegmentHeader();
-  h->magic = kMagic;
-  h->version = kVersion;
-  h->nranks = static_cast<uint32_t>(size);
-  h->owner_rank = rank;
-  h->owner_pid = getpid();
-  h->ring_bytes = ring_bytes;
-  for (int p = 0; p < size; ++p) new (s.own.ring(p)) RingControl();
+  // An anonymous file (memfd): see shm_segment.h. Peers reach it through /proc/<pid>/fd while this rank lives.
+  shm::OwnSegment own = shm::create_segment(rank, size, ring_bytes);
+  s.fd = own.fd;
+  s.name = std::move(own.name);
+  s.own = own.map;
 }
 
 ShmChannel::~ShmChannel() { withdraw(); }
@@ -621,37 +500,15 @@ void ShmChannel::attach(int peer, const std::string& name) {
   auto& s = *state_;
   TORCH_CHECK_VALUE(peer >= 0 && peer < s.size && peer != s.rank, "ShmChannel.attach: ", peer,
                     " is not another rank of ", s.size);
-  const int fd = open(name.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    throw ChannelError("shared-memory transport: cannot open rank " + std::to_string(peer) + "'s inbox " + name +
-                       ": " + errno_text() + " (has that rank exited? is it on this host, in this pid namespace?)");
-  }
-  struct stat st {};
-  const bool ok = fstat(fd, &st) == 0;
-  const size_t bytes = Mapping::total_bytes(s.size, s.ring_bytes);
-  void* base = ok && static_cast<size_t>(st.st_size) == bytes
-                   ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                   : MAP_FAILED;
-  close(fd);
-  if (base == MAP_FAILED) {
-    throw ChannelError("shared-memory transport: rank " + std::to_string(peer) + "'s segment " + name +
-                       " cannot be mapped or has another size (ranks must agree on the ring size)");
-  }
-  Mapping m{base, bytes};
+  Mapping m = shm::open_segment(peer, s.size, s.ring_bytes, name);
   auto* h = m.header();
-  if (h->magic != kMagic || h->version != kVersion || h->nranks != static_cast<uint32_t>(s.size) ||
-      h->owner_rank != peer || h->ring_bytes != s.ring_bytes) {
-    m.unmap();
-    throw ChannelError("shared-memory transport: " + name + " is not rank " + std::to_string(peer) +
-                       "'s segment of this group (other version or ring size?)");
-  }
   std::lock_guard<std::mutex> lock(s.mu);
   auto& ps = s.peers[peer];
   ps.inbox.unmap();
   if (ps.pidfd >= 0) close(ps.pidfd);
   ps.inbox = m;
   ps.pid = h->owner_pid;
-  ps.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(ps.pid), 0));  // -1: kill(pid, 0) instead
+  ps.pidfd = shm::open_pidfd(ps.pid);  // -1: kill(pid, 0) instead
   ps.attached = true;
 }
 
