@@ -17,6 +17,8 @@ _EXPORTS = {
     "split_args_kwargs_into_chunks": "pipeline_ext.runtime.microbatch",
     "merge_chunks": "pipeline_ext.runtime.microbatch",
     "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
+    "SplitFunction": "pipeline_ext.runtime.split_function",
+    "once_only_hooks": "pipeline_ext.runtime.split_keep",
     "split_backend": "pipeline_ext.runtime.compiled_split",
     "comm_region": "pipeline_ext.runtime.overlap",
     "overlap_point": "pipeline_ext.runtime.overlap",
