@@ -349,3 +349,100 @@ def test_zero_bubble_schedules_train_exactly(kind):
 def test_zero_bubble_schedules_train_exactly_on_four_ranks(kind):
     for name in ZB:
         _train_pipe(kind, name, 4, 8)
+
+
+# -- saying what happened: split_check, select(), the trace -------------------------------------------
+@pytest.mark.parametrize("kind", KINDS + ["unknown_hook", "opaque_attention"])
+def test_split_check_predicts_what_i_does(kind):
+    """``split_check`` reads a stage's graph without running backward and says what I would do."""
+    stage = make_stages(kind, 2)[1]
+    x = torch.randn(2, T, D)
+    predicted = pe.runtime.split_check(stage, x)
+    actual, _ = _i_then_w(kind)
+    assert predicted == actual
+    assert all(p.grad is None for p in stage.parameters())
+
+
+def test_select_simulates_a_fallen_back_split_and_says_where():
+    from pipeline_ext import schedules as S
+
+    why = pe.runtime.split_check(make_stages("reentrant", 2)[1], torch.randn(2, T, D))
+    told = S.select(4, 8, costs=S.Costs(1.0, 1.0, 1.0), split=[None, why, None, None])
+    plain = S.select(4, 8, costs=S.Costs(1.0, 1.0, 1.0))
+    by_name = {c.name: c for c in told.candidates}
+    assert by_name["zb_h1"].split == "falls back on stages [1]" and by_name["zbv"].split == "falls back on stages [2, 3]"
+    assert by_name["1f1b"].split == "" and all(c.split == "" for c in plain.candidates)
+    before = {c.name: c.makespan for c in plain.candidates}
+    assert by_name["zb_h1"].makespan > before["zb_h1"] and by_name["1f1b"].makespan == before["1f1b"]
+    assert told.split_reasons == {1: why} and "reentrant" in told.table() and "I/W split" in told.table()
+    assert "I/W split" not in plain.table()
+    assert S.select(4, 8, split=[None] * 4).chosen.split == "held"
+    with pytest.raises(S.ScheduleError, match="one per rank share"):
+        S.select(4, 8, split=[None, None])
+
+
+def test_trace_report_says_per_stage_whether_the_split_held():
+    from pipeline_ext import schedules as S
+    from pipeline_ext.runtime.trace import TraceReport, Tracer
+
+    sch = S.build("zb_h1", 2, 4)
+    tracer = Tracer(0)
+    tracer.note_split({0: None, 1: "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), ..."})
+    tracer.note_split({1: None})  # a fallback, once seen, stays
+    report = TraceReport(sch, [S.simulate(sch).timeline], tracer.split)
+    text = report.summary()
+    assert "I/W split held on stages [0]" in text and "fell back to a whole backward at I on stage 1" in text
+    assert report.chrome_trace()["traceEvents"][0]["args"]["split"] == {"0": "held", "1": tracer.split[1]}
+
+
+# -- two Gloo ranks: the multi-process front end, traced ------------------------------------------------
+def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
+    """Two traced steps of ``name`` with ``kind`` stages against the unsplit model; the complaints, if any."""
+    v = 2 if name in ("zbv", "dualpipev") else 1
+    n, m = world * v, 4
+    mine = [rank, 2 * world - 1 - rank] if v == 2 else [rank]
+    modules = make_stages(kind, n)
+    ref = nn.Sequential(*copy.deepcopy(modules))
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss,
+                                        trace=True)
+    params = [p for s in mine for p in modules[s].parameters()]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    bad: list[str] = []
+    for step in range(2):
+        x, y = batch(2 * m, seed=step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            sched.step(x if 0 in mine else None, target=y if n - 1 in mine else None, losses=losses)
+        unsplit = [str(w.message) for w in said if issubclass(w.category, UnsplitBackwardWarning)]
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        if n - 1 in mine and not torch.allclose(sum(losses) / len(losses), ref_loss.detach()):
+            bad.append(f"{name} {kind} rank {rank} step {step}: loss differs")
+        for s in mine:
+            for a, b in zip(modules[s].parameters(), ref[s].parameters()):
+                if not torch.allclose(a.grad, b.grad, rtol=1.3e-6, atol=1e-5):
+                    bad.append(f"{name} {kind} stage {s} step {step}: grad differs")
+        opt.step()
+        ref_opt.step()
+        if unsplit:
+            bad.append(f"{name} {kind} rank {rank}: {unsplit}")
+    if set(sched.split_report.values()) != {None}:
+        bad.append(f"{name} {kind} rank {rank}: split_report {sched.split_report}")
+    report = sched.trace_report(dst=0)
+    if rank == 0 and (sorted(report.split) != list(range(n)) or set(report.split.values()) != {None}
+                      or "I/W split held on stages" not in report.summary()):
+        bad.append(f"{name} {kind}: trace split {report.split}")
+    return bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
+def test_two_processes_split_exactly_and_trace_says_so(kind, name):
+    from mp_utils import no_complaints
+
+    no_complaints(_mp_case, 2, kind, name, timeout=150)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "merge_chunks": "pipeline_ext.runtime.microbatch",
     "UnsplitBackwardWarning": "pipeline_ext.runtime.split_backward",
     "SplitFunction": "pipeline_ext.runtime.split_function",
+    "split_check": "pipeline_ext.runtime.split_backward",
     "once_only_hooks": "pipeline_ext.runtime.split_keep",
     "split_backend": "pipeline_ext.runtime.compiled_split",
     "comm_region": "pipeline_ext.runtime.overlap",

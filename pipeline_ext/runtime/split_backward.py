@@ -57,7 +57,8 @@ from pipeline_ext.runtime.compiled_split import DEFER_ATTR
 from pipeline_ext.runtime.split_keep import PHASE_ATTR, KeptForWeight
 from pipeline_ext.runtime.split_obstacles import graph_traits, split_aware
 
-__all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight"]
+__all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight", "split_obstacle",
+           "split_check"]
 
 
 class UnsplitBackwardWarning(UserWarning):
@@ -212,20 +213,12 @@ def backward_input(
     if not input_nodes:  # nothing to do at I: W backpropagates everything in one engine call
         deferred.outputs, deferred.output_grads = [o for o, _ in pairs], [g for _, g in pairs]
         return [None] * len(inputs), deferred
-    leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
-    region = {n for n, ok in leads.items() if ok}
+    region, branches, traits = _analyse(pairs, input_nodes)
     in_region = [(o, g) for o, g in pairs if _edge(o).node in region]
     for o, g in pairs:
         if _edge(o).node not in region:
             deferred.outputs.append(o)
             deferred.output_grads.append(g)
-    owner: dict[Any, int] = {}
-    branches = _weight_branches(region, owner) if in_region else []
-    traits = graph_traits(leads, _run_twice(region, branches, owner, deferred.outputs))
-    if traits.obstacle is None and traits.shared and torch._C._get_graph_exec_group() is not None:
-        traits = dataclasses.replace(traits, obstacle=(
-            "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward runs "
-            "inside the caller's GraphExecGroup: the split needs a group of its own, shared by I and W"))
     if traits.obstacle is not None:
         return _backward_whole(pairs, inputs, traits.obstacle)
     group = GraphExecGroup() if traits.shared else None
@@ -269,6 +262,56 @@ def backward_input(
         _set_phase(deferred.keep.split_nodes, None)
     deferred.branches = [b for b in branches or [] if b.grads is not None]
     return list(grads), deferred
+
+
+def _analyse(pairs: Sequence[tuple[Any, Any]], input_nodes: set[Any]) -> tuple[set[Any], Any, Any]:
+    """The input region, the weight branches (None: they overlap) and the graph's traits for the split."""
+    leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
+    region = {n for n, ok in leads.items() if ok}
+    owner: dict[Any, int] = {}
+    branches = _weight_branches(region, owner) if any(_edge(o).node in region for o, _ in pairs) else []
+    outside = [o for o, _ in pairs if _edge(o).node not in region]
+    traits = graph_traits(leads, _run_twice(region, branches, owner, outside))
+    if traits.obstacle is None and traits.shared and torch._C._get_graph_exec_group() is not None:
+        traits = dataclasses.replace(traits, obstacle=(
+            "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward runs "
+            "inside the caller's GraphExecGroup: the split needs a group of its own, shared by I and W"))
+    return region, branches, traits
+
+
+def split_obstacle(outputs: Sequence[Any], inputs: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why ``backward_input`` would run the whole backward of this graph at I (None: it would split).
+
+    Reads the graph only: no engine call, no unpacking, no gradient touched.
+    """
+    roots = [o for o in outputs if _needs_grad(o)]
+    input_nodes = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
+    if not input_nodes or not roots:
+        return None
+    return _analyse([(o, None) for o in roots], input_nodes)[2].obstacle
+
+
+def split_check(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Optional[str]:
+    """Whether ``module`` (a stage) keeps the I/W split: None, or why its I would run the whole backward.
+
+    Runs one forward on the example arguments (floating-point tensors become
+    inputs that require grad, as a stage's received activations do) and reads
+    its graph (``split_obstacle``); nothing runs backward. Give
+    ``schedules.select(split=...)`` one answer per rank share of the model.
+    """
+    def as_input(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            return x.detach().requires_grad_(True)
+        return x
+
+    args = tuple(as_input(a) for a in args)
+    kwargs = {k: as_input(v) for k, v in kwargs.items()}
+    with torch.enable_grad():
+        out = module(*args, **kwargs)
+    flat = out if isinstance(out, (tuple, list)) else (out,)
+    outputs = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return split_obstacle(outputs, inputs)
 
 
 def _run_twice(region: set[Any], branches: Optional[list[_WeightBranch]], owner: dict[Any, int],
