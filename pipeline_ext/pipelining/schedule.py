@@ -421,8 +421,9 @@ class PipelineSchedule:
                 r.reset()
             raise
         if training:
-            if self._tracer is not None:
-                self._tracer.note_split(split_report(self._runners))
+            note = getattr(self._tracer, "note_split", None)  # the slot may hold another recorder (ActivationMeter)
+            if note is not None:
+                note(split_report(self._runners))
             for hook in list(self._step_post_hooks.values()):
                 hook()
         if not self.has_last_stage:
