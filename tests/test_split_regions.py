@@ -223,6 +223,39 @@ def test_what_cannot_split_falls_back_exactly_and_says_why(kind, why):
     assert unsplit is not None and why in unsplit and not empty_after_i, unsplit
 
 
+@pytest.mark.parametrize("kind", ["sac", "offload"])
+def test_tied_weights_keep_the_split_too(kind):
+    """A weight used twice makes W one backward over the parameters, which runs the whole input region again:
+    every region node's values are kept from I (SAC: no second recomputation; once-only: no second unpack)."""
+    torch.manual_seed(0)
+    lin, offload, calls = nn.Linear(D, D), Offload(), [0]
+
+    def body(x):
+        calls[0] += 1
+        return lin(torch.tanh(lin(x))) + 2 * lin.bias
+
+    def run(x):
+        if kind == "sac":
+            return checkpoint(body, x, use_reentrant=False, context_fn=sac_context)
+        with pe.once_only_hooks(offload.pack, offload.unpack):
+            return body(x)
+
+    x = torch.randn(3, D, requires_grad=True)
+    out = run(x)
+    g = torch.randn_like(out)
+    (gx,), deferred = backward_input([out], [g], [x])
+    assert deferred.unsplit is None and deferred.fallback_params is not None and lin.weight.grad is None
+    backward_weight(deferred)
+    got = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    x2 = x.detach().requires_grad_(True)
+    body(x2).backward(g)
+    torch.testing.assert_close(gx, x2.grad)
+    for a, p in zip(got, lin.parameters()):
+        torch.testing.assert_close(a, p.grad)
+    assert calls[0] == (3 if kind == "sac" else 2) and not offload.store  # sac: forward, I's recomputation, reference
+
+
 def test_sac_region_is_recomputed_once_and_what_w_reads_is_freed_after_w():
     """SAC: forward + one recomputation (at I), none at W; between I and W the frame holds W's values only,
     after W nothing of the recomputation is left."""
