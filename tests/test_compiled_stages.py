@@ -6,8 +6,8 @@ zero-bubble schedules cannot re-enter it: before the fallback, ZB-H1 failed
 with "compiled with non-empty donated buffers". Now such a stage runs its
 whole backward at I (W does nothing) with one ``UnsplitBackwardWarning`` per
 stage, and every schedule stays exact. Stages wrapped in
-``torch.utils.checkpoint`` split (plain, non-reentrant) or fall back
-(reentrant, selective activation checkpointing), exact either way.
+``torch.utils.checkpoint`` split (plain, non-reentrant, and selective
+activation checkpointing, issue 40) or fall back (reentrant), exact either way.
 
 Each check compares with the eager unsplit model on the whole batch: the loss,
 every parameter's gradient, and the parameters after one SGD step. One spawn
@@ -155,13 +155,13 @@ def _compare(where: str, what: str, modules, ref, mine: list[int], get) -> list[
 
 def _check_warnings(where: str, name: str, wrap: str, compiled: bool, mine: list[int], unsplit: list[str]) -> list[str]:
     """Exactly one warning per stage that had to fall back, naming it; none elsewhere."""
-    falls_back = name in ZERO_BUBBLE and (compiled or wrap in ("reentrant", "sac"))
+    falls_back = name in ZERO_BUBBLE and (compiled or wrap == "reentrant")
     # a first stage does its whole backward at W anyway: nothing to fall back from
     expect = sorted(s for s in mine if falls_back and s != 0)
     named = sorted(int(m.split(":")[0].split()[1]) for m in unsplit)
     if named != expect:
         return [f"{where}: unsplit warnings for stages {named}, expected {expect}: {unsplit}"]
-    reason = "torch.compile" if compiled else "reentrant" if wrap == "reentrant" else "selective"
+    reason = "torch.compile" if compiled else "reentrant"
     return [f"{where}: warning does not say why: {m}" for m in unsplit if reason not in m]
 
 
@@ -231,7 +231,7 @@ def test_plain_checkpoint_splits_and_w_recomputes_once():
     assert calls[0] == 3 + 2  # split: forward, I, W; then the reference: forward, backward
 
 
-@pytest.mark.parametrize("kind", ["sac", "reentrant", "unknown_hook"])
+@pytest.mark.parametrize("kind", ["reentrant", "unknown_hook"])
 def test_unsplittable_graphs_run_whole_at_i_and_say_why(kind):
     from torch.utils.checkpoint import checkpoint
 
@@ -239,16 +239,33 @@ def test_unsplittable_graphs_run_whole_at_i_and_say_why(kind):
     body = Body()
 
     def run(x):
-        if kind == "sac":
-            return checkpoint(body, x, use_reentrant=False, context_fn=_sac_context)
         if kind == "reentrant":
             return checkpoint(body, x, use_reentrant=True)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda box: box[0]):  # a hook we cannot vouch for
             return body(x)
 
     unsplit, _ = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
-    want = {"sac": "selective", "reentrant": "reentrant", "unknown_hook": "saved_tensors_hooks"}[kind]
+    want = {"reentrant": "reentrant", "unknown_hook": "saved_tensors_hooks"}[kind]
     assert unsplit is not None and want in unsplit, unsplit
+
+
+def test_selective_checkpoint_splits_and_recomputes_once():
+    """SAC (issue 40): I and W share one GraphExecGroup: one recomputation, at I; W reads what I kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    body, calls = Body(), [0]
+
+    def counted(x):
+        calls[0] += 1
+        return body(x)
+
+    def run(x):
+        return checkpoint(counted, x, use_reentrant=False, context_fn=_sac_context)
+
+    unsplit, boundaries = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
+    assert unsplit is None and boundaries == 2
+    assert calls[0] == 2 + 2  # split: forward, I (W recomputes nothing); then the reference: forward, backward
 
 
 def test_save_on_cpu_splits():
@@ -265,12 +282,12 @@ def test_save_on_cpu_splits():
 def test_whole_backward_with_a_non_leaf_input_stops_at_that_input():
     """The fallback must not run on into the graph that made a non-leaf input, nor touch its .grad."""
     from pipeline_ext.runtime.split_backward import backward_input, backward_weight
-    from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
     body, leaf = Body(), torch.randn(3, D, requires_grad=True)
     h = leaf * 2.0
-    out = checkpoint(body, h, use_reentrant=False, context_fn=_sac_context)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda box: box[0]):  # a hook we cannot vouch for
+        out = body(h)
     g = torch.randn_like(out)
     (gh,), deferred = backward_input([out], [g], [h])
     assert deferred.unsplit is not None and leaf.grad is None
@@ -289,7 +306,7 @@ def test_runner_warns_once_per_stage():
     from pipeline_ext.runtime.stage import StageRunner
 
     torch.manual_seed(0)
-    runner = StageRunner(Stage("sac"), 1, 2, loss_fn=nn.functional.mse_loss)
+    runner = StageRunner(Stage("reentrant"), 1, 2, loss_fn=nn.functional.mse_loss)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for mb in range(3):
@@ -297,7 +314,7 @@ def test_runner_warns_once_per_stage():
             runner.backward_input(mb)
             runner.backward_weight(mb)
     msgs = [str(w.message) for w in said if issubclass(w.category, UnsplitBackwardWarning)]
-    assert len(msgs) == 1 and msgs[0].startswith("stage 1:") and "selective" in msgs[0], msgs
+    assert len(msgs) == 1 and msgs[0].startswith("stage 1:") and "reentrant" in msgs[0], msgs
 
 
 # -- split_backend: the compiled backward cut into I and W graphs ------------------------------------

@@ -48,7 +48,7 @@ from pipeline_ext.runtime.local import LocalHub, LocalStep
 from pipeline_ext.pipe.connected import ConnectedRunner
 from pipeline_ext.runtime.executor import Executor, StepInputs
 from pipeline_ext.runtime.tags import check_tag_space
-from pipeline_ext.runtime.stage import StageRunner
+from pipeline_ext.runtime.stage import StageRunner, split_report
 from pipeline_ext.pipe.threads import Activity, CancelToken, GuardedRunner, StepOutcome, run_step_threads
 from pipeline_ext.runtime.skips import SkipRoutes
 from pipeline_ext.skip import verify_skippables
@@ -167,6 +167,9 @@ class Pipe(nn.Module):
         self._abandoned_backward = False
         #: per stage, the most microbatches whose activations were held at once in the last step()
         self.peak_live_microbatches: list[int] = []
+        #: per stage whose I ran in the last step(): None where the I/W split held, else why it fell back
+        #: to a whole backward at I (``runtime/split_obstacles.py``)
+        self.split_report: dict[int, Optional[str]] = {}
 
     def _init_empty(self) -> None:
         """An empty Sequential is the identity (torchgpipe allows it)."""
@@ -178,6 +181,7 @@ class Pipe(nn.Module):
         self._abandoned = []
         self._abandoned_backward = False
         self.peak_live_microbatches = []
+        self.split_report = {}
 
     def _schedules_for(self, m: int, why: str) -> tuple[S.Schedule, S.Schedule]:
         """Training and forward-only schedules for ``m`` microbatches (``why`` it is not ``chunks``)."""
@@ -404,6 +408,7 @@ class Pipe(nn.Module):
         if self._bn is not None:
             self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]
+        self.split_report = split_report(runners)
         last = runners[n - 1]
         return sum(w * last.losses[k] for k, w in enumerate(weights))  # type: ignore[return-value]
 

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from pipeline_ext import schedules as S
 from pipeline_ext.comm.groups import group_timeout
 from pipeline_ext.comm.session import FORWARD, TRAIN, Session
-from pipeline_ext.comm.trace import gather_steps
+from pipeline_ext.comm.trace import gather_trace
 from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_functions, custom_key
 from pipeline_ext.pipelining.model_split import as_stage
 from pipeline_ext.pipelining.stage import PipelineStage
@@ -48,6 +48,7 @@ from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
 from pipeline_ext.runtime.overlap import run_overlapped
 from pipeline_ext.runtime.skips import declared_skips
+from pipeline_ext.runtime.stage import split_report
 from pipeline_ext.runtime.trace import Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.schedules.ir import OVERLAP_F_B
@@ -274,8 +275,8 @@ class PipelineSchedule:
         """
         if self._tracer is None:
             raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
-        steps = gather_steps(self._tracer, self.group, dst)
-        return None if steps is None else TraceReport(self.schedule, steps)
+        got = gather_trace(self._tracer, self.group, dst)
+        return None if got is None else TraceReport(self.schedule, *got)
 
     def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
         """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
@@ -283,6 +284,12 @@ class PipelineSchedule:
         if report is not None:
             report.write_chrome_trace(path)
         return report
+
+    @property
+    def split_report(self) -> dict[int, Optional[str]]:
+        """Per local stage whose I ran: None where the I/W split held, else why it fell back to a whole backward
+        at I (``runtime/split_obstacles.py``'s reason; ``UnsplitBackwardWarning`` says it once too)."""
+        return split_report(self._runners)
 
     @property
     def peak_live_microbatches(self) -> dict[int, int]:
@@ -407,6 +414,9 @@ class PipelineSchedule:
                 r.reset()
             raise
         if training:
+            note = getattr(self._tracer, "note_split", None)  # the slot may hold another recorder (ActivationMeter)
+            if note is not None:
+                note(split_report(self._runners))
             for hook in list(self._step_post_hooks.values()):
                 hook()
         if not self.has_last_stage:

@@ -17,12 +17,19 @@ is what ``ActivationMeter`` counts:
   ``sample()`` keeps the largest value seen; the executor's ``on_action`` hook
   (``record``, the ``Tracer``'s signature) samples after every action.
 
+- what a zero-bubble I keeps for its W beyond the graph's saved tensors
+  (values of a selective checkpoint recomputed at I, once-only hooks' values,
+  a ``SplitFunction``'s stash; [Note: what I keeps for W]) is recorded when I
+  hands it over: ``watch(runner)`` sets the runner's ``on_kept`` to ``track``.
+
 Liveness is reference counting, so the count is the same on every run of the
-same schedule. What it leaves out: parameters, gradients, optimizer state,
-the channels' own buffers (packed copies, receive buffers not yet handed to a
-stage), and the last stage's loss. Saved tensors under a
-``saved_tensors_hooks`` unpack hook (a checkpointed region) are not unpacked
-(that would recompute them); such a stage is counted by its inputs and outputs.
+same schedule. What it leaves out: parameters, gradients (the gradients I
+records for W included), optimizer state, the channels' own buffers (packed
+copies, receive buffers not yet handed to a stage), and the last stage's
+loss. Saved tensors under a ``saved_tensors_hooks`` unpack hook are not
+unpacked (that would recompute or move them); for a checkpointed region what
+its frame holds is counted instead: the inputs it recomputes from and the
+values a selective checkpoint's policy saved.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pipeline_ext.runtime.split_obstacles import checkpoint_frame, frame_inputs, sac_storage_tensors
 from pipeline_ext.runtime.stage import _storage_key
 
 __all__ = ["ActivationMeter", "activation_bytes", "saved_tensors"]
@@ -40,6 +48,7 @@ def saved_tensors(roots: Sequence[Any]) -> Iterator[torch.Tensor]:
     """Every tensor saved for backward in the graph below ``roots`` (tensors), without running unpack hooks."""
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
+    frames: set[int] = set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -51,8 +60,14 @@ def saved_tensors(roots: Sequence[Any]) -> Iterator[torch.Tensor]:
             try:
                 raw = getattr(node, name)
                 items = raw if isinstance(raw, (list, tuple)) else (raw,)
-                if any(getattr(r, "unpack_hook", None) is not None for r in items):
-                    continue  # unpacking could recompute (checkpoint) or move (offload) it
+                hooked = [r.unpack_hook for r in items if getattr(r, "unpack_hook", None) is not None]
+                if hooked:  # unpacking could recompute (checkpoint) or move (offload) it
+                    for frame in map(checkpoint_frame, hooked):
+                        if frame is not None and id(frame) not in frames:  # what the frame holds, once
+                            frames.add(id(frame))
+                            yield from frame_inputs(frame)
+                            yield from sac_storage_tensors(frame)
+                    continue
                 value = getattr(node, name[len("_raw"):])
             except RuntimeError:  # freed already (a backward ran)
                 continue
@@ -91,6 +106,18 @@ class ActivationMeter:
             self._refs[ref.cdata] = (ref, storage.nbytes())
             added += storage.nbytes()
         return added
+
+    def watch(self, runner: Any, inputs: bool = True) -> None:
+        """Measure a ``StageRunner``: its forwards (``wrap`` of its ``call``) and what its I keeps for W."""
+        runner.call = self.wrap(runner.call, inputs=inputs)
+        module = runner.module
+
+        def kept(tensors: list) -> None:
+            # a recomputation saves the parameters it reads too (detached views of them): no activations
+            skip = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
+            self.track([t for t in tensors if _storage_key(t) not in skip])
+
+        runner.on_kept = kept
 
     def wrap(self, call: Callable[..., Any], inputs: bool = True) -> Callable[..., Any]:
         """A runner's ``call`` that records each forward's inputs, outputs and saved tensors.

@@ -23,21 +23,29 @@ weights used twice in a stage), re-entering per node would count the shared
 part twice, so W falls back to one backward over the whole graph restricted to
 the parameters: still exact, but W then costs about a full backward.
 
-Some graphs cannot be re-entered per node exactly (see ``runtime/split_obstacles.py``):
-a ``torch.compile``'d region is one opaque node whose compiled backward computes
-every gradient at once and may donate its buffers (a second call is an error);
-a reentrant checkpoint refuses ``autograd.grad``; selective activation
-checkpointing (SAC) lets its region be recomputed once only; an unknown
-saved-tensor unpack hook may be once-only too. For those, I runs the whole
-backward (weight grads accumulate at I, as B would do) and W has nothing
+Some graphs cannot be re-entered per node exactly (see ``runtime/split_obstacles.py``,
+[Note: what stops the I/W split]): a ``torch.compile``'d region is one opaque node
+whose compiled backward computes every gradient at once and may donate its buffers
+(a second call is an error); a reentrant checkpoint refuses ``autograd.grad``; an
+unknown saved-tensor unpack hook (possibly once-only) or an unknown custom
+``autograd.Function`` on a node that runs at both I and W. For those, I runs the
+whole backward (weight grads accumulate at I, as B would do) and W has nothing
 left: exact, without the zero-bubble benefit; ``DeferredWeightGrad.unsplit``
-says why, and ``StageRunner`` warns once per stage. Plain non-reentrant
-checkpointing splits: W runs under one ``GraphExecGroup``, so its region is
-recomputed once for W (and once for I), not once per boundary node.
+says why, and ``StageRunner`` warns once per stage.
+
+What splits although a node runs twice ([Note: what I keeps for W] in
+``runtime/split_keep.py``): plain non-reentrant checkpointing (W runs under one
+``GraphExecGroup``, so its region is recomputed once for W and once for I, not
+once per boundary node); selective activation checkpointing (I and W share one
+group: the region is recomputed once, at I, and I keeps what W reads, freed
+after W); hooks wrapped in ``once_only_hooks`` (unpacked once, at I, kept for
+W); a ``SplitFunction`` (I runs its ``backward_input``, W its
+``backward_weight``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -46,9 +54,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import GraphExecGroup
 
 from pipeline_ext.runtime.compiled_split import DEFER_ATTR
+from pipeline_ext.runtime.split_keep import PHASE_ATTR, KeptForWeight
 from pipeline_ext.runtime.split_obstacles import graph_traits, split_aware
 
-__all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight"]
+__all__ = ["DeferredWeightGrad", "UnsplitBackwardWarning", "backward_input", "backward_weight", "split_obstacle",
+           "split_check"]
 
 
 class UnsplitBackwardWarning(UserWarning):
@@ -116,19 +126,31 @@ class DeferredWeightGrad:
     fallback_params: Optional[list[torch.Tensor]] = None
     #: why I already ran the whole backward (W has nothing left); None when split
     unsplit: Optional[str] = None
-    # the graph holds checkpointed regions: W's engine calls share one GraphExecGroup
+    # the graph holds checkpointed regions: W's engine calls share one GraphExecGroup of their own
     recomputes: bool = False
+    # the GraphExecGroup I ran under and W runs under (one recomputation of each region, at I), or None
+    group: Optional[GraphExecGroup] = None
+    #: what I keeps for W ([Note: what I keeps for W]); released by ``clear``
+    keep: KeptForWeight = field(default_factory=KeptForWeight)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors kept from I until W beyond the graph's own saved ones (for the memory accounting)."""
+        return self.keep.tensors()
 
     def clear(self) -> None:
         self.branches.clear()
         self.outputs.clear()
         self.output_grads.clear()
         self.fallback_params = None
+        _set_phase(self.keep.split_nodes, None)
+        self.keep.release()
 
 
-def _weight_branches(region: set[Any]) -> Optional[list[_WeightBranch]]:
-    """Branch nodes (where a weight-only subgraph joins) and their weight leaves, or None if weight-only subgraphs overlap."""
-    owner: dict[Any, int] = {}
+def _weight_branches(region: set[Any], owner: dict[Any, int]) -> Optional[list[_WeightBranch]]:
+    """Branch nodes (where a weight-only subgraph joins) and their weight leaves, or None if weight-only subgraphs overlap.
+
+    ``owner`` is filled with every weight-only node, mapped to the branch that reaches it.
+    """
     branches: list[_WeightBranch] = []
     for tag, node in enumerate(region):
         starts = [c for c, _ in node.next_functions if c is not None and c not in region]
@@ -191,21 +213,21 @@ def backward_input(
     if not input_nodes:  # nothing to do at I: W backpropagates everything in one engine call
         deferred.outputs, deferred.output_grads = [o for o, _ in pairs], [g for _, g in pairs]
         return [None] * len(inputs), deferred
-    leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
-    traits = graph_traits(leads)
-    if traits.obstacle is not None:
-        return _backward_whole(pairs, inputs, traits.obstacle)
-    deferred.recomputes = traits.recomputes
-    region = {n for n, ok in leads.items() if ok}
+    region, branches, traits = _analyse(pairs, input_nodes)
     in_region = [(o, g) for o, g in pairs if _edge(o).node in region]
     for o, g in pairs:
         if _edge(o).node not in region:
             deferred.outputs.append(o)
             deferred.output_grads.append(g)
+    if traits.obstacle is not None:
+        return _backward_whole(pairs, inputs, traits.obstacle)
+    group = GraphExecGroup() if traits.shared else None
+    deferred.group = group
+    deferred.recomputes = traits.recomputes and group is None
+    deferred.keep = KeptForWeight(group, traits.frames, traits.holders, traits.boxes, traits.split_nodes)
     if not in_region:
         return [None] * len(inputs), deferred
 
-    branches = _weight_branches(region)
     if branches is None:
         deferred.fallback_params = _all_leaves([_edge(o).node for o, _ in pairs], input_nodes)
         deferred.outputs = [o for o, _ in pairs]
@@ -220,19 +242,110 @@ def backward_input(
             b.grads = grads
 
         handles.append(b.node.register_prehook(hook))
+    deferred.keep.arm()
+    _set_phase(deferred.keep.split_nodes, "I")
     try:
-        grads = torch.autograd.grad(
-            [o for o, _ in in_region],
-            list(inputs),
-            grad_outputs=[g for _, g in in_region],
-            retain_graph=bool(branches) or branches is None,
-            allow_unused=True,
-        )
+        with group if group is not None else contextlib.nullcontext():
+            grads = torch.autograd.grad(
+                [o for o, _ in in_region],
+                list(inputs),
+                grad_outputs=[g for _, g in in_region],
+                retain_graph=bool(branches) or branches is None,
+                allow_unused=True,
+            )
+    except BaseException:
+        deferred.clear()
+        raise
     finally:
         for h in handles:
             h.remove()
+        _set_phase(deferred.keep.split_nodes, None)
     deferred.branches = [b for b in branches or [] if b.grads is not None]
     return list(grads), deferred
+
+
+def _analyse(pairs: Sequence[tuple[Any, Any]], input_nodes: set[Any]) -> tuple[set[Any], Any, Any]:
+    """The input region, the weight branches (None: they overlap) and the graph's traits for the split."""
+    leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
+    region = {n for n, ok in leads.items() if ok}
+    owner: dict[Any, int] = {}
+    branches = _weight_branches(region, owner) if any(_edge(o).node in region for o, _ in pairs) else []
+    outside = [o for o, _ in pairs if _edge(o).node not in region]
+    traits = graph_traits(leads, _run_twice(region, branches, owner, outside))
+    if traits.obstacle is None and traits.shared and torch._C._get_graph_exec_group() is not None:
+        traits = dataclasses.replace(traits, obstacle=(
+            "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward runs "
+            "inside the caller's GraphExecGroup: the split needs a group of its own, shared by I and W"))
+    return region, branches, traits
+
+
+def split_obstacle(outputs: Sequence[Any], inputs: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why ``backward_input`` would run the whole backward of this graph at I (None: it would split).
+
+    Reads the graph only: no engine call, no unpacking, no gradient touched.
+    """
+    roots = [o for o in outputs if _needs_grad(o)]
+    input_nodes = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
+    if not input_nodes or not roots:
+        return None
+    return _analyse([(o, None) for o in roots], input_nodes)[2].obstacle
+
+
+def split_check(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Optional[str]:
+    """Whether ``module`` (a stage) keeps the I/W split: None, or why its I would run the whole backward.
+
+    Runs one forward on the example arguments (floating-point tensors become
+    inputs that require grad, as a stage's received activations do) and reads
+    its graph (``split_obstacle``); nothing runs backward. Give
+    ``schedules.select(split=...)`` one answer per rank share of the model.
+    """
+    def as_input(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            return x.detach().requires_grad_(True)
+        return x
+
+    args = tuple(as_input(a) for a in args)
+    kwargs = {k: as_input(v) for k, v in kwargs.items()}
+    with torch.enable_grad():
+        out = module(*args, **kwargs)
+    flat = out if isinstance(out, (tuple, list)) else (out,)
+    outputs = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return split_obstacle(outputs, inputs)
+
+
+def _run_twice(region: set[Any], branches: Optional[list[_WeightBranch]], owner: dict[Any, int],
+               outputs: Sequence[Any]) -> set[Any]:
+    """The nodes that run both at I and at W ([Note: what stops the I/W split]).
+
+    The boundary nodes; with overlapping weight-only subgraphs (W is one backward
+    over the parameters) the whole input region; and the weight-only nodes that
+    W's call for the outputs independent of the inputs reaches too.
+    """
+    if branches is None:
+        return set(region)
+    twice = {b.node for b in branches}
+    if outputs and owner:
+        seen: set[Any] = set()
+        stack = [_edge(o).node for o in outputs]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in owner:
+                twice.add(node)
+            stack.extend(c for c, _ in node.next_functions if c is not None)
+    return twice
+
+
+def _set_phase(nodes: Sequence[Any], phase: Optional[str]) -> None:
+    """Which half the ``SplitFunction`` nodes run in the next engine call ("I", "W"; None: the whole backward)."""
+    for node in nodes:
+        if phase is not None:
+            setattr(node, PHASE_ATTR, phase)
+        elif hasattr(node, PHASE_ATTR):
+            delattr(node, PHASE_ATTR)
 
 
 def _backward_whole(
@@ -304,9 +417,11 @@ def backward_weight(deferred: DeferredWeightGrad) -> None:
             groups.append([(list(deferred.outputs), list(deferred.output_grads), None)])
     n_calls = sum(len(g) for g in groups)
     done = 0
+    # in the one-call fallback the SplitFunctions must give their input grads too (they lead to parameters)
+    _set_phase(deferred.keep.split_nodes, "W" if deferred.fallback_params is None else None)
     try:
         for group in groups:
-            with _exec_group(deferred.recomputes and len(group) > 1):
+            with _exec_group(deferred.recomputes and len(group) > 1, deferred.group):
                 for roots, grads, leaves in group:
                     done += 1
                     # Nodes shared between calls may run more than once, so every call but the
@@ -319,13 +434,19 @@ def backward_weight(deferred: DeferredWeightGrad) -> None:
         deferred.clear()
 
 
-def _exec_group(wanted: bool) -> contextlib.AbstractContextManager[Any]:
+def _exec_group(wanted: bool, shared: Optional[GraphExecGroup] = None) -> contextlib.AbstractContextManager[Any]:
     """One ``GraphExecGroup`` around W's engine calls, so checkpointed regions recompute once for all of them.
 
-    The calls touch disjoint nodes (boundary subgraphs never overlap; overlapping ones
-    take the one-call fallback), which is what the group requires. Groups cannot nest:
-    inside a caller's group each call recomputes on its own (exact, slower).
+    ``shared``: the group I ran under (a selective checkpoint: the region was
+    recomputed at I and I kept what W reads); W runs under it too. Otherwise a
+    new one when ``wanted``. The calls touch disjoint nodes (boundary subgraphs
+    never overlap; overlapping ones take the one-call fallback), which is what a
+    group requires; where they do not (the outputs' call), I kept the values
+    for the second read. Groups cannot nest: inside a caller's group each call
+    recomputes on its own (exact, slower).
     """
+    if shared is not None:
+        return shared
     if not wanted or torch._C._get_graph_exec_group() is not None:
         return contextlib.nullcontext()
     return GraphExecGroup()

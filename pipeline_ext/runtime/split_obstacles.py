@@ -1,40 +1,58 @@
 """What in an autograd graph stops the I/W split from re-entering it node by node.
 
 [Note: what stops the I/W split]
-``split_backward`` runs a stage's backward in two engine calls (I, then W
-re-entering the *boundary* nodes with the gradient recorded at I). That is
-exact only if every node can be run again, with ``retain_graph=True``, and
-gives the same answer. These graphs break that assumption:
+``split_backward`` runs a stage's backward in two engine calls: I, then W
+re-entering the *boundary* nodes (input-region nodes with a weight-only
+subgraph below them) with the gradient recorded at I. A boundary node runs in
+both calls (its input edges at I, its weight edges at W); every other node
+runs in one (input-only nodes at I, weight-only ones at W). ``twice`` below
+is the set of nodes that run in both: the boundary nodes, the nodes shared
+between W's calls, or, when weight-only subgraphs overlap and W is one whole
+backward over the parameters, the whole input region. The split is exact if
+every node of ``twice`` gives the same answer when run again with
+``retain_graph=True`` and reads its saved values again. What breaks that:
 
-- a ``torch.compile``'d region: one opaque ``CompiledFunctionBackward`` node.
-  Its compiled backward computes every gradient at once (re-entering it
-  recomputes all of it), and with donated buffers a second call is an error;
-- a reentrant checkpoint (``use_reentrant=True``): its backward refuses to run
-  under ``autograd.grad`` or ``inputs=``;
-- selective activation checkpointing (``context_fn``, e.g.
-  ``create_selective_checkpoint_contexts``): the saved values are handed out
-  once; a second recomputation (W's) is an error;
-- a saved tensor with an unpack hook we do not know (a user's
-  ``saved_tensors_hooks``): it may be once-only (offload and delete).
+- a ``torch.compile``'d region (anywhere): one opaque ``CompiledFunctionBackward``
+  node whose compiled backward computes every gradient at once, and with
+  donated buffers a second call is an error (``split_backend`` keeps the split);
+- a reentrant checkpoint (``use_reentrant=True``, anywhere): its backward
+  refuses to run under ``autograd.grad`` or ``inputs=``;
+- on a node of ``twice``, a saved tensor under a ``saved_tensors_hooks``
+  unpack hook we do not know: it may be once-only (offload and delete).
+  Hooks wrapped in ``once_only_hooks`` are known: I unpacks once and keeps
+  the value for W ([Note: what I keeps for W] in ``split_keep``);
+  ``save_on_cpu``'s can be unpacked any number of times;
+- on a node of ``twice``, a custom ``autograd.Function`` we do not know: its
+  ``backward`` computes every gradient each time, or does something once
+  only (accumulates into a ``main_grad``). A ``SplitFunction`` (its backward
+  in ``backward_input`` and ``backward_weight`` halves) is known.
 
-Plain non-reentrant checkpointing *can* be split: each engine call recomputes
-the region, and W's calls share one ``GraphExecGroup`` so W recomputes it once.
-``save_on_cpu`` hooks can be unpacked any number of times.
+Checkpointed regions (non-reentrant) split. Plain ones: each engine call
+recomputes the region, and W's calls share one ``GraphExecGroup`` so W
+recomputes it once. With a ``context_fn`` (selective activation
+checkpointing, whose cache hands each saved value out once): I and W share
+one group, the region is recomputed once, at I, and I keeps what W reads
+([Note: what I keeps for W]).
 
-The checks read ``SavedTensor.unpack_hook`` and the checkpoint frame it closes
-over, without unpacking anything (unpacking would trigger a recomputation).
-Anything we cannot classify counts as an obstacle: the fallback is exact.
+The checks read ``SavedTensor.unpack_hook``, ``SavedTensor.data`` (the packed
+object) and the checkpoint frame the hook closes over, without unpacking
+anything (unpacking would trigger a recomputation). Anything we cannot
+classify counts as an obstacle: the fallback is exact.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterable, Iterator, Optional
 
 import torch
 from torch.utils import checkpoint as _ckpt
 
-__all__ = ["GraphTraits", "graph_traits", "split_aware", "SPLITTABLE_MARK"]
+from pipeline_ext.runtime.split_function import is_split_function
+from pipeline_ext.runtime.split_keep import OnceOnlyPacked
+
+__all__ = ["GraphTraits", "graph_traits", "split_aware", "SPLITTABLE_MARK", "checkpoint_frame", "frame_inputs",
+           "sac_storage_tensors"]
 
 #: attribute of a compiled forward (``CompiledFunction.compiled_fw``) whose backward
 #: can be cut into I and W graphs (``runtime/compiled_split.py``)
@@ -46,28 +64,64 @@ _REENTRANT_SAFE_HOOKS = {"save_on_cpu.__init__.<locals>.unpack_from_cpu"}
 
 @dataclass(frozen=True)
 class GraphTraits:
-    """``obstacle``: why the split would not be exact (None: it is); ``recomputes``:
-    the graph holds checkpointed (recomputed) regions, so W's engine calls should
-    share one ``GraphExecGroup``."""
+    """``obstacle``: why the split would not be exact (None: it is); ``recomputes``: the graph holds
+    checkpointed (recomputed) regions; ``shared``: one of them has a ``context_fn``, so I and W must share
+    one ``GraphExecGroup`` (one recomputation); ``frames``: the checkpoint frames; ``holders``, ``boxes``,
+    ``split_nodes``: what I must keep for W on the nodes that run twice (checkpoint holders, ``once_only_hooks``
+    boxes, ``SplitFunction`` nodes)."""
 
     obstacle: Optional[str]
     recomputes: bool
+    shared: bool = False
+    frames: list = field(default_factory=list)
+    holders: list = field(default_factory=list)
+    boxes: list = field(default_factory=list)
+    split_nodes: list = field(default_factory=list)
 
 
-def graph_traits(nodes: Iterable[Any]) -> GraphTraits:
-    """Classify every node of a backward graph (all of them: the weight-only parts count too)."""
-    recomputes = False
+def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTraits:
+    """Classify every node of a backward graph (all of them: the weight-only parts count too).
+
+    ``twice``: the nodes that run in both I and W (see the Note).
+    """
+    frames: dict[int, Any] = {}
+    shared = False
+    holders: list = []
+    boxes: list = []
+    split_nodes: list = []
     for node in nodes:
-        opaque = _opaque(node)
+        again = node in twice
+        opaque = _opaque(node, again)
         if opaque is not None:
-            return GraphTraits(opaque, recomputes)
+            return GraphTraits(opaque, bool(frames))
+        if again and is_split_function(getattr(type(node), "_forward_cls", None)):
+            split_nodes.append(node)
         for saved in _saved_tensors(node):
-            kind = _hook_kind(saved)
-            if kind == "checkpoint":
-                recomputes = True
-            elif kind is not None:
-                return GraphTraits(kind, recomputes)
-    return GraphTraits(None, recomputes)
+            hook = saved.unpack_hook
+            if hook is None:
+                continue
+            frame = checkpoint_frame(hook)
+            if frame is not None:
+                frames.setdefault(id(frame), frame)
+                if not isinstance(_closure_value(frame.recompute_fn, "recompute_context"), contextlib.nullcontext):
+                    shared = True
+                if again:
+                    holders.append(saved.data)
+                continue
+            if getattr(hook, "__qualname__", "") in _REENTRANT_SAFE_HOOKS:
+                continue
+            data = saved.data
+            if isinstance(data, OnceOnlyPacked):
+                if again:
+                    boxes.append(data)
+                continue
+            if again:
+                return GraphTraits(
+                    f"it holds tensors saved under a saved_tensors_hooks unpack hook we cannot unpack twice safely "
+                    f"({_name(hook)}) on {_node_name(node)}, which runs at I and at W; "
+                    "pipeline_ext.once_only_hooks(pack, unpack) keeps the split",
+                    bool(frames))
+    return GraphTraits(None, bool(frames), shared, list(frames.values()), holders, boxes, split_nodes)
 
 
 def split_aware(node: Any) -> bool:
@@ -76,7 +130,7 @@ def split_aware(node: Any) -> bool:
     return getattr(getattr(fwd, "compiled_fw", None), SPLITTABLE_MARK, False) is True
 
 
-def _opaque(node: Any) -> Optional[str]:
+def _opaque(node: Any, again: bool) -> Optional[str]:
     fwd = getattr(type(node), "_forward_cls", None)  # set on the nodes of Python autograd.Functions
     if fwd is None or split_aware(node):
         return None
@@ -87,6 +141,14 @@ def _opaque(node: Any) -> Optional[str]:
         )
     if issubclass(fwd, _ckpt.CheckpointFunction):
         return "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), which refuses autograd.grad"
+    if again and not is_split_function(fwd):
+        hint = ("it defines backward_input/backward_weight but is no pipeline_ext.SplitFunction (or overrides its "
+                "backward), so its backward cannot tell the halves apart" if hasattr(fwd, "backward_input")
+                else "declare its halves as a pipeline_ext.SplitFunction (backward_input, backward_weight) to keep "
+                     "the split")
+        return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) that takes weights and "
+                f"whose backward would run at I and again at W, computing every gradient each time (or doing "
+                f"something once only); {hint}")
     return None
 
 
@@ -105,34 +167,43 @@ def _saved_tensors(node: Any) -> Iterator[Any]:
                 yield item
 
 
-def _hook_kind(saved: Any) -> Optional[str]:
-    """None: no hook or one safe to unpack again; "checkpoint": plain checkpoint; else an obstacle."""
-    hook = saved.unpack_hook
-    if hook is None:
-        return None
-    frame = _checkpoint_frame(hook)
-    if frame is not None:
-        context = _closure_value(frame.recompute_fn, "recompute_context")
-        if isinstance(context, contextlib.nullcontext):
-            return "checkpoint"
-        return (
-            "it contains a checkpoint with a context_fn (selective activation checkpointing), "
-            "whose saved values can be used by one backward only"
-        )
-    if getattr(hook, "__qualname__", "") in _REENTRANT_SAFE_HOOKS:
-        return None
-    return f"it holds tensors saved under a saved_tensors_hooks unpack hook we cannot re-enter safely ({_name(hook)})"
-
-
-def _checkpoint_frame(hook: Any) -> Optional[Any]:
+def checkpoint_frame(hook: Any) -> Optional[Any]:
     """The ``_CheckpointFrame`` a non-reentrant checkpoint's unpack hook closes over (maybe via its error wrapper)."""
     for value in _closure(hook):
         if isinstance(value, _ckpt._CheckpointFrame):
             return value
     for value in _closure(hook):
         if callable(value) and getattr(value, "__qualname__", "").startswith("_checkpoint_hook"):
-            return _checkpoint_frame(value)
+            return checkpoint_frame(value)
     return None
+
+
+def sac_storage_tensors(frame: Any) -> list[torch.Tensor]:
+    """The values a selective checkpoint's policy saved that its recomputation has not taken yet (memory accounting)."""
+    storage = getattr(_closure_value(frame.recompute_fn, "recompute_context"), "storage", None)
+    if not isinstance(storage, dict):
+        return []
+    out: list[torch.Tensor] = []
+    for per_op in list(storage.values()):
+        stack = list(per_op.values()) if isinstance(per_op, dict) else []
+        while stack:
+            entry = stack.pop()
+            if isinstance(entry, (list, tuple)):
+                stack.extend(entry)
+            elif isinstance(getattr(entry, "val", None), torch.Tensor):
+                out.append(entry.val)
+    return out
+
+
+def frame_inputs(frame: Any) -> list[torch.Tensor]:
+    """The inputs a checkpoint frame keeps to recompute from (hooked ones left out: they are not unpacked)."""
+    out = []
+    for arg in frame.saved_args:
+        if isinstance(arg, torch._C._autograd.SavedTensor) and arg.unpack_hook is None:
+            data = arg.data
+            if isinstance(data, torch.Tensor):
+                out.append(data)
+    return out
 
 
 def _closure(fn: Any) -> list[Any]:
@@ -158,3 +229,7 @@ def _closure_value(fn: Any, name: str) -> Any:
 
 def _name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _node_name(node: Any) -> str:
+    return type(node).__name__

@@ -53,7 +53,7 @@ Skips = dict[SkipKey, Optional[torch.Tensor]]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 __all__ = ["StagePosition", "StageRunner", "StageError", "ReleasedOutput", "as_output_tuple", "is_differentiable",
-           "detach_tree"]
+           "detach_tree", "split_report"]
 
 
 class GradientSync:
@@ -181,6 +181,17 @@ class StageRunner(StagePosition):
     step) syncs a data-parallel wrapped stage once per step; see
     ``comm/data_parallel.py``.
 
+    ``on_kept`` (an attribute, default None): called after each I with the
+    tensors that I keeps for W beyond the graph's own saved ones (values of a
+    selective checkpoint recomputed at I, once-only hooks' values, a
+    ``SplitFunction``'s stash; [Note: what I keeps for W]), for the memory
+    accounting (``ActivationMeter.track``).
+
+    ``split_fallback``: why this stage's I ran the whole backward (the
+    ``split_obstacles`` reason of the first I that had to), None while every I
+    split; ``split_seen``: whether an I ran at all. ``split_report`` of the
+    front ends collects them per stage.
+
     ``release_outputs`` (default on; also an attribute, read at each F): keep
     only the autograd edge of each sent output, not the tensor, so its bytes
     are freed once the send has copied them (``ReleasedOutput``). Backward is
@@ -225,6 +236,11 @@ class StageRunner(StagePosition):
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
         self._warned_unsplit = False
+        self.on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None
+        #: why an I of this stage fell back to the whole backward (first reason seen); None: every I split
+        self.split_fallback: Optional[str] = None
+        #: an I ran on this stage (so ``split_fallback`` says something)
+        self.split_seen = False
         self._skippable = has_skippables(module)  # its forwards run under a skip tracker of their own
         self._stashed: dict[int, Skips] = {}  # per microbatch, detached, for take_stashed
         self._skip_grads: dict[int, Skips] = {}  # per microbatch, for take_skip_grads
@@ -434,6 +450,11 @@ class StageRunner(StagePosition):
         all_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs + [v for _, v in state.skip_inputs])
         input_grads = all_grads[:n]
         self._keep_skip_grads(mb, state, all_grads[n:])
+        self.split_seen = True
+        if state.deferred.unsplit is not None and self.split_fallback is None:
+            self.split_fallback = state.deferred.unsplit
+        if self.on_kept is not None:
+            self.on_kept(state.deferred.kept_tensors())
         if state.deferred.unsplit is not None and not self._warned_unsplit:
             self._warned_unsplit = True
             warnings.warn(
@@ -470,6 +491,11 @@ class StageRunner(StagePosition):
         if self._sync_left == 0:
             self._sync_left = None
             self.grad_sync.finish()
+
+
+def split_report(runners: Any) -> dict[int, Optional[str]]:
+    """Per stage whose I ran (``runners``: stage -> runner): None where the I/W split held, else why it fell back."""
+    return {s: r.split_fallback for s, r in sorted(runners.items()) if getattr(r, "split_seen", False)}
 
 
 def _release(outputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> list[Any]:

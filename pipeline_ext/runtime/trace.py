@@ -42,11 +42,17 @@ _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
 class Tracer:
-    """Collects one rank's spans, step by step. ``record`` is the executor's ``on_action``."""
+    """Collects one rank's spans, step by step. ``record`` is the executor's ``on_action``.
+
+    ``split``: per local stage whose I ran, None where the I/W split held, else
+    why it fell back to a whole backward (``split_obstacles``' reason); the
+    front end fills it after each traced step (``note_split``).
+    """
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.steps: list[list[Span]] = []
+        self.split: dict[int, Optional[str]] = {}
 
     def begin_step(self) -> None:
         """Spans recorded from now on belong to a new step."""
@@ -55,8 +61,15 @@ class Tracer:
     def record(self, action: Action, start: float, end: float) -> None:
         self.steps[-1].append(Span(self.rank, action, start, end))
 
+    def note_split(self, report: Mapping[int, Optional[str]]) -> None:
+        """What the stages' I/W split did (``runtime.stage.split_report``); a fallback, once seen, stays."""
+        for stage, why in report.items():
+            if self.split.get(stage) is None:
+                self.split[stage] = why
+
     def clear(self) -> None:
         self.steps.clear()
+        self.split.clear()
 
 
 def _median_by(spans: Sequence[Span], kinds: Sequence[ActionKind], stage: int) -> float:
@@ -249,6 +262,8 @@ class TraceReport:
 
     schedule: Schedule
     steps: list[list[Span]]
+    #: per stage whose I ran: None where the I/W split held, else why it fell back (``Tracer.split``, merged)
+    split: dict[int, Optional[str]] = field(default_factory=dict)
     costs: Costs = field(init=False)
     simulated: SimResult = field(init=False)
     bubble_per_step: list[float] = field(init=False)
@@ -275,19 +290,32 @@ class TraceReport:
         """A few lines for a terminal: costs, step time, measured vs simulated bubble."""
         ms = lambda v: "/".join(f"{x * 1e3:.2f}" for x in (v if isinstance(v, list) else [v]))  # noqa: E731
         c = self.costs
-        return (
+        text = (
             f"trace of {len(self.steps)} step(s) of {self.schedule.name} on {self.schedule.num_ranks} ranks: "
             f"step {statistics.median(self.step_times) * 1e3:.1f} ms (actions, median)\n"
             f"  measured costs per stage (ms): F {ms(c.f)}  B/I {ms(c.b)}  W {ms(c.w)}  comm {ms(c.comm)}\n"
             f"  bubble: measured {self.measured_bubble:.3f}, simulated at these costs {self.simulated_bubble:.3f}"
         )
+        return text + "".join(f"\n  {line}" for line in self.split_lines())
+
+    def split_lines(self) -> list[str]:
+        """The I/W split per stage, in words: one line for the stages where it held, one per stage that fell back."""
+        if not self.split:
+            return []
+        held = [s for s, why in sorted(self.split.items()) if why is None]
+        lines = [f"I/W split held on stages {held}"] if held else []
+        lines += [f"I/W split fell back to a whole backward at I on stage {s}: {why}"
+                  for s, why in sorted(self.split.items()) if why is not None]
+        return lines
 
     def chrome_trace(self) -> dict:
         """Chrome trace JSON: one track per rank, every action (comm too), steps as enclosing spans."""
         origin = min(s.start for step in self.steps for s in step)
         us = lambda t: (t - origin) * 1e6  # noqa: E731
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
-                               "args": {"name": f"{self.schedule.name} (measured)"}}]
+                               "args": {"name": f"{self.schedule.name} (measured)",
+                                        **({"split": {str(s): why or "held" for s, why in self.split.items()}}
+                                           if self.split else {})}}]
         for r in range(self.schedule.num_ranks):
             events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})

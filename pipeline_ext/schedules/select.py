@@ -20,16 +20,28 @@ Candidates: every built-in at its default stages per rank, and the greedy
 zero-bubble schedule (``auto``) with the budget as its activation limit. A
 candidate that cannot be built for (p, m) is listed with the constraint it
 breaks; one over the budget with its peak.
+
+The zero-bubble schedules count on each stage's backward splitting into I
+and W. Where it cannot (``runtime/split_obstacles.py``: a reentrant
+checkpoint, a ``torch.compile``'d region, an unknown once-only hook or custom
+Function; ``pe.runtime.split_check`` asks a stage, a run's ``split_report``
+says what happened), I runs the whole backward and W nothing. ``split`` tells
+``select`` so: per rank share of the model (the stages of a
+one-stage-per-rank schedule), None where the split holds, else the reason; a
+stage of a schedule with v stages per rank takes the entry of the share it
+lies in. Such stages are simulated with I costing b + w and W nothing, and
+each candidate that splits says where its split holds and where it falls
+back (``Candidate.split``; the table lists the reasons).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from pipeline_ext.schedules.auto import auto
 from pipeline_ext.schedules.builtin import available, build, default_stages_per_rank
-from pipeline_ext.schedules.ir import Schedule, ScheduleError
+from pipeline_ext.schedules.ir import ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.simulate import Costs, simulate
 
 __all__ = ["Candidate", "Selection", "select"]
@@ -46,6 +58,9 @@ class Candidate:
     peak_units: float = math.inf  # most rank-microbatch units of activations held at once, over the ranks
     verdict: str = ""  # "fits", or why it was rejected
     peak_bytes: Optional[float] = None  # peak_units times activation_bytes, when select was given it
+    #: the I/W split of a candidate that runs I and W, when select was told about it (``split``): "held",
+    #: or "falls back on stages [...]"; "" for a candidate without I/W actions or when nothing was told
+    split: str = ""
 
     @property
     def fits(self) -> bool:
@@ -59,12 +74,17 @@ class Selection:
     schedule: Schedule
     chosen: Candidate
     candidates: list[Candidate] = field(default_factory=list)
+    #: why the I/W split falls back, per rank share of the model (as given to ``select``; empty: not told)
+    split_reasons: dict[int, str] = field(default_factory=dict)
 
     def table(self) -> str:
-        """The candidates as a text table, the chosen one marked with ``*`` (with a bytes column if bytes were given)."""
+        """The candidates as a text table, the chosen one marked with ``*`` (with a bytes column if bytes were given,
+        an I/W split column and its reasons if ``split`` was)."""
         in_bytes = self.chosen.peak_bytes is not None
+        told = any(c.split for c in self.candidates)
         lines = [f"  {'schedule':<18}{'v':>2} {'makespan':>10} {'bubble':>8} {'peak units':>11}"
-                 + (f" {'peak bytes':>11}" if in_bytes else "") + "  verdict"]
+                 + (f" {'peak bytes':>11}" if in_bytes else "") + (f" {'I/W split':<28}" if told else "")
+                 + "  verdict"]
         for c in self.candidates:
             mark = "*" if c == self.chosen else " "
             timed = math.isfinite(c.makespan)
@@ -73,7 +93,10 @@ class Selection:
                          f"{(f'{c.makespan:.2f}' if timed else '-'):>10} "
                          f"{(f'{c.bubble_rate:.3f}' if timed else '-'):>8} "
                          f"{(f'{c.peak_units:.2f}' if timed else '-'):>11}"
-                         + (peak_bytes if in_bytes else "") + f"  {c.verdict}")
+                         + (peak_bytes if in_bytes else "") + (f" {c.split or '-':<28}" if told else "")
+                         + f"  {c.verdict}")
+        for share, why in sorted(self.split_reasons.items()):
+            lines.append(f"  I/W split falls back on rank share {share}: {why}")
         return "\n".join(lines)
 
 
@@ -86,9 +109,38 @@ def format_bytes(n: float) -> str:
     return f"{n:.4g} TiB"  # pragma: no cover - the loop returns
 
 
+def _split_shares(split: Union[None, str, Sequence[Optional[str]]], p: int) -> list[Optional[str]]:
+    """``split`` as one entry per rank share: None where the I/W split holds, else why it falls back."""
+    if split is None or isinstance(split, str):
+        return [split] * p
+    shares = list(split)
+    if len(shares) != p or not all(x is None or isinstance(x, str) for x in shares):
+        raise ScheduleError(f"split must be None, a reason, or {p} entries (one per rank share of the model, None "
+                            f"where the I/W split holds), got {split!r}")
+    return shares
+
+
+def _with_fallbacks(costs: Costs, n: int, falls_back: list[bool]) -> Costs:
+    """``costs`` for ``n`` stages with W folded into I where the stage's split falls back."""
+    if not any(falls_back):
+        return costs
+    b = [costs._get("b", s) + (costs._get("w", s) if falls_back[s] else 0.0) for s in range(n)]
+    w = [0.0 if falls_back[s] else costs._get("w", s) for s in range(n)]
+    return Costs(costs.f, b, w, costs.comm)
+
+
 def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float],
-             unit_bytes: Optional[float]) -> Candidate:
-    result = simulate(schedule, costs.per_stage_of(v) if v > 1 else costs)
+             unit_bytes: Optional[float], shares: Optional[list[Optional[str]]] = None) -> Candidate:
+    costs = costs.per_stage_of(v) if v > 1 else costs
+    note = ""
+    if shares is not None:
+        n, p = schedule.num_stages, len(shares)
+        falls_back = [shares[s * p // n] is not None for s in range(n)]
+        costs = _with_fallbacks(costs, n, falls_back)
+        if any(a.kind in (ActionKind.I, ActionKind.W) for acts in schedule.actions for a in acts):
+            back = [s for s in range(n) if falls_back[s]]
+            note = "held" if not back else f"falls back on stages {back}" if len(back) < n else "falls back everywhere"
+    result = simulate(schedule, costs)
     peak = max(result.peak_activations) / v
     peak_bytes = None if unit_bytes is None else max(result.peak_bytes(unit_bytes / v))
     over = budget is not None and peak > budget + 1e-9
@@ -98,18 +150,20 @@ def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Option
         verdict = f"over budget: peak {format_bytes(peak_bytes)} > {format_bytes(budget * unit_bytes)}"
     else:
         verdict = f"over budget: peak {peak:g} > {budget:g} units"
-    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes)
+    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes, note)
 
 
 def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
            costs: Costs = Costs(), *, budget_bytes: Optional[float] = None,
-           activation_bytes: Optional[float] = None) -> Selection:
+           activation_bytes: Optional[float] = None,
+           split: Union[None, str, Sequence[Optional[str]]] = None) -> Selection:
     """The fastest schedule for ``num_ranks`` ranks and ``n_microbatches`` whose peak fits the budget on every rank.
 
     ``budget`` is in rank-microbatch units (module doc); or give
     ``budget_bytes`` and ``activation_bytes`` (the bytes of one unit), and
     every candidate's ``peak_bytes`` is filled in (``activation_bytes``
     alone adds the bytes to the table without a budget). No budget: no limit.
+    ``split``: whether each rank share's I/W split holds (module doc; None: assume it does, and say nothing).
     Ties in time go to the smaller bubble, then the smaller peak. Raises ``ScheduleError`` naming the
     smallest peak any candidate needs when none fits.
     """
@@ -130,6 +184,7 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
     if budget_bytes is not None:
         budget = budget_bytes / activation_bytes
     p, m = num_ranks, n_microbatches
+    shares = None if split is None else _split_shares(split, p)
     candidates: list[Candidate] = []
     schedules: dict[tuple[str, int], Schedule] = {}
     for name in available():
@@ -140,12 +195,13 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
             candidates.append(Candidate(name, v, verdict=f"cannot build: {exc}"))
             continue
         schedules[(name, v)] = schedule
-        candidates.append(_measure(name, schedule, v, costs, budget, activation_bytes))
+        candidates.append(_measure(name, schedule, v, costs, budget, activation_bytes, shares))
     limit = None if budget is None else math.floor(budget + 1e-9)
     if limit is None or limit >= 1:
-        greedy = auto(p, m, costs, max_activations=limit)
+        greedy_costs = costs if shares is None else _with_fallbacks(costs, p, [x is not None for x in shares])
+        greedy = auto(p, m, greedy_costs, max_activations=limit)
         schedules[("auto", 1)] = greedy
-        candidates.append(_measure("auto", greedy, 1, costs, budget, activation_bytes))
+        candidates.append(_measure("auto", greedy, 1, costs, budget, activation_bytes, shares))
     candidates.sort(key=lambda c: (not c.fits, c.makespan, c.bubble_rate, c.peak_units, c.name))
     if not candidates or not candidates[0].fits:
         smallest = min((c.peak_units for c in candidates if math.isfinite(c.peak_units)), default=math.inf)
@@ -157,4 +213,5 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
         raise ScheduleError(f"no schedule for {p} ranks and {m} microbatches fits a budget of {budget:g} units; "
                             f"the smallest peak is {smallest:g} units")
     chosen = candidates[0]
-    return Selection(schedules[(chosen.name, chosen.stages_per_rank)], chosen, candidates)
+    reasons = {r: why for r, why in enumerate(shares or []) if why is not None}
+    return Selection(schedules[(chosen.name, chosen.stages_per_rank)], chosen, candidates, reasons)

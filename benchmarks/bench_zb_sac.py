@@ -1,0 +1,236 @@
+"""Zero-bubble schedules on transformer blocks under selective activation checkpointing (issue 40).
+
+Before issue 40 a stage whose blocks ran under SAC (``checkpoint(...,
+context_fn=create_selective_checkpoint_contexts(policy))``) could not split
+its backward into I and W (SAC's cache hands each saved value out once, and
+W recomputed the region a second time), so ZB-H1 and ZBV fell back to a
+whole backward at I on every such stage and kept 1F1B's bubble. Now I and W
+share one recomputation and I keeps what W reads ([Note: what I keeps for W]
+in ``runtime/split_keep.py``). This benchmark shows what that buys, side by
+side in one run:
+
+- the model: ``--blocks`` pre-norm transformer blocks (causal attention with
+  qkv and output projections, GELU MLP), each under SAC with a policy that
+  saves the matmul outputs (mm/addmm/bmm) and recomputes the rest; the
+  residual stream in, MSE on the last stage. 4 ranks (spawned, Gloo on
+  127.0.0.1, one intra-op thread each); 1F1B and ZB-H1 cut it into 4
+  stages, ZBV into 8 (two per rank, V placement);
+- correctness first: every schedule's first step is compared with the
+  unsplit model on the same batch (loss, every gradient of the rank's
+  blocks), no ``UnsplitBackwardWarning`` may be raised, and the trace must
+  say the split held on every stage. A mismatch stops the benchmark;
+- memory: one step per schedule under ``ActivationMeter`` (forward inputs,
+  outputs, what a checkpoint frame holds: its inputs and SAC's saved values;
+  and what I keeps for W), its per-rank peak next to the promise: the
+  simulator's ``peak_activations`` of the rank times the bytes one stage
+  forward records for one microbatch (measured on rank 1);
+- time: interleaved repeats of every schedule (these machines are shared
+  and noisy: only numbers taken side by side mean anything), traced: the
+  median step time, the bubble the tracer measured on those steps, and the
+  simulator's bubble and step time at the measured per-stage F, I, W costs
+  (its prediction for this run) and at unit costs.
+
+    PYTHONPATH=. python benchmarks/bench_zb_sac.py [--d 64] [--seq 32] [--blocks 8] [--microbatches 8]
+        [--rows 2] [--repeats 3] [--steps 2] [--no-sac]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+WORLD = 4
+SCHEDULES = ["1f1b", "zb_h1", "zbv"]
+STAGES_PER_RANK = {"1f1b": 1, "zb_h1": 1, "zbv": 2}
+
+
+def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sac_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_policy)
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and GELU MLP with residuals; the whole block under SAC when ``sac``."""
+
+    def __init__(self, d: int, heads: int, sac: bool) -> None:
+        super().__init__()
+        self.heads, self.sac = heads, sac
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sac:
+            return self.inner(x)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False, context_fn=sac_context)
+
+
+def blocks(args: argparse.Namespace) -> list[Block]:
+    torch.manual_seed(0)
+    return [Block(args.d, args.heads, not args.no_sac) for _ in range(args.blocks)]
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    import pipeline_ext as pe
+    from pipeline_ext import schedules as S
+    from pipeline_ext.runtime.memory import ActivationMeter
+
+    m = args.microbatches
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m * args.rows, args.seq, args.d, generator=g)
+    y = torch.randn(m * args.rows, args.seq, args.d, generator=g)
+    ref = nn.Sequential(*blocks(args))  # the unsplit model, for the first step's check
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Any] = {}
+    for name in SCHEDULES:
+        v = STAGES_PER_RANK[name]
+        n = world * v
+        ir = S.build(name, world, m, stages_per_rank=v)
+        mine = [s for s, r in enumerate(ir.stage_to_rank) if r == rank]
+        per = args.blocks // n
+        all_blocks = blocks(args)
+        modules = [nn.Sequential(*all_blocks[s * per:(s + 1) * per]) for s in range(n)]
+        stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+        sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
+        # first step: measured memory, checked against the unsplit model
+        meter = ActivationMeter()
+        calls = {s: r.call for s, r in sched._runners.items()}
+        for s, r in sched._runners.items():
+            meter.watch(r, inputs=s > 0)
+        sched._tracer = meter  # a sample after every action
+        losses: list[torch.Tensor] = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            sched.step(x if 0 in mine else None, target=y if n - 1 in mine else None, losses=losses)
+        unsplit = [str(w.message) for w in said if issubclass(w.category, pe.UnsplitBackwardWarning)]
+        if unsplit:
+            raise AssertionError(f"{name} rank {rank}: the split fell back: {unsplit}")
+        for s in mine:
+            for (pn, p), q in zip(modules[s].named_parameters(), ref[s * per:(s + 1) * per].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda msg: f"{name} stage {s} {pn}: {msg}")
+        loss_err = None
+        if losses:
+            mean = sum(losses) / len(losses)
+            torch.testing.assert_close(mean, ref_loss.detach(), msg=lambda msg: f"{name} loss: {msg}")
+            loss_err = float((mean - ref_loss.detach()).abs() / ref_loss.detach().abs())
+        for s, r in sched._runners.items():
+            r.call, r.on_kept = calls[s], None
+        sim = S.simulate(ir, S.Costs(1.0, 1.0, 1.0))
+        # the last stage keeps every microbatch's output (detached) until the step returns them to the caller:
+        # alive all step, no activation of the schedule's promise; counted next to it
+        outputs = m * args.rows * args.seq * args.d * x.element_size() if n - 1 in mine else 0
+        rows[name] = {"peak": meter.peak_bytes, "unit": meter.forward_bytes, "sim_units": sim.peak_activations[rank],
+                      "outputs": outputs, "sim_unit_bubble": sim.bubble_rate, "loss_err": loss_err}
+        sched.enable_tracing()  # the timed steps are traced: bubble and costs of exactly those
+        steps[name] = (sched, lambda sched=sched, mine=mine, n=n: sched.step(
+            x if 0 in mine else None, target=y if n - 1 in mine else None))
+    for name, (_, step) in steps.items():  # warm-up, untraced
+        steps[name][0].enable_tracing(False)
+        step()
+        steps[name][0].enable_tracing()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, (_, step) in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    for name, (sched, _) in steps.items():
+        report = sched.trace_report(dst=0)
+        rows[name]["ms"] = statistics.median(times[name]) * 1e3
+        if report is not None:
+            held = [s for s, why in report.split.items() if why is None]
+            if name != "1f1b" and (len(held) != len(report.split) or len(report.split) != len(sched._runners) * world):
+                raise AssertionError(f"{name}: the trace says the split did not hold: {report.split}")
+            rows[name].update(bubble=report.measured_bubble, sim_bubble=report.simulated_bubble,
+                              sim_ms=report.simulated.makespan * 1e3, traced_ms=statistics.median(report.step_times) * 1e3,
+                              split=f"held on {len(held)}/{len(report.split)} stages", costs=report.costs)
+    return rows
+
+
+def main() -> None:
+    from pipeline_ext.comm.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=int, default=64, help="model width")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32, help="tokens per row")
+    ap.add_argument("--blocks", type=int, default=8, help="transformer blocks (a multiple of 8: ZBV has 8 stages)")
+    ap.add_argument("--rows", type=int, default=2, help="rows per microbatch")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    ap.add_argument("--no-sac", action="store_true", help="the same blocks without checkpointing (for comparison)")
+    args = ap.parse_args()
+    if args.blocks % 8:
+        ap.error("--blocks must be a multiple of 8 (ZBV cuts the model into 8 stages)")
+    res = spawn(worker, WORLD, args, timeout=3600, threads=1)
+    per_rank = {r: rows for r, (_, rows) in res.items()}
+    print(f"{args.blocks} transformer blocks d={args.d} ({args.heads} heads), {args.seq} tokens x {args.rows} rows per "
+          f"microbatch, {args.microbatches} microbatches, {WORLD} ranks (Gloo, 1 thread each), "
+          f"{'no checkpointing' if args.no_sac else 'every block under SAC (matmuls saved)'}; torch {torch.__version__}")
+    errs = {name: e for rows in per_rank.values() for name, r in rows.items() if (e := r["loss_err"]) is not None}
+    print("first step of every schedule checked against the unsplit model (every gradient, the loss; loss rel. err "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + "); no UnsplitBackwardWarning")
+    print()
+    head = (f"{'schedule':<7} {'ms/step':>8} {'traced ms':>9} {'sim ms':>7} {'bubble':>7} {'sim bubble':>10} "
+            f"{'sim@unit':>8} {'peak KiB':>9} {'promise KiB':>11} {'peak/promise':>12}  I/W split")
+    print(head)
+    def promise(rows: dict, name: str) -> float:
+        return rows[name]["sim_units"] * per_rank[1][name]["unit"] + rows[name]["outputs"]
+
+    for name in SCHEDULES:
+        r0 = per_rank[0][name]
+        worst = max(per_rank.values(), key=lambda rows: rows[name]["peak"] / promise(rows, name))
+        peak, promised = worst[name]["peak"], promise(worst, name)
+        print(f"{name:<7} {r0['ms']:>8.1f} {r0['traced_ms']:>9.1f} {r0['sim_ms']:>7.1f} {r0['bubble']:>7.3f} "
+              f"{r0['sim_bubble']:>10.3f} {r0['sim_unit_bubble']:>8.3f} {peak / 1024:>9.0f} {promised / 1024:>11.0f} "
+              f"{peak / promised:>12.3f}  {r0['split'] if name != '1f1b' else '(no I/W)'}")
+    print()
+    print("ms/step: median wall time of the interleaved timed steps; traced ms / sim ms: the traced steps' span and the "
+          "simulator's makespan at the per-stage F, I, W costs measured on them; bubble: measured on the traced steps, "
+          "sim bubble at those costs, sim@unit at F = I = W = 1")
+    print("peak KiB: the most activation bytes one rank held (ActivationMeter: forward inputs/outputs, checkpoint "
+          "frames' inputs and SAC-saved values, what I keeps for W), on the rank closest to its promise; promise: "
+          "the simulator's peak stage-microbatches on that rank x one stage-microbatch's bytes (measured on rank 1), "
+          "plus, on the rank of the last stage, the m outputs it keeps for the caller")
+    print()
+    for name in SCHEDULES:
+        ratios = [f"{rows[name]['peak'] / promise(rows, name):.2f}" for _, rows in sorted(per_rank.items())]
+        c = per_rank[0][name]["costs"]
+        ms = lambda v: "/".join(f"{t * 1e3:.1f}" for t in (v if isinstance(v, list) else [v]))  # noqa: E731
+        print(f"{name:<7} peak/promise per rank {' '.join(ratios)}; measured costs per stage (ms) "
+              f"F {ms(c.f)}  I {ms(c.b)}  W {ms(c.w)}")
+
+
+if __name__ == "__main__":
+    main()

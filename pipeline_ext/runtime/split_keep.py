@@ -1,0 +1,188 @@
+"""What I keeps for W: saved values that may be produced once only, unpacked at I and handed to W.
+
+[Note: what I keeps for W]
+The I/W split (``split_backward``) runs the *boundary* nodes twice: at I for
+their input edges, at W for their weight edges (a Linear's ``AddmmBackward``:
+``g @ W`` at I, ``g.T @ x`` at W). Every other node runs once: the input-only
+ones at I, the weight-only ones at W. So a saved value is read twice only
+where a boundary node saved it, and only that read needs care when producing
+the value twice is impossible or wrong:
+
+- selective activation checkpointing (SAC, a checkpoint with a ``context_fn``):
+  the recomputation replays the ops the policy saved from a cache that hands
+  each value out once (``_CachedTorchDispatchMode``); a second recomputation
+  (W's) is an error. Here I and W run under one ``GraphExecGroup`` (the
+  *shared group*), so the region is recomputed once, at I. The recomputed
+  values live in the checkpoint frame under that group, keyed by a handle its
+  holder owns until the value is unpacked. A holder of a boundary node would
+  drop its handle (and with it the value) at I's unpack; its handles dict is
+  swapped for ``_SpareFirst``, which ignores that first release, so W's unpack
+  finds the value. The weight-only nodes' values are unpacked at W only and
+  stay as the recomputation left them; the input-only nodes' values go at I's
+  unpack as usual. So between I and W the frame holds exactly what W needs,
+  and ``KeptForWeight.release`` (after W) drops whatever W did not read.
+  Plain non-reentrant checkpoints in such a graph share the group too (one
+  recomputation instead of two); in a graph with only plain checkpoints I and
+  W each recompute, as before (nothing kept between them: what the user chose
+  checkpointing for).
+- once-only saved-tensor hooks (offload and delete): a hook pair wrapped in
+  ``once_only_hooks`` packs into a ``OnceOnlyPacked`` box. A boundary node's
+  box is marked ``keep`` before I; I's unpack calls the user's unpack (once)
+  and keeps the value in the box; W's unpack takes it from there and empties
+  the box. An unknown hook pair on a boundary node is an obstacle (it may be
+  once-only; ``split_obstacles``); on any other node it is unpacked once and
+  harmless.
+
+What is kept is real memory between I and W; ``KeptForWeight.tensors`` lists
+it for the memory accounting (``ActivationMeter``, via ``StageRunner.on_kept``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+__all__ = ["OnceOnlyPacked", "once_only_hooks", "KeptForWeight"]
+
+
+class _SpareFirst(dict):
+    """A checkpoint holder's ``handles``: the first release (``None``) under ``gid`` is ignored, so a value unpacked
+    at I is still there for W's unpack; every later assignment is a plain one."""
+
+    def __init__(self, handles: dict, gid: Any) -> None:
+        super().__init__(handles)
+        self.gid = gid
+        self.spared = False
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if value is None and key is self.gid and not self.spared:
+            self.spared = True
+            return
+        super().__setitem__(key, value)
+
+    def drop(self) -> None:
+        """Release the handle under ``gid`` for good (after W)."""
+        if dict.get(self, self.gid) is not None:
+            dict.__setitem__(self, self.gid, None)
+
+
+class OnceOnlyPacked:
+    """What ``once_only_hooks`` packs: the user's packed object, and the unpacked value while I keeps it for W."""
+
+    __slots__ = ("packed", "keep", "kept", "unpacked")
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+        self.keep = False  # set by the split before I: the next unpack's value is kept for one more
+        self.kept: Optional[torch.Tensor] = None
+        self.unpacked = 0  # calls of the user's unpack
+
+
+class once_only_hooks(torch.autograd.graph.saved_tensors_hooks):
+    """``saved_tensors_hooks(pack_hook, unpack_hook)`` for a pair whose unpack may run once per saved tensor.
+
+    Offload-and-delete hooks (move the tensor away at pack, bring it back and
+    forget it at unpack) cannot be unpacked twice, and the I/W split reads a
+    boundary node's saved tensors twice; an unknown pair there makes the split
+    fall back to a whole backward. Wrapped here, the split calls
+    ``unpack_hook`` once, at I, keeps the value for W and drops it after W
+    ([Note: what I keeps for W]). Outside the split (a plain backward) the pair
+    behaves exactly as unwrapped. ``pack_hook`` may also be a
+    ``saved_tensors_hooks`` object (its ``pack_hook`` and ``unpack_hook`` are
+    used)::
+
+        with pipeline_ext.once_only_hooks(offload, fetch_and_delete):
+            out = block(x)
+    """
+
+    def __init__(self, pack_hook: Any, unpack_hook: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+        if unpack_hook is None:
+            pack_hook, unpack_hook = pack_hook.pack_hook, pack_hook.unpack_hook
+        if not callable(pack_hook) or not callable(unpack_hook):
+            raise TypeError("once_only_hooks needs a pack_hook and an unpack_hook (or a saved_tensors_hooks object)")
+        user_pack, user_unpack = pack_hook, unpack_hook
+
+        def pack(t: torch.Tensor) -> OnceOnlyPacked:
+            return OnceOnlyPacked(user_pack(t))
+
+        def unpack(box: OnceOnlyPacked) -> torch.Tensor:
+            if box.kept is not None:  # W's read of what I kept: hand it over, keep nothing
+                value, box.kept = box.kept, None
+                return value
+            box.unpacked += 1
+            value = user_unpack(box.packed)
+            if box.keep:
+                box.keep, box.kept = False, value
+            return value
+
+        super().__init__(pack, unpack)
+
+
+class KeptForWeight:
+    """What one microbatch's I keeps for its W ([Note: what I keeps for W]); ``release`` after W.
+
+    ``group``: the shared ``GraphExecGroup`` (None: no checkpoint frame needs
+    one); ``frames``: the checkpoint frames recomputed under it; ``holders``:
+    their boundary nodes' holders; ``boxes``: the boundary nodes'
+    ``OnceOnlyPacked`` boxes; ``split_nodes``: the boundary nodes of
+    ``SplitFunction``s, whose stash for W (``save_for_weight``) counts too.
+    """
+
+    def __init__(self, group: Any = None, frames: Iterable[Any] = (), holders: Iterable[Any] = (),
+                 boxes: Iterable[OnceOnlyPacked] = (), split_nodes: Iterable[Any] = ()) -> None:
+        self.group = group
+        self.frames = list(frames)
+        self.holders = list(holders) if group is not None else []
+        self.boxes = list(boxes)
+        self.split_nodes = list(split_nodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.group is not None or self.boxes or self.split_nodes)
+
+    def arm(self) -> None:
+        """Before I: boundary holders keep their value past I's unpack, boundary boxes keep theirs."""
+        for h in self.holders:
+            if not isinstance(h.handles, _SpareFirst) or h.handles.gid is not self.group:
+                h.handles = _SpareFirst(h.handles, self.group)
+        for b in self.boxes:
+            b.keep = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors kept now (after I): recomputed values W will read, once-only values, SplitFunction stashes."""
+        out: list[torch.Tensor] = []
+        for f in self.frames:
+            got = f.recomputed.get(self.group) if self.group is not None else None
+            if got is not None:
+                out.extend(t for t in list(got.values()) if isinstance(t, torch.Tensor))
+        out.extend(b.kept for b in self.boxes if b.kept is not None)
+        for node in self.split_nodes:
+            out.extend(t for t in getattr(node, STASH_ATTR, ()) if isinstance(t, torch.Tensor))
+        return out
+
+    def release(self) -> None:
+        """After W (or when it will not run): drop everything still kept."""
+        for b in self.boxes:
+            b.keep, b.kept = False, None
+        for node in self.split_nodes:
+            if hasattr(node, STASH_ATTR):
+                delattr(node, STASH_ATTR)
+        g = self.group
+        if g is not None:
+            for f in self.frames:
+                for ref in f.weak_holders:
+                    h = ref()
+                    if h is None:
+                        continue
+                    if isinstance(h.handles, _SpareFirst):
+                        h.handles.drop()
+                    elif h.handles.get(g) is not None:
+                        h.handles[g] = None
+                for table in (f.recomputed, f.recomp_counter, f.is_recomputed):
+                    table.pop(g, None)
+        self.frames, self.holders, self.boxes, self.split_nodes = [], [], [], []
+
+
+#: where a SplitFunction's backward_input leaves tensors for its backward_weight (on the node, which is its ctx)
+STASH_ATTR = "_pipeline_ext_for_weight"
+#: which half a SplitFunction node runs in the current engine call: "I", "W", or absent (the whole backward)
+PHASE_ATTR = "_pipeline_ext_phase"

@@ -1,0 +1,481 @@
+"""The I/W split over regions it used to give up on (issue 40), exact against the unsplit model.
+
+Zero-bubble schedules split each stage's backward into I (input grads) and W
+(weight grads). Selective activation checkpointing (SAC), once-only
+saved-tensor hooks and custom autograd Functions with weights made it fall
+back to a whole backward at I. Now:
+
+- SAC and plain non-reentrant checkpoints split: with SAC the region is
+  recomputed once (at I) and I keeps what W reads ([Note: what I keeps for W]);
+- a once-only offload hook wrapped in ``pe.once_only_hooks`` splits: its
+  unpack runs once per saved tensor, at I, and W reads what I kept;
+- a ``pe.SplitFunction`` (here attention with its projections inside the
+  Function) splits: I runs its ``backward_input``, W its ``backward_weight``;
+- a reentrant checkpoint, an unknown hook or an unknown Function on a node
+  that runs at both I and W still fall back, exactly, and say why.
+
+Each case checks the split really held (no ``UnsplitBackwardWarning``, no
+weight gradient after I) and trains three SGD steps with momentum under
+ZB-H1, ZB-H2, ZBV and DualPipeV in the single-process ``Pipe`` (one thread
+per rank), comparing losses, gradients and parameters with the unsplit model.
+Two multi-process cases run on Gloo ranks.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import pipeline_ext as pe
+from pipeline_ext.runtime.split_backward import UnsplitBackwardWarning, backward_input, backward_weight
+from pipeline_ext.runtime.stage import StageRunner
+
+D, HEADS, T = 8, 2, 4
+ZB = ["zb_h1", "zb_h2", "zbv", "dualpipev"]
+KINDS = ["sac", "checkpoint", "reentrant", "offload", "attention"]
+SPLITS = {"sac", "checkpoint", "offload", "attention"}  # the kinds whose split holds
+
+
+# -- what the stages contain -------------------------------------------------------------------------
+def _sac_policy(ctx, func, *args, **kwargs):
+    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sac_context():
+    """Selective activation checkpointing: matmul outputs saved, the rest recomputed."""
+    return create_selective_checkpoint_contexts(_sac_policy)
+
+
+class Offload:
+    """An offload-and-delete hook pair: pack moves the tensor into a store, unpack takes it out (once only)."""
+
+    def __init__(self) -> None:
+        self.store: dict[int, torch.Tensor] = {}
+        self.keys = itertools.count()
+        self.lock = threading.Lock()
+        self.unpacks = 0
+
+    def __deepcopy__(self, memo: dict) -> "Offload":  # a copied model (the reference) offloads into its own store
+        return memo.setdefault(id(self), Offload())
+
+    def pack(self, t: torch.Tensor) -> int:
+        with self.lock:
+            key = next(self.keys)
+        self.store[key] = t.detach().clone()  # "offloaded": a copy elsewhere, the original can go
+        return key
+
+    def unpack(self, key: int) -> torch.Tensor:
+        with self.lock:
+            self.unpacks += 1
+            return self.store.pop(key)  # a second unpack of the same tensor is a KeyError
+
+
+class ProjectedAttention(pe.SplitFunction):
+    """Causal multi-head self-attention with its projections inside one Function (FlexAttention-like: the
+    backward recomputes the scores from q and k instead of saving the probabilities).
+
+    ``out = softmax(q k^T / sqrt(dh) + causal) v @ w_o`` with ``[q k v] = x @ w_qkv``. I computes the input
+    gradient (and dq, dk, dv on the way); W the weight gradients from what I stashed.
+    """
+
+    calls = {"input": 0, "weight": 0}
+
+    @staticmethod
+    def forward(ctx, x, w_qkv, w_o, heads):
+        ctx.heads = heads
+        ctx.save_for_backward(x, w_qkv, w_o)
+        _, _, _, _, a = ProjectedAttention._attend(x, w_qkv, heads)
+        return a @ w_o
+
+    @staticmethod
+    def _attend(x, w_qkv, heads):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, heads, d // heads).transpose(1, 2) for z in (x @ w_qkv).split(d, -1))
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // heads)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        p = s.softmax(-1)
+        a = (p @ v).transpose(1, 2).reshape(b, t, d)
+        return q, k, v, p, a
+
+    @staticmethod
+    def backward_input(ctx, g):
+        ProjectedAttention.calls["input"] += 1
+        x, w_qkv, w_o = pe.SplitFunction.saved(ctx)
+        b, t, d = x.shape
+        h = ctx.heads
+        q, k, v, p, a = ProjectedAttention._attend(x, w_qkv, h)
+        da = (g @ w_o.t()).reshape(b, t, h, d // h).transpose(1, 2)
+        dp = da @ v.transpose(-1, -2)
+        dv = p.transpose(-1, -2) @ da
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / math.sqrt(d // h)
+        dq, dk = ds @ k, ds.transpose(-1, -2) @ q
+        dqkv = torch.cat([z.transpose(1, 2).reshape(b, t, d) for z in (dq, dk, dv)], -1)
+        pe.SplitFunction.save_for_weight(ctx, dqkv, a)
+        return dqkv @ w_qkv.t(), None, None, None
+
+    @staticmethod
+    def backward_weight(ctx, g):
+        ProjectedAttention.calls["weight"] += 1
+        x, _, _ = pe.SplitFunction.saved(ctx)
+        dqkv, a = pe.SplitFunction.saved_for_weight(ctx)
+        d = x.shape[-1]
+        return None, x.reshape(-1, d).t() @ dqkv.reshape(-1, 3 * d), a.reshape(-1, d).t() @ g.reshape(-1, d), None
+
+
+class OpaqueAttention(torch.autograd.Function):
+    """The same attention as an ordinary Function: one ``backward`` for everything (unknown to the split)."""
+
+    @staticmethod
+    def forward(ctx, x, w_qkv, w_o, heads):
+        return ProjectedAttention.forward(ctx, x, w_qkv, w_o, heads)
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = ProjectedAttention.backward_input(ctx, g)[0]
+        return (gx, *ProjectedAttention.backward_weight(ctx, g)[1:])
+
+
+class Stage(nn.Module):
+    """A pre-norm residual MLP on (batch, T, D) activations, its body wrapped as ``kind`` says."""
+
+    def __init__(self, kind: str, offload: Offload | None = None) -> None:
+        super().__init__()
+        self.kind, self.offload = kind, offload
+        self.norm = nn.LayerNorm(D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        if kind in ("attention", "opaque_attention"):
+            self.w_qkv = nn.Parameter(torch.randn(D, 3 * D) / math.sqrt(D))
+            self.w_o = nn.Parameter(torch.randn(D, D) / math.sqrt(D))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kind
+        if k == "sac":
+            return x + checkpoint(self.body, x, use_reentrant=False, context_fn=sac_context)
+        if k == "checkpoint":
+            return x + checkpoint(self.body, x, use_reentrant=False)
+        if k == "reentrant":
+            return x + checkpoint(self.body, x, use_reentrant=True)
+        if k in ("offload", "unknown_hook"):
+            hooks = (pe.once_only_hooks if k == "offload" else torch.autograd.graph.saved_tensors_hooks)
+            with hooks(self.offload.pack, self.offload.unpack):
+                return x + self.body(x)
+        if k in ("attention", "opaque_attention"):
+            fn = ProjectedAttention if k == "attention" else OpaqueAttention
+            x = x + fn.apply(self.norm(x), self.w_qkv, self.w_o, HEADS)
+            return x + self.down(nn.functional.gelu(self.up(x)))
+        return x + self.body(x)
+
+
+def make_stages(kind: str, n: int, seed: int = 0) -> list[Stage]:
+    """``n`` stages of ``kind``; a reentrant checkpoint's first stage is plain (its input needs no grad, and then
+    torch gives a reentrant region's parameters no gradient at all, unsplit too)."""
+    torch.manual_seed(seed)
+    offload = Offload()
+    return [Stage("plain" if kind == "reentrant" and s == 0 else kind, offload) for s in range(n)]
+
+
+def batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, T, D, generator=g), torch.randn(rows, T, D, generator=g)
+
+
+# -- one stage, I then W by hand ---------------------------------------------------------------------
+def _i_then_w(kind: str):
+    """I and W of one stage against one plain backward; returns (deferred.unsplit, grads after I were empty)."""
+    stage = make_stages(kind, 2)[1]
+    ref = copy.deepcopy(stage)
+    x, _ = batch(3)
+    x.requires_grad_(True)
+    out = stage(x)
+    g = torch.randn_like(out)
+    (gx,), deferred = backward_input([out], [g], [x])
+    empty_after_i = all(p.grad is None for p in stage.parameters())
+    backward_weight(deferred)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).backward(g)
+    torch.testing.assert_close(gx, x2.grad)
+    for p, q in zip(stage.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    return deferred.unsplit, empty_after_i
+
+
+@pytest.mark.parametrize("kind", sorted(SPLITS))
+def test_split_holds_and_i_computes_no_weight_grad(kind):
+    unsplit, empty_after_i = _i_then_w(kind)
+    assert unsplit is None and empty_after_i
+
+
+@pytest.mark.parametrize("kind,why", [("reentrant", "reentrant"), ("unknown_hook", "once_only_hooks"),
+                                      ("opaque_attention", "SplitFunction")])
+def test_what_cannot_split_falls_back_exactly_and_says_why(kind, why):
+    unsplit, empty_after_i = _i_then_w(kind)
+    assert unsplit is not None and why in unsplit and not empty_after_i, unsplit
+
+
+@pytest.mark.parametrize("kind", ["sac", "offload"])
+def test_tied_weights_keep_the_split_too(kind):
+    """A weight used twice makes W one backward over the parameters, which runs the whole input region again:
+    every region node's values are kept from I (SAC: no second recomputation; once-only: no second unpack)."""
+    torch.manual_seed(0)
+    lin, offload, calls = nn.Linear(D, D), Offload(), [0]
+
+    def body(x):
+        calls[0] += 1
+        return lin(torch.tanh(lin(x))) + 2 * lin.bias
+
+    def run(x):
+        if kind == "sac":
+            return checkpoint(body, x, use_reentrant=False, context_fn=sac_context)
+        with pe.once_only_hooks(offload.pack, offload.unpack):
+            return body(x)
+
+    x = torch.randn(3, D, requires_grad=True)
+    out = run(x)
+    g = torch.randn_like(out)
+    (gx,), deferred = backward_input([out], [g], [x])
+    assert deferred.unsplit is None and deferred.fallback_params is not None and lin.weight.grad is None
+    backward_weight(deferred)
+    got = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    x2 = x.detach().requires_grad_(True)
+    body(x2).backward(g)
+    torch.testing.assert_close(gx, x2.grad)
+    for a, p in zip(got, lin.parameters()):
+        torch.testing.assert_close(a, p.grad)
+    assert calls[0] == (3 if kind == "sac" else 2) and not offload.store  # sac: forward, I's recomputation, reference
+
+
+def test_sac_region_is_recomputed_once_and_what_w_reads_is_freed_after_w():
+    """SAC: forward + one recomputation (at I), none at W; between I and W the frame holds W's values only,
+    after W nothing of the recomputation is left."""
+    torch.manual_seed(0)
+    stage, calls = Stage("plain"), [0]
+
+    def body(x):
+        calls[0] += 1
+        return stage.body(x)
+
+    x = torch.randn(3, T, D, requires_grad=True)
+    out = x + checkpoint(body, x, use_reentrant=False, context_fn=sac_context)
+    (_,), deferred = backward_input([out], [torch.randn_like(out)], [x])
+    assert deferred.unsplit is None and deferred.group is not None and calls[0] == 2
+    theirs = {t.untyped_storage().data_ptr() for t in (x, *stage.parameters())}
+    kept = [t for t in deferred.kept_tensors() if t.untyped_storage().data_ptr() not in theirs]
+    # W reads what the weight grads need: LayerNorm's mean and rstd, up's input (norm's output) and down's
+    # input (gelu's output), all recomputed at I; gelu's own input went at I (only the input grad needs it)
+    assert sorted(tuple(t.shape) for t in kept) == [(3, T, 1), (3, T, 1), (3 * T, D), (3 * T, 2 * D)], \
+        [t.shape for t in kept]
+    frame = deferred.keep.frames[0]
+    backward_weight(deferred)
+    assert calls[0] == 2 and all(p.grad is not None for p in stage.parameters())
+    assert deferred.group not in frame.recomputed and not any(
+        h().handles.get(deferred.group) for h in frame.weak_holders if h() is not None)
+
+
+def test_once_only_hook_unpacks_each_saved_tensor_once():
+    stage = make_stages("offload", 2)[1]
+    x = torch.randn(3, T, D, requires_grad=True)
+    out = stage(x)
+    saved = len(stage.offload.store)
+    (_,), deferred = backward_input([out], [torch.randn_like(out)], [x])
+    kept = deferred.kept_tensors()
+    # everything the boundary nodes (LayerNorm, up, down: their weights too, the hook packs every saved tensor)
+    # saved; not gelu's input, which only the input grad needs
+    assert deferred.unsplit is None and saved == 10 and len(kept) == 9
+    backward_weight(deferred)
+    assert stage.offload.unpacks == saved and not stage.offload.store
+    assert deferred.kept_tensors() == []
+
+
+def test_split_function_runs_each_half_once_and_matches_autograd():
+    """The attention Function's halves, each once per split backward, against the same math under autograd."""
+    torch.manual_seed(0)
+    x = torch.randn(2, T, D, dtype=torch.float64, requires_grad=True)
+    w_qkv = torch.randn(D, 3 * D, dtype=torch.float64, requires_grad=True)
+    w_o = torch.randn(D, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: ProjectedAttention.apply(*a, HEADS), (x, w_qkv, w_o))
+    ProjectedAttention.calls.update(input=0, weight=0)
+    out = ProjectedAttention.apply(x, w_qkv, w_o, HEADS)
+    (gx,), deferred = backward_input([out], [torch.ones_like(out)], [x])
+    assert ProjectedAttention.calls == {"input": 1, "weight": 0} and w_qkv.grad is None
+    backward_weight(deferred)
+    assert ProjectedAttention.calls == {"input": 1, "weight": 1}
+    want = torch.autograd.grad(ProjectedAttention._attend(x, w_qkv, HEADS)[-1].matmul(w_o).sum(), [x, w_qkv, w_o])
+    for got, exp in zip([gx, w_qkv.grad, w_o.grad], want):
+        torch.testing.assert_close(got, exp)
+
+
+def test_runner_accounts_for_what_i_keeps_until_w():
+    """The ActivationMeter sees what I keeps (recomputed SAC values) and sees it go after W."""
+    from pipeline_ext.runtime.memory import ActivationMeter
+
+    torch.manual_seed(0)
+    meter = ActivationMeter()
+    runner = StageRunner(Stage("sac"), 1, 3)
+    meter.watch(runner)
+    runner.forward(0, (torch.randn(3, T, D),))
+    at_forward = meter.live_bytes()
+    runner.backward_input(0, [torch.randn(3, T, D)])
+    params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
+    kept = [t for t in runner._states[0].deferred.kept_tensors() if t.untyped_storage().data_ptr() not in params]
+    assert kept and meter.live_bytes() >= sum(t.untyped_storage().nbytes() for t in kept)
+    del kept
+    runner.backward_weight(0)
+    assert meter.live_bytes() == 0 < at_forward and runner.split_seen and runner.split_fallback is None
+
+
+# -- every zero-bubble schedule, three optimizer steps, against the unsplit model -------------------
+def _train_pipe(kind: str, name: str, p: int, m: int, steps: int = 3) -> None:
+    v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1
+    stages = make_stages(kind, p * v)
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    pipe = pe.Pipe(nn.Sequential(*stages), balance=[1] * (p * v), devices=["cpu"] * p, chunks=m, schedule=name,
+                   checkpoint="never")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    where = f"{kind} {name} p={p} m={m}"
+    for step in range(steps):
+        x, y = batch(2 * m, seed=step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            loss = pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        unsplit = [str(w.message) for w in said if issubclass(w.category, UnsplitBackwardWarning)]
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), msg=f"{where} step {step} loss")
+        for (n_, a), b in zip(pipe.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=f"{where} step {step} grad {n_}")
+        opt.step()
+        ref_opt.step()
+        if kind in SPLITS:
+            assert not unsplit, f"{where}: {unsplit}"
+            assert set(pipe.split_report.values()) == {None}, f"{where}: {pipe.split_report}"
+        else:
+            assert pipe.split_report and all(why is not None and "reentrant" in why
+                                             for s, why in pipe.split_report.items() if s > 0), pipe.split_report
+    for (n_, a), b in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, msg=f"{where} param {n_} after {steps} steps")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_bubble_schedules_train_exactly(kind):
+    for name in ZB:
+        _train_pipe(kind, name, 2, 4)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_bubble_schedules_train_exactly_on_four_ranks(kind):
+    for name in ZB:
+        _train_pipe(kind, name, 4, 8)
+
+
+# -- saying what happened: split_check, select(), the trace -------------------------------------------
+@pytest.mark.parametrize("kind", KINDS + ["unknown_hook", "opaque_attention"])
+def test_split_check_predicts_what_i_does(kind):
+    """``split_check`` reads a stage's graph without running backward and says what I would do."""
+    stage = make_stages(kind, 2)[1]
+    x = torch.randn(2, T, D)
+    predicted = pe.runtime.split_check(stage, x)
+    actual, _ = _i_then_w(kind)
+    assert predicted == actual
+    assert all(p.grad is None for p in stage.parameters())
+
+
+def test_select_simulates_a_fallen_back_split_and_says_where():
+    from pipeline_ext import schedules as S
+
+    why = pe.runtime.split_check(make_stages("reentrant", 2)[1], torch.randn(2, T, D))
+    told = S.select(4, 8, costs=S.Costs(1.0, 1.0, 1.0), split=[None, why, None, None])
+    plain = S.select(4, 8, costs=S.Costs(1.0, 1.0, 1.0))
+    by_name = {c.name: c for c in told.candidates}
+    assert by_name["zb_h1"].split == "falls back on stages [1]" and by_name["zbv"].split == "falls back on stages [2, 3]"
+    assert by_name["1f1b"].split == "" and all(c.split == "" for c in plain.candidates)
+    before = {c.name: c.makespan for c in plain.candidates}
+    assert by_name["zb_h1"].makespan > before["zb_h1"] and by_name["1f1b"].makespan == before["1f1b"]
+    assert told.split_reasons == {1: why} and "reentrant" in told.table() and "I/W split" in told.table()
+    assert "I/W split" not in plain.table()
+    assert S.select(4, 8, split=[None] * 4).chosen.split == "held"
+    with pytest.raises(S.ScheduleError, match="one per rank share"):
+        S.select(4, 8, split=[None, None])
+
+
+def test_trace_report_says_per_stage_whether_the_split_held():
+    from pipeline_ext import schedules as S
+    from pipeline_ext.runtime.trace import TraceReport, Tracer
+
+    sch = S.build("zb_h1", 2, 4)
+    tracer = Tracer(0)
+    tracer.note_split({0: None, 1: "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), ..."})
+    tracer.note_split({1: None})  # a fallback, once seen, stays
+    report = TraceReport(sch, [S.simulate(sch).timeline], tracer.split)
+    text = report.summary()
+    assert "I/W split held on stages [0]" in text and "fell back to a whole backward at I on stage 1" in text
+    assert report.chrome_trace()["traceEvents"][0]["args"]["split"] == {"0": "held", "1": tracer.split[1]}
+
+
+# -- two Gloo ranks: the multi-process front end, traced ------------------------------------------------
+def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
+    """Two traced steps of ``name`` with ``kind`` stages against the unsplit model; the complaints, if any."""
+    v = 2 if name in ("zbv", "dualpipev") else 1
+    n, m = world * v, 4
+    mine = [rank, 2 * world - 1 - rank] if v == 2 else [rank]
+    modules = make_stages(kind, n)
+    ref = nn.Sequential(*copy.deepcopy(modules))
+    stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss,
+                                        trace=True)
+    params = [p for s in mine for p in modules[s].parameters()]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    bad: list[str] = []
+    for step in range(2):
+        x, y = batch(2 * m, seed=step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            sched.step(x if 0 in mine else None, target=y if n - 1 in mine else None, losses=losses)
+        unsplit = [str(w.message) for w in said if issubclass(w.category, UnsplitBackwardWarning)]
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        if n - 1 in mine and not torch.allclose(sum(losses) / len(losses), ref_loss.detach()):
+            bad.append(f"{name} {kind} rank {rank} step {step}: loss differs")
+        for s in mine:
+            for a, b in zip(modules[s].parameters(), ref[s].parameters()):
+                if not torch.allclose(a.grad, b.grad, rtol=1.3e-6, atol=1e-5):
+                    bad.append(f"{name} {kind} stage {s} step {step}: grad differs")
+        opt.step()
+        ref_opt.step()
+        if unsplit:
+            bad.append(f"{name} {kind} rank {rank}: {unsplit}")
+    if set(sched.split_report.values()) != {None}:
+        bad.append(f"{name} {kind} rank {rank}: split_report {sched.split_report}")
+    report = sched.trace_report(dst=0)
+    if rank == 0 and (sorted(report.split) != list(range(n)) or set(report.split.values()) != {None}
+                      or "I/W split held on stages" not in report.summary()):
+        bad.append(f"{name} {kind}: trace split {report.split}")
+    return bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
+def test_two_processes_split_exactly_and_trace_says_so(kind, name):
+    from mp_utils import no_complaints
+
+    no_complaints(_mp_case, 2, kind, name, timeout=150)
