@@ -479,3 +479,15 @@ def test_two_processes_split_exactly_and_trace_says_so(kind, name):
     from mp_utils import no_complaints
 
     no_complaints(_mp_case, 2, kind, name, timeout=150)
+
+
+def test_a_torch_whose_checkpoint_state_differs_falls_back_naming_it():
+    """The SAC split reads torch's checkpoint frames and holders; anything else gets the whole backward at I."""
+    from types import SimpleNamespace
+
+    from pipeline_ext.runtime.split_obstacles import _unknown_checkpoint_internals
+
+    frame = SimpleNamespace(recomputed={}, recomp_counter={}, is_recomputed={}, weak_holders=[])
+    assert _unknown_checkpoint_internals([frame], [SimpleNamespace(handles={})]) is None
+    why = _unknown_checkpoint_internals([SimpleNamespace(recomputed={}, weak_holders=[])], [SimpleNamespace()])
+    assert why is not None and "is_recomputed" in why and "handles" in why and "recomp_counter" in why

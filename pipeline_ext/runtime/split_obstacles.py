@@ -121,7 +121,26 @@ def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTrai
                     f"({_name(hook)}) on {_node_name(node)}, which runs at I and at W; "
                     "pipeline_ext.once_only_hooks(pack, unpack) keeps the split",
                     bool(frames))
+    if shared:
+        unknown = _unknown_checkpoint_internals(frames.values(), holders)
+        if unknown is not None:
+            return GraphTraits(unknown, True)
     return GraphTraits(None, bool(frames), shared, list(frames.values()), holders, boxes, split_nodes)
+
+
+#: what keeping a selective checkpoint's recomputed values from I to W reads of torch's checkpoint objects
+#: (runtime/split_keep.py); a torch whose objects differ gets the whole backward at I, not a guess
+_FRAME_ATTRS = ("recomputed", "recomp_counter", "is_recomputed", "weak_holders")
+
+
+def _unknown_checkpoint_internals(frames: Iterable[Any], holders: Iterable[Any]) -> Optional[str]:
+    missing = sorted({a for f in frames for a in _FRAME_ATTRS if not isinstance(getattr(f, a, None), (dict, list))}
+                     | {"handles" for h in holders if not isinstance(getattr(h, "handles", None), dict)})
+    if not missing:
+        return None
+    return (f"it holds a selective activation checkpoint, and this torch ({torch.__version__}) keeps its checkpoint "
+            f"state in another form than the split reads ({', '.join(missing)}), so I and W cannot share one "
+            "recomputation")
 
 
 def split_aware(node: Any) -> bool:
