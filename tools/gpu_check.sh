@@ -1,29 +1,50 @@
 #!/usr/bin/env bash
 # Runs every CUDA path of pipeline_ext on a real GPU and writes a Markdown report.
 #
-#   tools/gpu_check.sh REPORT_DIR
+#   tools/gpu_check.sh [--budget SECONDS] REPORT_DIR
+#   GPU_CHECK_DRY=1 tools/gpu_check.sh --budget 420 REPORT_DIR   # the plan and its timeouts, on any machine
 #
 # Made for a bare GPU machine with its own CUDA build of torch, nvcc, pytest and
 # hypothesis, and no network: it builds against the torch that is there (any
-# version: nothing is downloaded), then runs, each step logged to
-# REPORT_DIR/logs/ and summarised in REPORT_DIR/report.md:
-#   1. build of the CUDA extension; torch, CUDA and device versions
-#   2. pytest -m cuda (single process), then the whole suite (run last, in the time left)
-#   2a. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
-#   3. benchmarks/bench_kernels.py on CUDA (split/concat/pack vs torch and vs a plain copy)
-#   4. Pipe on cuda:0: every schedule x checkpoint mode x fp32/autocast bf16 (tests/test_cuda_paths.py)
-#   5. benchmarks/bench_overlap.py: copy time hidden behind compute, copy streams vs compute stream
-#   6. compute-sanitizer memcheck and racecheck over the CUDA tests
-#   7. tools/gpu_sync_count.py: host-device synchronisations in one Pipe.step
-#   8. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0):
-#      tests/test_ipc_gpu.py (messages, pipelines against the unsplit model,
-#      skips between processes, SIGKILL of either rank), then
-#      benchmarks/bench_transport.py --device cuda (IPC vs NCCL round trips)
-# Without a GPU it says so and exits 0. Exit status: 0 when every step passed.
-# Every step runs even when an earlier one failed (except after a failed build).
+# version: nothing is downloaded), then runs, in this order (what has never run
+# elsewhere first, so a short lease checks it), each step logged to
+# REPORT_DIR/logs/ (pytest steps also as junit XML) and summarised in
+# REPORT_DIR/report.md, which is rewritten after every step (a run cut short
+# still leaves everything done so far):
+#   1. build of the CUDA extension (MAX_JOBS=nproc, its seconds in the table); torch, CUDA and device versions
+#   2. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
+#   3. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/test_ipc_gpu.py,
+#      tests/test_ipc_transport.py
+#   4. benchmarks/bench_pipeline.py --device cuda: 2-rank 1F1B, ours vs torch over NCCL
+#   5. benchmarks/bench_transport.py --device cuda: IPC vs NCCL round trips, 4 B .. 64 MiB
+#   6. tools/gpu_sync_count.py --ranks 2: host-device synchronisations in a known multi-process step
+#   7. pytest -m cuda (single process: Pipe on cuda:0, every schedule x checkpoint mode x fp32/bf16)
+#   8. tools/gpu_sync_count.py: synchronisations in one Pipe.step
+#   9. benchmarks/bench_kernels.py and benchmarks/bench_overlap.py on CUDA
+#  10. compute-sanitizer memcheck and racecheck over the CUDA tests
+#  11. the whole suite, in the time left
+# --budget SECONDS: the whole run fits in it. Each step's timeout is the
+# smaller of its own cap and what is left of the budget (less 15 s for the
+# report); a step with under 30 s left is not started and says so. Without
+# --budget every step has its cap and the whole suite runs until
+# GPU_CHECK_DEADLINE (seconds since the start, default 1800).
+# GPU_CHECK_DRY=1 prints the plan instead: the steps in order, each with the
+# timeout it would get if every earlier step took its usual time; nothing is
+# built or run, no GPU is needed.
+# Without a GPU (and not dry) it says so and exits 0. Exit status: 0 when every
+# step passed. Every step runs even when an earlier one failed (except after a
+# failed build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${1:?usage: tools/gpu_check.sh REPORT_DIR}
+BUDGET=""
+while [ $# -gt 1 ]; do
+  case $1 in
+    --budget) BUDGET=${2:?--budget needs seconds}; shift 2 ;;
+    --budget=*) BUDGET=${1#--budget=}; shift ;;
+    *) echo "usage: tools/gpu_check.sh [--budget SECONDS] REPORT_DIR" >&2; exit 2 ;;
+  esac
+done
+OUT_DIR=${1:?usage: tools/gpu_check.sh [--budget SECONDS] REPORT_DIR}
 mkdir -p "$OUT_DIR/logs"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 LOGS=$OUT_DIR/logs
@@ -31,29 +52,57 @@ REPORT=$OUT_DIR/report.md
 PY=${PYTHON:-python3}
 QUICK=${GPU_CHECK_QUICK:-0}  # 1: smaller benchmarks (a smoke run of this script)
 SKIP=" ${GPU_CHECK_SKIP:-} "  # step names to leave out while iterating, e.g. "pytest_all sanitizer_racecheck"
+DRY=${GPU_CHECK_DRY:-0}
+DRY_CLOCK=0  # dry run: seconds the steps before this one usually take
 export PYTHONUNBUFFERED=1
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+if [ "$DRY" != 1 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
   msg="gpu_check: no GPU (torch.cuda.is_available() is False, or torch is missing): nothing was checked"
   echo "$msg"
   printf '# GPU check\n\n%s.\n' "$msg" >"$REPORT"
   exit 0
 fi
+[ "$DRY" = 1 ] && echo "gpu_check plan (dry run${BUDGET:+, budget ${BUDGET}s}): step, timeout, command"
 
 declare -a SUMMARY=()
 FAILED=0
-# step NAME TIMEOUT_S CMD...: runs CMD with a time limit, logs to logs/NAME.log.
+# The seconds step NAME may take: its CAP, or less when the budget has less left (0: not worth starting).
+limit_for() {
+  local cap=$1 now=$SECONDS
+  [ "$DRY" = 1 ] && now=$DRY_CLOCK
+  if [ -z "$BUDGET" ]; then echo "$cap"; return; fi
+  local left=$(( BUDGET - now - 15 ))
+  if [ $left -lt 30 ]; then echo 0; elif [ $left -lt "$cap" ]; then echo "$left"; else echo "$cap"; fi
+}
+
+# step NAME CAP_S USUAL_S CMD...: runs CMD with a time limit (limit_for), logs to logs/NAME.log, rewrites the
+# report. USUAL_S is what the step usually takes on an H100 machine: the dry run's clock.
 step() {
-  local name=$1 limit=$2
-  shift 2
+  local name=$1 limit
+  limit=$(limit_for "$2")
+  local usual=$3
+  shift 3
+  if [ "$DRY" = 1 ]; then
+    local cmd="$*"
+    cmd=${cmd//$'\n'/ }
+    if [ "$limit" -eq 0 ]; then echo "  $name: not started (budget spent)"; else echo "  $name: ${limit}s: ${cmd:0:150}"; fi
+    DRY_CLOCK=$(( DRY_CLOCK + (usual < limit ? usual : limit) ))
+    return 0
+  fi
   if [[ $SKIP == *" $name "* ]]; then
     SUMMARY+=("| $name | skipped (GPU_CHECK_SKIP) | - | - |")
     FAILED=1
     return 0
   fi
-  echo "== $name: $*"
+  if [ "$limit" -eq 0 ]; then
+    SUMMARY+=("| $name | not started (budget of ${BUDGET}s spent) | - | - |")
+    FAILED=1
+    write_report
+    return 1
+  fi
+  echo "== $name (up to ${limit}s): $*"
   local t0=$SECONDS rc
-  timeout --kill-after=30 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   local took=$((SECONDS - t0)) status=pass
   if [ $rc -ne 0 ]; then
@@ -63,11 +112,83 @@ step() {
   echo "   $status in ${took}s"
   tail -n 3 "$LOGS/$name.log" | sed 's/^/   | /'
   SUMMARY+=("| $name | $status | ${took}s | \`logs/$name.log\` |")
+  write_report
   return $rc
 }
 
 # pytest's closing line ("12 passed, 1 skipped in 3.4s") of a log.
 verdict() { grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
+
+# -- report (rewritten after every step) ----------------------------------------------------
+write_report() {
+  {
+    echo "# GPU check"
+    echo
+    echo "\`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
+    echo
+    echo '```'
+    cat "$LOGS/versions.log" 2>/dev/null
+    echo '```'
+    echo
+    echo "| step | result | time | log |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${SUMMARY[@]}"
+    echo
+    echo "## Tests"
+    echo
+    echo "- \`pytest -m cuda\` (single process): $(verdict "$LOGS/pytest_cuda.log")"
+    echo "- multi-process on cuda:0 over NCCL: $(verdict "$LOGS/pytest_multiprocess_cuda.log")"
+    echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
+    grep -E '(FAILED|ERROR) tests/' "$LOGS/pytest_all.log" "$LOGS/pytest_cuda.log" "$LOGS/pytest_multiprocess_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
+    for tool in memcheck racecheck; do
+      [ -f "$LOGS/sanitizer_$tool.log" ] &&
+        echo "- compute-sanitizer $tool: $(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -n 1 | sed 's/^=* *//') over $(verdict "$LOGS/sanitizer_$tool.log")"
+    done
+    echo
+    echo "## Multi-process pipelines on cuda:0 against the unsplit model"
+    echo
+    cat "$OUT_DIR/multiprocess.md" 2>/dev/null || echo "(no table: see logs/pytest_multiprocess_cuda.log)"
+    echo
+    echo "## Pipe on cuda:0 against the unsplit model"
+    echo
+    echo "Every schedule, checkpoint mode and precision (tests/test_cuda_paths.py; loss and every gradient within"
+    echo "rtol/atol 1e-4/1e-5 for fp32 and 3e-2/3e-3 under autocast bf16):"
+    echo
+    cat "$OUT_DIR/equivalence.md" 2>/dev/null || echo "(no table yet)"
+    echo
+    echo "## Kernels (benchmarks/bench_kernels.py)"
+    echo
+    cat "$OUT_DIR/kernels.md" 2>/dev/null || echo "(no table: see logs/bench_kernels.log)"
+    echo
+    echo "## Copy/compute overlap (benchmarks/bench_overlap.py)"
+    echo
+    cat "$OUT_DIR/overlap.md" 2>/dev/null || echo "(no table: see logs/bench_overlap.log)"
+    echo
+    echo "## CUDA IPC transport (tests/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
+    echo
+    echo "- suites under transport=\"ipc\" on cuda:0: $(verdict "$LOGS/ipc_suites.log")"
+    grep -E '(FAILED|ERROR) tests/' "$LOGS/ipc_suites.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
+    echo
+    echo '```'
+    grep -E '^(ping-pong| *message| *[0-9]+ (B|KB|MB) )' "$LOGS/bench_transport_cuda.log" 2>/dev/null || echo "(no table: see logs/bench_transport_cuda.log)"
+    echo '```'
+    echo
+    echo "## 2-rank 1F1B over NCCL, pipeline_ext vs torch (benchmarks/bench_pipeline.py --device cuda)"
+    echo
+    echo '```'
+    tail -n 8 "$LOGS/bench_pipeline_nccl.log" 2>/dev/null || echo "(not run)"
+    echo '```'
+    echo
+    echo "## Host-device synchronisations in a known multi-process step (tools/gpu_sync_count.py --ranks 2)"
+    echo
+    cat "$OUT_DIR/syncs_multiprocess.md" 2>/dev/null || echo "(no table: see logs/sync_count_multiprocess.log)"
+    echo
+    echo "## Host-device synchronisations in one Pipe.step (tools/gpu_sync_count.py)"
+    echo
+    cat "$OUT_DIR/syncs.md" 2>/dev/null || echo "(no table: see logs/sync_count.log)"
+  } >"$REPORT"
+}
+
 
 # 1. build
 # torch's extension build compiles and links with $CXX. Some GPU images point
@@ -78,15 +199,15 @@ export CXX=${GPU_CHECK_CXX:-c++} CC=${GPU_CHECK_CC:-cc}
 
 # pip may refuse (an old pip, a setuptools that re-enters pip with isolation):
 # then an in-place build against the same torch, found through PYTHONPATH.
-if ! step build 900 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation -e .; then
-  step build_inplace 900 env MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace || {
+if ! step build 900 90 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation -e .; then
+  step build_inplace 900 90 env MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace || {
     printf '# GPU check\n\nThe build failed; see `logs/build.log` and `logs/build_inplace.log`.\n' >"$REPORT"
     tail -n 40 "$LOGS/build_inplace.log"
     exit 1
   }
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-step versions 120 "$PY" -c '
+step versions 120 10 "$PY" -c '
 import torch, pipeline_ext
 from pipeline_ext.runtime._ext import _C
 p = torch.cuda.get_device_properties(0)
@@ -98,20 +219,23 @@ import subprocess
 assert "libstdc++.so" in subprocess.run(["ldd", _C.__file__], capture_output=True, text=True).stdout, \
     "_C links libstdc++ statically: a second C++ runtime beside the one torch uses"
 '
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOGS/versions.log" 2>&1
-nvcc --version | tail -n 2 >>"$LOGS/versions.log" 2>&1
+if [ "$DRY" != 1 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOGS/versions.log" 2>&1
+  nvcc --version | tail -n 2 >>"$LOGS/versions.log" 2>&1
+  write_report
+fi
 
-# 2. tests (single process; the multi-process ones are step 2a)
-step pytest_cuda 900 "$PY" -m pytest -m "cuda and not slow" -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
-
-# 2a. multi-process pipelines on the GPU: the multi-process equivalence, agreement and PP x DP tests,
+# 2. multi-process pipelines on the GPU: the multi-process equivalence, agreement and PP x DP tests,
 # parametrised by device (tests/conftest.py: rank_device, stage_device), every rank's stages on cuda:0,
 # the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, comm.launch.spawn), the
 # reference model on the same GPU.
 MP_TESTS=(tests/test_distributed.py tests/test_step_agreement.py tests/test_data_parallel.py)
-step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-900}" "$PY" -m pytest -m "cuda and slow" -v -p no:cacheprovider \
+# under a budget the two test steps get at most 2/5 and 1/4 of it, so the benchmarks after them get a turn
+share() { if [ -n "$BUDGET" ]; then echo $(( BUDGET * $1 / $2 )); else echo 900; fi; }
+step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-$(share 2 5)}" 150 "$PY" -m pytest -m "cuda and slow" -v -p no:cacheprovider \
   --junitxml="$LOGS/multiprocess_cuda.xml" "${MP_TESTS[@]}"
-"$PY" - "$LOGS/multiprocess_cuda.xml" >"$OUT_DIR/multiprocess.md" 2>>"$LOGS/multiprocess_table.log" <<'EOF'
+if [ -f "$LOGS/multiprocess_cuda.xml" ]; then
+  "$PY" - "$LOGS/multiprocess_cuda.xml" >"$OUT_DIR/multiprocess.md" 2>>"$LOGS/multiprocess_table.log" <<'EOF'
 import sys, xml.etree.ElementTree as ET
 print("| test (stages on cuda:0, NCCL) | result | time |")
 print("|---|---|---|")
@@ -120,14 +244,32 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
     result = "FAIL" if bad else "skip" if case.find("skipped") is not None else "pass"
     print(f"| {case.get('name')} | {result} | {float(case.get('time', 0)):.0f} s |")
 EOF
+  write_report
+fi
 
-# 3. kernel benchmark
-bench_args=(--device cuda --markdown "$OUT_DIR/kernels.md")
-[ "$QUICK" = 1 ] && bench_args+=(--quick)
-step bench_kernels 900 "$PY" benchmarks/bench_kernels.py "${bench_args[@]}"
+# 3. the CUDA IPC transport: its multi-process suites on cuda:0
+step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider \
+  --junitxml="$LOGS/ipc_suites.xml"
 
-# 4. Pipe equivalence table (the tests ran in step 2; this lists them one by one)
-"$PY" - "$LOGS/cuda.xml" >"$OUT_DIR/equivalence.md" 2>>"$LOGS/equivalence.log" <<'EOF'
+# 4. 2-rank 1F1B, ours vs torch over NCCL, in the same processes
+pipeline_args=(--device cuda --schedules 1f1b --dims 4096 --repeats 3 --steps 3)
+[ "$QUICK" = 1 ] && pipeline_args=(--device cuda --schedules 1f1b --dims 1024 --repeats 2 --steps 2)
+step bench_pipeline_nccl 600 60 "$PY" benchmarks/bench_pipeline.py "${pipeline_args[@]}"
+
+# 5. IPC vs NCCL round trips
+transport_args=(--device cuda)
+[ "$QUICK" = 1 ] && transport_args+=(--n 20 --repeats 3)
+step bench_transport_cuda 900 60 "$PY" benchmarks/bench_transport.py "${transport_args[@]}"
+
+# 6. synchronisations in a known multi-process step
+step sync_count_multiprocess 300 30 "$PY" tools/gpu_sync_count.py --ranks 2 --markdown "$OUT_DIR/syncs_multiprocess.md"
+
+# 7. single-process CUDA tests (the multi-process ones ran in step 2)
+step pytest_cuda 900 150 "$PY" -m pytest -m "cuda and not slow" -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
+
+# Pipe equivalence table (the tests ran in step 7; this lists them one by one)
+if [ -f "$LOGS/cuda.xml" ]; then
+  "$PY" - "$LOGS/cuda.xml" >"$OUT_DIR/equivalence.md" 2>>"$LOGS/equivalence.log" <<'EOF'
 import re, sys, xml.etree.ElementTree as ET
 rows = {}
 for case in ET.parse(sys.argv[1]).iter("testcase"):
@@ -145,13 +287,21 @@ print("|---|" + "---|" * len(cols))
 for name, cells in rows.items():
     print(f"| {name} | " + " | ".join(cells.get(k, "-") for k in cols) + " |")
 EOF
+  write_report
+fi
 
-# 5. overlap benchmark
+# 8. synchronisations in one Pipe.step
+step sync_count 600 45 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
+
+# 9. kernel and overlap benchmarks
+bench_args=(--device cuda --markdown "$OUT_DIR/kernels.md")
+[ "$QUICK" = 1 ] && bench_args+=(--quick)
+step bench_kernels 900 90 "$PY" benchmarks/bench_kernels.py "${bench_args[@]}"
 overlap_args=(--markdown "$OUT_DIR/overlap.md")
 [ "$QUICK" = 1 ] && overlap_args+=(--quick)
-step bench_overlap 900 "$PY" benchmarks/bench_overlap.py "${overlap_args[@]}"
+step bench_overlap 900 45 "$PY" benchmarks/bench_overlap.py "${overlap_args[@]}"
 
-# 6. compute-sanitizer (without the caching allocator, so out-of-bounds accesses
+# 10. compute-sanitizer (without the caching allocator, so out-of-bounds accesses
 # inside a cached block are seen too)
 # racecheck instruments every shared-memory access of torch's own kernels too,
 # so it runs a smaller selection of the Pipe cases.
@@ -160,9 +310,9 @@ step bench_overlap 900 "$PY" benchmarks/bench_overlap.py "${overlap_args[@]}"
 # torch's own kernels tenfold, so not all 48).
 SAN_TESTS=(tests/test_ops.py tests/test_channels.py tests/test_cuda_paths.py -m cuda -q -p no:cacheprovider -x
            -k "test_ops or test_channels or connected or dist_channel or (split_between and (1f1b or zbv)) or (matches_unsplit and (1f1b-except_last-fp32 or zb_h1-always-fp32 or zbv-never-fp32)) or (dropout and zb_h1)")
-if command -v compute-sanitizer >/dev/null; then
+if [ "$DRY" = 1 ] || command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    step "sanitizer_$tool" 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
+    step "sanitizer_$tool" 300 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
       --error-exitcode 97 --target-processes all "$PY" -m pytest "${SAN_TESTS[@]}"
   done
 else
@@ -170,82 +320,25 @@ else
   FAILED=1
 fi
 
-# 7. synchronisations in one step
-step sync_count 600 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
-
-# 8. the CUDA IPC transport: its multi-process suites on cuda:0 (also in pytest -m cuda above; run again here
-# on their own, with a log of their own), and its round trips against NCCL's
-step ipc_suites 900 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider
-transport_args=(--device cuda)
-[ "$QUICK" = 1 ] && transport_args+=(--n 20 --repeats 3)
-step bench_transport_cuda 900 "$PY" benchmarks/bench_transport.py "${transport_args[@]}"
-
-# 2b. the whole suite, last: it is mostly the CPU suite (as in CI) and takes
-# whatever time is left before GPU_CHECK_DEADLINE (seconds since the start;
-# default 1800). Several workers when pytest-xdist is there: the multi-process
-# tests pick free ports. -v prints each result as it comes, so a run cut at the
-# deadline still names its failures.
+# 11. the whole suite, last: it is mostly the CPU suite (as in CI) and takes
+# whatever time is left (of the budget, or before GPU_CHECK_DEADLINE: seconds
+# since the start, default 1800). Several workers when pytest-xdist is there:
+# the multi-process tests pick free ports. -v prints each result as it comes,
+# so a run cut short still names its failures.
 xdist=()
 "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))")
-left=$(( ${GPU_CHECK_DEADLINE:-1800} - SECONDS ))
-step pytest_all $(( left > 60 ? left : 60 )) "$PY" -m pytest -v -p no:cacheprovider "${xdist[@]}"
+if [ -n "$BUDGET" ]; then
+  all_cap=$BUDGET
+else
+  all_cap=$(( ${GPU_CHECK_DEADLINE:-1800} - SECONDS ))
+  all_cap=$(( all_cap > 60 ? all_cap : 60 ))
+fi
+step pytest_all "$all_cap" 600 "$PY" -m pytest -v -p no:cacheprovider --junitxml="$LOGS/all.xml" "${xdist[@]}"
 
-# -- report ------------------------------------------------------------------------------
-{
-  echo "# GPU check"
-  echo
-  echo "\`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
-  echo
-  echo '```'
-  cat "$LOGS/versions.log"
-  echo '```'
-  echo
-  echo "| step | result | time | log |"
-  echo "|---|---|---|---|"
-  printf '%s\n' "${SUMMARY[@]}"
-  echo
-  echo "## Tests"
-  echo
-  echo "- \`pytest -m cuda\` (single process): $(verdict "$LOGS/pytest_cuda.log")"
-  echo "- multi-process on cuda:0 over NCCL: $(verdict "$LOGS/pytest_multiprocess_cuda.log")"
-  echo "- whole suite: $(verdict "$LOGS/pytest_all.log")"
-  grep -E '(FAILED|ERROR) tests/' "$LOGS/pytest_all.log" "$LOGS/pytest_cuda.log" "$LOGS/pytest_multiprocess_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
-  for tool in memcheck racecheck; do
-    [ -f "$LOGS/sanitizer_$tool.log" ] &&
-      echo "- compute-sanitizer $tool: $(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -n 1 | sed 's/^=* *//') over $(verdict "$LOGS/sanitizer_$tool.log")"
-  done
-  echo
-  echo "## Multi-process pipelines on cuda:0 against the unsplit model"
-  echo
-  cat "$OUT_DIR/multiprocess.md" 2>/dev/null || echo "(no table: see logs/pytest_multiprocess_cuda.log)"
-  echo
-  echo "## Pipe on cuda:0 against the unsplit model"
-  echo
-  echo "Every schedule, checkpoint mode and precision (tests/test_cuda_paths.py; loss and every gradient within"
-  echo "rtol/atol 1e-4/1e-5 for fp32 and 3e-2/3e-3 under autocast bf16):"
-  echo
-  cat "$OUT_DIR/equivalence.md"
-  echo
-  echo "## Kernels (benchmarks/bench_kernels.py)"
-  echo
-  cat "$OUT_DIR/kernels.md" 2>/dev/null || echo "(no table: see logs/bench_kernels.log)"
-  echo
-  echo "## Copy/compute overlap (benchmarks/bench_overlap.py)"
-  echo
-  cat "$OUT_DIR/overlap.md" 2>/dev/null || echo "(no table: see logs/bench_overlap.log)"
-  echo
-  echo "## CUDA IPC transport (tests/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
-  echo
-  echo "- suites under transport=\"ipc\" on cuda:0: $(verdict "$LOGS/ipc_suites.log")"
-  grep -E '(FAILED|ERROR) tests/' "$LOGS/ipc_suites.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
-  echo
-  echo '```'
-  grep -E '^(ping-pong| *message| *[0-9]+ (B|KB|MB) )' "$LOGS/bench_transport_cuda.log" 2>/dev/null || echo "(no table: see logs/bench_transport_cuda.log)"
-  echo '```'
-  echo
-  echo "## Host-device synchronisations in one step (tools/gpu_sync_count.py)"
-  echo
-  cat "$OUT_DIR/syncs.md" 2>/dev/null || echo "(no table: see logs/sync_count.log)"
-} >"$REPORT"
+if [ "$DRY" = 1 ]; then
+  echo "(dry run: nothing was built or run)"
+  exit 0
+fi
+write_report
 echo "report: $REPORT"
 exit $FAILED
