@@ -117,7 +117,7 @@ step() {
 }
 
 # pytest's closing line ("12 passed, 1 skipped in 3.4s") of a log.
-verdict() { grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
+verdict() { grep -E '(passed|failed|error).* in [0-9.]+s' "$1" 2>/dev/null | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
 
 # -- report (rewritten after every step) ----------------------------------------------------
 write_report() {
