@@ -212,8 +212,10 @@ def _split_vs_whole(make_out, x: torch.Tensor, net: nn.Module):
     return unsplit, boundaries
 
 
-def test_plain_checkpoint_splits_and_w_recomputes_once():
-    """One recomputation for I and one for W (a GraphExecGroup), not one per boundary node."""
+@pytest.mark.parametrize("selective", [False, True], ids=["plain", "sac"])
+def test_checkpoint_splits_and_recomputes_once_per_group(selective):
+    """Plain: one recomputation for I and one for W (a GraphExecGroup), not one per boundary node. SAC (its cache
+    hands each value out once): I and W share one GraphExecGroup, one recomputation at I; W reads what I kept."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -224,11 +226,12 @@ def test_plain_checkpoint_splits_and_w_recomputes_once():
         return body(x)
 
     def run(x):
-        return checkpoint(counted, x, use_reentrant=False)
+        return checkpoint(counted, x, use_reentrant=False, **({"context_fn": _sac_context} if selective else {}))
 
     unsplit, boundaries = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
     assert unsplit is None and boundaries == 2
-    assert calls[0] == 3 + 2  # split: forward, I, W; then the reference: forward, backward
+    # split: forward, I, W (plain) or forward, I (SAC); then the reference: forward, backward
+    assert calls[0] == (2 if selective else 3) + 2
 
 
 @pytest.mark.parametrize("kind", ["reentrant", "unknown_hook"])
@@ -247,25 +250,6 @@ def test_unsplittable_graphs_run_whole_at_i_and_say_why(kind):
     unsplit, _ = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
     want = {"reentrant": "reentrant", "unknown_hook": "saved_tensors_hooks"}[kind]
     assert unsplit is not None and want in unsplit, unsplit
-
-
-def test_selective_checkpoint_splits_and_recomputes_once():
-    """SAC (issue 40): I and W share one GraphExecGroup: one recomputation, at I; W reads what I kept."""
-    from torch.utils.checkpoint import checkpoint
-
-    torch.manual_seed(0)
-    body, calls = Body(), [0]
-
-    def counted(x):
-        calls[0] += 1
-        return body(x)
-
-    def run(x):
-        return checkpoint(counted, x, use_reentrant=False, context_fn=_sac_context)
-
-    unsplit, boundaries = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
-    assert unsplit is None and boundaries == 2
-    assert calls[0] == 2 + 2  # split: forward, I (W recomputes nothing); then the reference: forward, backward
 
 
 def test_save_on_cpu_splits():

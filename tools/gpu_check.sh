@@ -119,6 +119,13 @@ step() {
 # pytest's closing line ("12 passed, 1 skipped in 3.4s") of a log.
 verdict() { grep -E '(passed|failed|error).* in [0-9.]+s' "$1" 2>/dev/null | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
 
+# section TITLE TABLE STEP: a report section showing the Markdown table a step wrote (or where its log is)
+section() {
+  printf '## %s\n\n' "$1"
+  cat "$OUT_DIR/$2" 2>/dev/null || echo "(no table: see logs/$3.log)"
+  echo
+}
+
 # -- report (rewritten after every step) ----------------------------------------------------
 write_report() {
   {
@@ -156,14 +163,8 @@ write_report() {
     echo
     cat "$OUT_DIR/equivalence.md" 2>/dev/null || echo "(no table yet)"
     echo
-    echo "## Kernels (benchmarks/bench_kernels.py)"
-    echo
-    cat "$OUT_DIR/kernels.md" 2>/dev/null || echo "(no table: see logs/bench_kernels.log)"
-    echo
-    echo "## Copy/compute overlap (benchmarks/bench_overlap.py)"
-    echo
-    cat "$OUT_DIR/overlap.md" 2>/dev/null || echo "(no table: see logs/bench_overlap.log)"
-    echo
+    section "Kernels (benchmarks/bench_kernels.py)" kernels.md bench_kernels
+    section "Copy/compute overlap (benchmarks/bench_overlap.py)" overlap.md bench_overlap
     echo "## CUDA IPC transport (tests/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
     echo
     echo "- suites under transport=\"ipc\" on cuda:0: $(verdict "$LOGS/ipc_suites.log")"
@@ -179,13 +180,9 @@ write_report() {
     tail -n 8 "$LOGS/bench_pipeline_nccl.log" 2>/dev/null || echo "(not run)"
     echo '```'
     echo
-    echo "## Host-device synchronisations in a known multi-process step (tools/gpu_sync_count.py --ranks 2)"
-    echo
-    cat "$OUT_DIR/syncs_multiprocess.md" 2>/dev/null || echo "(no table: see logs/sync_count_multiprocess.log)"
-    echo
-    echo "## Host-device synchronisations in one Pipe.step (tools/gpu_sync_count.py)"
-    echo
-    cat "$OUT_DIR/syncs.md" 2>/dev/null || echo "(no table: see logs/sync_count.log)"
+    section "Host-device synchronisations in a known multi-process step (tools/gpu_sync_count.py --ranks 2)" \
+      syncs_multiprocess.md sync_count_multiprocess
+    section "Host-device synchronisations in one Pipe.step (tools/gpu_sync_count.py)" syncs.md sync_count
   } >"$REPORT"
 }
 
