@@ -377,6 +377,7 @@ def test_zero_bubble_schedules_train_exactly(kind):
         _train_pipe(kind, name, 2, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_bubble_schedules_train_exactly_on_four_ranks(kind):
@@ -473,6 +474,7 @@ def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
 def test_two_processes_split_exactly_and_trace_says_so(kind, name):

@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter each
 @pytest.mark.parametrize("order", ["pipeline_ext-only", "torch-first"])
 def test_a_step_loads_neither_torch_pipelining_nor_fsdp_and_torch_parity_still_holds(order):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, order], capture_output=True, text=True, timeout=120)
