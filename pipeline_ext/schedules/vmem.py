@@ -196,8 +196,8 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
     ranks = [_VRank(r, n_stages - 1 - r, m, None if sequences is None else sequences[r]) for r in range(p)]
     ranks[0].input_at[0].update({j: 0.0 for j in range(m)})
     dur = {(s, k): costs.duration(Action(s, k, 0)) for s in range(n_stages) for k in (F, I, W)}
-    # A rank's next choice only changes when it or a neighbour acts: keep the choices in a heap and drop entries
-    # whose rank has acted since (stale version), as the greedy zero-bubble scheduler does.
+    # A rank's next choice only changes when it acts or a result is published to it: keep the choices in a heap
+    # and drop entries whose rank has changed since (stale version), as the greedy zero-bubble scheduler does.
     version = [0] * p
     heap: list[tuple[float, int, int, int, ActionKind, int]] = []
 
@@ -220,9 +220,10 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
         start, _, r, ver, kind, stage = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        _run(ranks, placement, r, kind, stage, start, dur, costs)
-        for near in range(max(r - 1, 0), min(r + 2, p)):
-            refresh(near)
+        dest = _run(ranks, placement, r, kind, stage, start, dur, costs)
+        refresh(r)
+        if dest is not None and dest != r:
+            refresh(dest)
     stuck = [r for r, rank in enumerate(ranks) if not rank.done]
     if stuck:
         raise ScheduleError(f"{name}: no rank can go on within {limit} stage activations per rank (num_ranks={p}, "
@@ -231,8 +232,11 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
 
 
 def _run(ranks: list[_VRank], placement: list[int], r: int, kind: ActionKind, stage: int, start: float,
-         dur: dict, costs: Costs) -> None:
-    """Append one action to rank ``r`` and publish when its result reaches the stage that needs it."""
+         dur: dict, costs: Costs) -> Optional[int]:
+    """Append one action to rank ``r`` and publish when its result reaches the stage that needs it.
+
+    Returns the rank it was published to (None: nothing published, a W or the last stage's F's own gradient).
+    """
     rank = ranks[r]
     if kind is F:
         j = rank.next_f[stage]
@@ -254,10 +258,14 @@ def _run(ranks: list[_VRank], placement: list[int], r: int, kind: ActionKind, st
         dest = placement[stage + 1]
         hop = costs.transfer(stage) if dest != r else 0.0
         ranks[dest].input_at[stage + 1][j] = rank.free + hop
-    elif kind is F:
+        return dest
+    if kind is F:
         rank.grad_at[stage][j] = rank.free
-    elif kind is I and stage > 0:
+        return r
+    if kind is I and stage > 0:
         dest = placement[stage - 1]
         hop = costs.transfer(stage) if dest != r else 0.0
         ranks[dest].grad_at[stage - 1][j] = rank.free + hop
+        return dest
+    return None
 
