@@ -14,8 +14,11 @@ interpreter that has imported torch and pipeline_ext (``ZYGOTE``). A forked
 rank runs the job as its ``__main__`` and then leaves by falling off the end
 of the script, so it goes through the whole interpreter shutdown a script
 goes through (atexit handlers, module teardown, the C++ runtime's static
-destructors and its threads); only the import is shared. Importing torch is
-most of a fresh rank's start-up, and it is not what these jobs test. Jobs of
+destructors and its threads); only the import is shared, frozen
+(``gc.freeze``) as a fork server freezes it, so the exit's collections walk
+what the job made and not torch's modules. Importing torch is most of a
+fresh rank's start-up, and walking it most of a forked rank's exit; neither
+is what these jobs test. Jobs of
 each kind also run on fresh interpreters (``python -c JOB``, as torchrun
 starts them): on shared memory and on the process group, with the threads
 still up at exit (no ``destroy_process_group()``).
@@ -99,8 +102,10 @@ def _job(i: int, end: str = "steps") -> list[tuple[int, str]]:
 #: JSON line in per job (a list of [environment, output file] per rank), two lines out (the ranks' pids, then
 #: their exit codes as ``os.waitstatus_to_exitcode`` gives them).
 ZYGOTE = textwrap.dedent("""
-    import json, os, sys
+    import gc, json, os, sys
     import torch, torch.distributed, pipeline_ext
+    gc.collect()
+    gc.freeze()  # the imports live as long as a rank: its collections, the last one at exit included, skip them
 
     def serve():
         for line in sys.stdin:

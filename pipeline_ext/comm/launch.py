@@ -62,9 +62,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_method: str, args
                 pass
 
 
-#: what the fork server imports once for every rank it forks: the caller's script (``__main__``, and with it what the
-#: script imports, as a spawned rank would import it), torch and pipeline_ext
-FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "pipeline_ext"]
+#: what the fork server imports once for every rank it forks: torch, pipeline_ext, then the caller's script (and with
+#: it what the script imports, as a spawned rank would import it) and a ``gc.freeze`` (``comm.forkserver_main``)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pipeline_ext", "pipeline_ext.comm.forkserver_main"]
 
 
 def _context(context: Any) -> Any:
@@ -78,7 +78,33 @@ def _context(context: Any) -> Any:
     ctx = mp.get_context(context)
     if context == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once this process's fork server runs
+        _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """Start this process's fork server (if it is not running) with the caller's script path in its environment.
+
+    ``comm.forkserver_main`` runs the script there, so a rank does not run it
+    again (multiprocessing's own ``"__main__"`` preload does nothing before
+    Python 3.13.8). A script started as a module (``python -m``) is left to
+    multiprocessing: each rank imports it by name, as without the server.
+    """
+    from multiprocessing import forkserver, spawn as mp_spawn
+
+    from .forkserver_main import MAIN_ENV
+
+    path = mp_spawn.get_preparation_data("pipeline_ext").get("init_main_from_path")
+    saved = os.environ.get(MAIN_ENV)
+    if path:
+        os.environ[MAIN_ENV] = path  # the server inherits the environment as it is now; restored just below
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop(MAIN_ENV, None)
+        else:
+            os.environ[MAIN_ENV] = saved
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0,
@@ -96,14 +122,15 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
     hashes, so ranks that share a GPU run as hosts of their own, over NCCL's
     network transport. With ``raise_errors``
     a failed rank raises :class:`RankError` carrying every failed rank's
-    traceback; without it, a rank that died without reporting comes back as
-    ``("died", exitcode)``. A rank still running after ``timeout`` seconds
+    traceback, or the exit code of a rank that died without reporting;
+    without it, such a rank comes back as ``("died", exitcode)``. A rank still running after ``timeout`` seconds
     always raises (every rank still alive is killed).
 
     ``context``: a multiprocessing start method's name, or a context. The
     default, a fork server that has imported the caller's script, torch and
     pipeline_ext, starts a rank in milliseconds where ``"spawn"`` re-imports
-    all three in every rank; either way a rank runs in a process that never
+    all three in every rank (a script started with ``python -m`` is imported
+    again in each rank, by name); either way a rank runs in a process that never
     ran the caller's code past its imports (no threads, no CUDA), and gets
     the caller's environment as it is now.
     ``init_method``: the ranks' rendezvous (default: TCP on a free port of
@@ -137,16 +164,20 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
         for r in killed:
             procs[r].kill()
             procs[r].join(timeout=5)
-    hung = []
+    hung, died = [], {}
     for r in sorted(set(range(world)) - set(out)):
         code = procs[r].exitcode
-        if not raise_errors and code is not None and r not in killed:  # died on its own (a SIGKILL too), not killed by us
-            out[r] = ("died", code)
+        if code is not None and r not in killed:  # died on its own (a SIGKILL too), not killed by us
+            died[r] = code
         else:
             hung.append(r)
+    if not raise_errors:
+        out.update((r, ("died", code)) for r, code in died.items())
+    failed = [f"--- rank {r}:\n{tb}" for r, (s, tb) in sorted(out.items()) if s == "error"] if raise_errors else []
+    failed += [f"--- rank {r}: exited with code {code} without reporting (its stderr says why)"
+               for r, code in sorted(died.items()) if raise_errors]
     if hung:
-        raise RankError(f"ranks {hung} did not report within {timeout:.0f} s (killed)")
-    errors = {r: v for r, (s, v) in out.items() if s == "error"}
-    if errors and raise_errors:
-        raise RankError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+        raise RankError("\n".join([f"ranks {hung} did not report within {timeout:.0f} s (killed)"] + failed))
+    if failed:
+        raise RankError("\n".join(failed))
     return out
