@@ -81,8 +81,8 @@ def _peer_failure(rank: int, world: int, how: str) -> tuple[float, str]:
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
     finally:
-        if how == "sigstop" and rank == 0:
-            os.kill(pids[1], signal.SIGKILL)  # the stopped rank never ends by itself
+        if how in ("sigstop", "stall") and rank == 0:
+            os.kill(pids[1], signal.SIGKILL)  # the stopped rank never ends by itself; the stalled one would only later
     return time.monotonic() - t0, "no error"
 
 
