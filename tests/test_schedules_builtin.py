@@ -162,3 +162,25 @@ def test_v_schedules_with_costs_and_limits():
         assert max(simulate(sched, costs).peak_activations) <= limit
     with pytest.raises(ScheduleError, match="limit of at least 2 stage activations"):
         v_schedule(4, 8, 1)
+
+
+@pytest.mark.parametrize("costs", [Costs(), Costs(1.0, 2.0, 1.0, 0.1), Costs(0.3, 0.7, 0.45, 0.05),
+                                   Costs([1.0, 1.5, 0.5, 2.0, 1.0, 1.0, 3.0, 0.5], 1.2, [0.5] * 8, [0.0, 0.2] * 4)],
+                         ids=["unit", "b2", "fractions", "per-stage"])
+def test_v_list_scheduler_times_are_the_simulated_ones(costs):
+    """The list scheduler picks its variant by its own times: they must be the simulator's, variant by variant."""
+    from pipeline_ext.schedules.vmem import _list_schedule, _variants, v_half_limit, v_min_limit
+
+    compared = 0
+    for p in (1, 2, 3, 4):
+        for m in (1, p, 2 * p + 1):
+            for limit in {v_half_limit(p), v_min_limit(p), 2}:
+                for order, reserve, sequences in _variants(p, m):
+                    try:
+                        sched, key = _list_schedule(p, m, limit, reserve, order, sequences, costs, "v")
+                    except ScheduleError:
+                        continue
+                    res = simulate(sched, costs)
+                    assert key == (round(res.bubble_rate, 12), max(res.peak_activations), res.makespan), (p, m, limit)
+                    compared += 1
+    assert compared >= 100

@@ -73,12 +73,16 @@ def host_group(group: Optional[dist.ProcessGroup], device: torch.device) -> Opti
     (``GroupMaker``), as torch's ``new_group`` requires: a group made by its
     members alone (``use_local_synchronization``) is named after how many
     groups each process already has, and two ranks with different histories
-    would wait for each other forever.
+    would wait for each other forever. Its members run one all-reduce on it
+    before the schedule is built (``warm_on``): Gloo connects a new group's
+    pairs one side at a time, and a rank that went on and ended its process
+    (a script that only builds a schedule) closed the connection under a
+    member still connecting.
     """
     if device.type == "cpu":
         return group
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return GroupMaker("gloo").make([ranks])[ranks]
+    return GroupMaker("gloo", warm_on=torch.device("cpu")).make([ranks])[ranks]
 
 
 class SkipSettlement:

@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import v_placement
-from pipeline_ext.schedules.simulate import Costs, simulate
+from pipeline_ext.schedules.simulate import Costs, peak_live_activations
 
 F, I, W = ActionKind.F, ActionKind.I, ActionKind.W
 INF = float("inf")
@@ -76,6 +76,8 @@ class _VRank:
     grad_at: dict[int, dict[int, float]] = field(default_factory=dict)  # stage -> microbatch -> when its I may start
     owed_w: deque = field(default_factory=deque)
     actions: list[Action] = field(default_factory=list)
+    first: float = 0.0  # when the rank's first action started
+    busy: float = 0.0  # the compute time of its actions so far
 
     def __post_init__(self) -> None:
         for s in (self.lo, self.hi):
@@ -127,12 +129,10 @@ def v_schedule(p: int, m: int, limit: int, name: str = "v_custom", costs: Costs 
     failures = []
     for order, reserve, sequences in _variants(p, m):
         try:
-            sched = _list_schedule(p, m, limit, reserve, order, sequences, costs, name)
+            sched, key = _list_schedule(p, m, limit, reserve, order, sequences, costs, name)
         except ScheduleError as exc:
             failures.append(str(exc))
             continue
-        res = simulate(sched, costs)
-        key = (round(res.bubble_rate, 12), max(res.peak_activations), res.makespan)
         if best is None or key < best[:3]:
             best = (*key, sched)
     if best is None:
@@ -189,8 +189,16 @@ def _pattern_order(p: int, m: int, shape: str, delay: int) -> list[list[Step]]:
 
 
 def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: Optional[list[list[Step]]],
-                   costs: Costs, name: str) -> Schedule:
-    """One pass of list scheduling: repeatedly run the action that can start earliest on any rank."""
+                   costs: Costs, name: str) -> tuple[Schedule, tuple[float, int, float]]:
+    """One pass of list scheduling: repeatedly run the action that can start earliest on any rank.
+
+    Returns the schedule and its (bubble rate rounded to 12 digits, peak stage
+    activations, makespan) as :func:`.simulate` defines them. Each action
+    starts when its rank is free and its input (or gradient) has arrived, the
+    rule by which :func:`.simulate` replays a schedule, so the times here are
+    the simulated ones and the variants need no replay
+    (``tests/test_schedules_builtin.py`` compares the two).
+    """
     placement = v_placement(p)
     n_stages = 2 * p
     ranks = [_VRank(r, n_stages - 1 - r, m, None if sequences is None else sequences[r]) for r in range(p)]
@@ -228,7 +236,16 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
     if stuck:
         raise ScheduleError(f"{name}: no rank can go on within {limit} stage activations per rank (num_ranks={p}, "
                             f"n_microbatches={m}; rank {stuck[0]} is full and waiting)")
-    return Schedule([rank.actions for rank in ranks], placement, m, name)
+    return Schedule([rank.actions for rank in ranks], placement, m, name), _measure(ranks)
+
+
+def _measure(ranks: list[_VRank]) -> tuple[float, int, float]:
+    """(bubble rate rounded to 12 digits, peak stage activations, makespan) of a finished list schedule."""
+    spans = [rank.free - rank.first for rank in ranks if rank.actions]
+    longest = max(spans, default=0.0)
+    bubble = sum((longest - rank.busy) / longest if longest > 0 else 0.0 for rank in ranks) / len(ranks)
+    makespan = max(rank.free for rank in ranks) - min(rank.first for rank in ranks)
+    return round(bubble, 12), max(peak_live_activations(rank.actions) for rank in ranks), makespan
 
 
 def _run(ranks: list[_VRank], placement: list[int], r: int, kind: ActionKind, stage: int, start: float,
@@ -251,8 +268,11 @@ def _run(ranks: list[_VRank], placement: list[int], r: int, kind: ActionKind, st
         stage, j = action.stage, action.microbatch
         rank.live -= 1
         rank.n_w += 1
+    if not rank.actions:
+        rank.first = start
     rank.actions.append(Action(stage, kind, j))
     rank.free = start + dur[(stage, kind)]
+    rank.busy += rank.free - start  # as the simulator sums its spans
     last = len(placement) - 1
     if kind is F and stage < last:
         dest = placement[stage + 1]
