@@ -5,11 +5,13 @@ used to sit out its whole ``timeout`` before Python saw the KeyboardInterrupt.
 Each rank here sets up its own SIGINT handler (a test never relies on how it
 was started: a background job of a script inherits SIGINT ignored), and
 interrupts itself 0.5 s into a wait whose timeout is 60 s, while its peer
-sleeps 4 s before it sends anything (or calls step() at all). The wait must end
-for the signal, before the peer moved: the peer marks a file when it wakes, and
-the interrupted rank checks that the file is not there yet (an ordering, not a
-clock: before, the wait ended only when the peer's message came). The peer
-then fails within its own (short: 2 s; nothing else waits on it) timeout, naming the interrupted rank.
+holds back what it would send (or its call of step()) until the interrupted
+rank has caught its KeyboardInterrupt, 20 s at most. The wait must end for the
+signal, before the peer moved: the peer marks a file when it moves, and the
+interrupted rank checks that the file is not there yet (an ordering, not a
+clock: a wait that ended only when the peer's message came would see the
+mark). The peer then fails within its own (short: 2 s; nothing else waits on
+it) timeout, naming the interrupted rank.
 """
 from __future__ import annotations
 
@@ -26,17 +28,20 @@ from models import build, loss_fn, make_batch
 from mp_utils import rank_values
 
 
-PEER_SLEEP = 4.0  # past the interrupt at 0.5 s with room for a loaded machine; the test waits it out
+PEER_HOLD = 20.0  # the most the peer holds back: past the interrupt at 0.5 s on any machine
 
 
 def _wake(marker: str) -> None:
-    time.sleep(PEER_SLEEP)
+    """Hold back until the interrupted rank caught its KeyboardInterrupt (or ``PEER_HOLD``), then mark the move."""
+    deadline = time.monotonic() + PEER_HOLD
+    while not os.path.exists(marker + ".interrupted") and time.monotonic() < deadline:
+        time.sleep(0.02)
     with open(marker, "w"):
         pass
 
 
 class _Slow(nn.Module):
-    """Sleeps before its first forward, then marks that it moves: its peer waits for the activation meanwhile."""
+    """Holds back its first forward (``_wake``), then marks that it moves: its peer waits for the activation meanwhile."""
 
     def __init__(self, inner: nn.Module, marker: str) -> None:
         super().__init__()
@@ -67,6 +72,7 @@ def _interrupted_wait(rank: int, world: int, where: str, marker: str) -> str:
         sched.step(x) if rank == 0 else sched.step(target=y)
     except KeyboardInterrupt:
         moved = os.path.exists(marker)
+        open(marker + ".interrupted", "w").close()
         return f"KeyboardInterrupt {'after' if moved else 'before'} the peer moved ({time.monotonic() - start:.2f} s)"
     except Exception as exc:  # noqa: BLE001 - the peer's error is what the test reads
         return f"{type(exc).__name__}: {exc}"
