@@ -6,8 +6,9 @@ handler returns. Each signal wakes the watcher that lets Ctrl-C end a wait
 Gloo a false timeout also closes the group for good). The storm runs while
 two busy processes load the CPUs (the race needs a descheduled waiter), for
 200 steps on each transport: every step must complete. Then, with the timer
-still firing, a real SIGINT 0.5 s into a wait whose peer sleeps first must end
-it with KeyboardInterrupt before the peer moved (an ordering, not a clock).
+still firing, a real SIGINT 0.5 s into a wait whose peer holds back (until
+the interrupted rank caught its KeyboardInterrupt, 20 s at most) must end it
+with KeyboardInterrupt before the peer moved (an ordering, not a clock).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from mp_utils import rank_values
 
-STEPS, HZ, PEER_SLEEP = 200, 500, 4.0
+STEPS, HZ, PEER_HOLD = 200, 500, 20.0
 
 
 def _storm(rank: int, world: int, marker: str) -> list:
@@ -50,7 +51,9 @@ def _storm(rank: int, world: int, marker: str) -> list:
         # A real Ctrl-C, storm still on: rank 1 waits for a step record rank 0 sends only after sleeping.
         again = pe.Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss, timeout=60.0 if rank == 1 else 10.0)
         if rank == 0:
-            time.sleep(PEER_SLEEP)
+            deadline = time.monotonic() + PEER_HOLD
+            while not os.path.exists(marker + ".interrupted") and time.monotonic() < deadline:
+                time.sleep(0.02)
             open(marker, "w").close()
             try:
                 again.step(x)
@@ -64,6 +67,7 @@ def _storm(rank: int, world: int, marker: str) -> list:
         except KeyboardInterrupt:
             if os.path.exists(marker):
                 said.append("Ctrl-C: the wait ended only after the peer moved")
+            open(marker + ".interrupted", "w").close()
         return said
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
