@@ -8,7 +8,7 @@ integer tensor that travels without a gradient.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -108,3 +108,36 @@ def reference(model: str, num_stages: int, x: torch.Tensor, y: torch.Tensor, see
 
 
 loss_fn = nn.functional.mse_loss
+
+
+class SplitRun(NamedTuple):
+    """What an I/W split did, read right after I (``split_vs_whole``)."""
+
+    unsplit: Optional[str]  # why I ran the whole backward (None: it split)
+    branches: int  # weight branches W re-enters
+    fallback: bool  # W is one backward over the parameters (weight-only subgraphs overlap)
+    no_weight_grad_after_i: bool  # every parameter's .grad was still None after I
+
+
+def split_vs_whole(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
+                   reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> SplitRun:
+    """I then W (``runtime/split_backward``) on ``run(x)``, against one whole backward of ``reference`` (default
+    ``run``) on a copy of ``x``: the input's and every parameter's gradient must match. ``params`` start with no
+    ``.grad``; they are left with the reference's."""
+    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+
+    out = run(x)
+    g = torch.randn_like(out)
+    (gx,), deferred = backward_input([out], [g], [x])
+    after_i = SplitRun(deferred.unsplit, len(deferred.branches), deferred.fallback_params is not None,
+                       all(p.grad is None for p in params))
+    backward_weight(deferred)
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    x2 = x.detach().clone().requires_grad_(True)
+    (reference or run)(x2).backward(g)
+    torch.testing.assert_close(gx, x2.grad)
+    for a, p in zip(got, params):
+        torch.testing.assert_close(a, p.grad)
+    return after_i

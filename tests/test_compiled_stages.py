@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import split_vs_whole
 from mp_utils import no_complaints
 
 D, ROWS, M = 8, 8, 4
@@ -194,22 +195,9 @@ def test_checkpointed_stages_exact_under_zero_bubble():
 
 # -- single process: what split_backward decides, and why -------------------------------------------
 def _split_vs_whole(make_out, x: torch.Tensor, net: nn.Module):
-    """I then W on ``make_out(x)``; the deferred work and the error against one full backward."""
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
-
-    out = make_out(x)
-    g = torch.randn_like(out)
-    (gx,), deferred = backward_input([out], [g], [x])
-    unsplit, boundaries = deferred.unsplit, len(deferred.branches)
-    backward_weight(deferred)
-    got = [p.grad.clone() for p in net.parameters()]
-    net.zero_grad()
-    x2 = x.detach().clone().requires_grad_(True)
-    make_out(x2).backward(g)
-    torch.testing.assert_close(gx, x2.grad)
-    for a, p in zip(got, net.parameters()):
-        torch.testing.assert_close(a, p.grad)
-    return unsplit, boundaries
+    """I then W on ``make_out(x)`` against one full backward: (deferred.unsplit, weight branches)."""
+    run = split_vs_whole(make_out, x, list(net.parameters()))
+    return run.unsplit, run.branches
 
 
 @pytest.mark.parametrize("selective", [False, True], ids=["plain", "sac"])
@@ -265,24 +253,16 @@ def test_save_on_cpu_splits():
 
 def test_whole_backward_with_a_non_leaf_input_stops_at_that_input():
     """The fallback must not run on into the graph that made a non-leaf input, nor touch its .grad."""
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
-
     torch.manual_seed(0)
     body, leaf = Body(), torch.randn(3, D, requires_grad=True)
     h = leaf * 2.0
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda box: box[0]):  # a hook we cannot vouch for
-        out = body(h)
-    g = torch.randn_like(out)
-    (gh,), deferred = backward_input([out], [g], [h])
-    assert deferred.unsplit is not None and leaf.grad is None
-    backward_weight(deferred)
-    got = [p.grad.clone() for p in body.parameters()]
-    body.zero_grad()
-    h2 = h.detach().requires_grad_(True)
-    body(h2).backward(g)
-    torch.testing.assert_close(gh, h2.grad)
-    for a, p in zip(got, body.parameters()):
-        torch.testing.assert_close(a, p.grad)
+
+    def run(x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda box: box[0]):  # a hook we cannot vouch for
+            return body(x)
+
+    assert split_vs_whole(run, h, list(body.parameters()), reference=body).unsplit is not None
+    assert leaf.grad is None
 
 
 def test_runner_warns_once_per_stage():

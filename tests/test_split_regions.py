@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import pipeline_ext as pe
 from pipeline_ext.runtime.split_backward import UnsplitBackwardWarning, backward_input, backward_weight
 from pipeline_ext.runtime.stage import StageRunner
+from models import split_vs_whole
 
 D, HEADS, T = 8, 2, 4
 ZB = ["zb_h1", "zb_h2", "zbv", "dualpipev"]
@@ -194,20 +195,9 @@ def batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def _i_then_w(kind: str):
     """I and W of one stage against one plain backward; returns (deferred.unsplit, grads after I were empty)."""
     stage = make_stages(kind, 2)[1]
-    ref = copy.deepcopy(stage)
     x, _ = batch(3)
-    x.requires_grad_(True)
-    out = stage(x)
-    g = torch.randn_like(out)
-    (gx,), deferred = backward_input([out], [g], [x])
-    empty_after_i = all(p.grad is None for p in stage.parameters())
-    backward_weight(deferred)
-    x2 = x.detach().clone().requires_grad_(True)
-    ref(x2).backward(g)
-    torch.testing.assert_close(gx, x2.grad)
-    for p, q in zip(stage.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    return deferred.unsplit, empty_after_i
+    run = split_vs_whole(stage, x.requires_grad_(True), list(stage.parameters()))
+    return run.unsplit, run.no_weight_grad_after_i
 
 
 @pytest.mark.parametrize("kind", sorted(SPLITS))
@@ -240,19 +230,8 @@ def test_tied_weights_keep_the_split_too(kind):
         with pe.once_only_hooks(offload.pack, offload.unpack):
             return body(x)
 
-    x = torch.randn(3, D, requires_grad=True)
-    out = run(x)
-    g = torch.randn_like(out)
-    (gx,), deferred = backward_input([out], [g], [x])
-    assert deferred.unsplit is None and deferred.fallback_params is not None and lin.weight.grad is None
-    backward_weight(deferred)
-    got = [p.grad.clone() for p in lin.parameters()]
-    lin.zero_grad()
-    x2 = x.detach().requires_grad_(True)
-    body(x2).backward(g)
-    torch.testing.assert_close(gx, x2.grad)
-    for a, p in zip(got, lin.parameters()):
-        torch.testing.assert_close(a, p.grad)
+    split = split_vs_whole(run, torch.randn(3, D, requires_grad=True), list(lin.parameters()), reference=body)
+    assert split.unsplit is None and split.fallback and split.no_weight_grad_after_i
     assert calls[0] == (3 if kind == "sac" else 2) and not offload.store  # sac: forward, I's recomputation, reference
 
 
