@@ -181,10 +181,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     run_in_order(plain.actions, blocked_on, run, f"schedule {plain.name!r} cannot run")
     timeline.sort(key=lambda s: (s.rank, s.start))
     spans = [[s for s in timeline if s.rank == r] for r in range(plain.num_ranks)]
-    busy = [sum(s.end - s.start for s in ss) for ss in spans]
-    lengths = [ss[-1].end - ss[0].start if ss else 0.0 for ss in spans]
-    longest = max(lengths, default=0.0)
-    per_rank = [(longest - b) / longest if longest > 0 else 0.0 for b in busy]
+    per_rank = bubble_rates([sum(s.end - s.start for s in ss) for ss in spans],
+                            [ss[-1].end - ss[0].start if ss else 0.0 for ss in spans])
     makespan = max((s.end for s in timeline), default=0.0) - min((s.start for s in timeline), default=0.0)
     return SimResult(
         schedule=schedule,
@@ -195,6 +193,12 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         bubble_rate_per_rank=per_rank,
         peak_activations=[peak_live_activations(acts) for acts in plain.actions],
     )
+
+
+def bubble_rates(busy: Sequence[float], lengths: Sequence[float]) -> list[float]:
+    """Per rank, (T - busy_r) / T, T the longest of the ranks' ``lengths`` (first start to last end)."""
+    longest = max(lengths, default=0.0)
+    return [(longest - b) / longest if longest > 0 else 0.0 for b in busy]
 
 
 def peak_live_activations(actions: Sequence[Action], sizes: Optional[Sequence[float]] = None):

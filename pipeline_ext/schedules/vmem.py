@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import v_placement
-from pipeline_ext.schedules.simulate import Costs, peak_live_activations
+from pipeline_ext.schedules.simulate import Costs, bubble_rates, peak_live_activations
 
 F, I, W = ActionKind.F, ActionKind.I, ActionKind.W
 INF = float("inf")
@@ -241,9 +241,9 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
 
 def _measure(ranks: list[_VRank]) -> tuple[float, int, float]:
     """(bubble rate rounded to 12 digits, peak stage activations, makespan) of a finished list schedule."""
-    spans = [rank.free - rank.first for rank in ranks if rank.actions]
-    longest = max(spans, default=0.0)
-    bubble = sum((longest - rank.busy) / longest if longest > 0 else 0.0 for rank in ranks) / len(ranks)
+    per_rank = bubble_rates([rank.busy for rank in ranks],
+                            [rank.free - rank.first if rank.actions else 0.0 for rank in ranks])
+    bubble = sum(per_rank) / len(per_rank)
     makespan = max(rank.free for rank in ranks) - min(rank.first for rank in ranks)
     return round(bubble, 12), max(peak_live_activations(rank.actions) for rank in ranks), makespan
 
