@@ -171,11 +171,13 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
             died[r] = code
         else:
             hung.append(r)
-    if not raise_errors:
+    failed: list[str] = []
+    if raise_errors:
+        failed = [f"--- rank {r}:\n{tb}" for r, (s, tb) in sorted(out.items()) if s == "error"]
+        failed += [f"--- rank {r}: exited with code {code} without reporting (its stderr says why)"
+                   for r, code in sorted(died.items())]
+    else:
         out.update((r, ("died", code)) for r, code in died.items())
-    failed = [f"--- rank {r}:\n{tb}" for r, (s, tb) in sorted(out.items()) if s == "error"] if raise_errors else []
-    failed += [f"--- rank {r}: exited with code {code} without reporting (its stderr says why)"
-               for r, code in sorted(died.items()) if raise_errors]
     if hung:
         raise RankError("\n".join([f"ranks {hung} did not report within {timeout:.0f} s (killed)"] + failed))
     if failed:

@@ -214,13 +214,13 @@ def backward_input(
         deferred.outputs, deferred.output_grads = [o for o, _ in pairs], [g for _, g in pairs]
         return [None] * len(inputs), deferred
     region, branches, traits = _analyse(pairs, input_nodes)
+    if traits.obstacle is not None:
+        return _backward_whole(pairs, inputs, traits.obstacle)
     in_region = [(o, g) for o, g in pairs if _edge(o).node in region]
     for o, g in pairs:
         if _edge(o).node not in region:
             deferred.outputs.append(o)
             deferred.output_grads.append(g)
-    if traits.obstacle is not None:
-        return _backward_whole(pairs, inputs, traits.obstacle)
     group = GraphExecGroup() if traits.shared else None
     deferred.group = group
     deferred.recomputes = traits.recomputes and group is None

@@ -118,7 +118,7 @@ def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTrai
             if again:
                 return GraphTraits(
                     f"it holds tensors saved under a saved_tensors_hooks unpack hook we cannot unpack twice safely "
-                    f"({_name(hook)}) on {_node_name(node)}, which runs at I and at W; "
+                    f"({_name(hook)}) on {type(node).__name__}, which runs at I and at W; "
                     "pipeline_ext.once_only_hooks(pack, unpack) keeps the split",
                     bool(frames))
     if shared:
@@ -248,7 +248,3 @@ def _closure_value(fn: Any, name: str) -> Any:
 
 def _name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _node_name(node: Any) -> str:
-    return type(node).__name__
