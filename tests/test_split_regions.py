@@ -8,7 +8,9 @@ back to a whole backward at I. Now:
 - SAC and plain non-reentrant checkpoints split: with SAC the region is
   recomputed once (at I) and I keeps what W reads ([Note: what I keeps for W]);
 - a once-only offload hook wrapped in ``pe.once_only_hooks`` splits: its
-  unpack runs once per saved tensor, at I, and W reads what I kept;
+  unpack runs once per saved tensor, at I, and W reads what I kept; around a
+  plain checkpoint (the hooks then save the region's inputs, which I and W
+  each recompute from) the inputs are unpacked once and kept until W;
 - a ``pe.SplitFunction`` (here attention with its projections inside the
   Function) splits: I runs its ``backward_input``, W its ``backward_weight``;
 - a reentrant checkpoint, an unknown hook or an unknown Function on a node
@@ -40,8 +42,10 @@ from models import split_vs_whole
 
 D, HEADS, T = 8, 2, 4
 ZB = ["zb_h1", "zb_h2", "zbv", "dualpipev"]
-KINDS = ["sac", "checkpoint", "reentrant", "offload", "attention"]
-SPLITS = {"sac", "checkpoint", "offload", "attention"}  # the kinds whose split holds
+KINDS = ["sac", "checkpoint", "reentrant", "offload", "attention", "offload_checkpoint", "pool_checkpoint"]
+SPLITS = {"sac", "checkpoint", "offload", "attention", "offload_checkpoint", "pool_checkpoint"}  # whose split holds
+#: the kinds that fall back, and a word their reason names
+FALLS = {"reentrant": "reentrant", "unknown_hook_checkpoint": "checkpoint region"}
 
 
 # -- what the stages contain -------------------------------------------------------------------------
@@ -62,7 +66,7 @@ class Offload:
         self.store: dict[int, torch.Tensor] = {}
         self.keys = itertools.count()
         self.lock = threading.Lock()
-        self.unpacks = 0
+        self.unpacks = self.packed = 0
 
     def __deepcopy__(self, memo: dict) -> "Offload":  # a copied model (the reference) offloads into its own store
         return memo.setdefault(id(self), Offload())
@@ -70,6 +74,7 @@ class Offload:
     def pack(self, t: torch.Tensor) -> int:
         with self.lock:
             key = next(self.keys)
+            self.packed += 1
         self.store[key] = t.detach().clone()  # "offloaded": a copy elsewhere, the original can go
         return key
 
@@ -77,6 +82,31 @@ class Offload:
         with self.lock:
             self.unpacks += 1
             return self.store.pop(key)  # a second unpack of the same tensor is a KeyError
+
+
+class Pool(Offload):
+    """An offload pair over a buffer pool: unpack hands the slot back, and the next pack reuses it (a second
+    unpack of the same tensor reads whatever was packed into the slot since)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free: list[int] = []
+
+    def __deepcopy__(self, memo: dict) -> "Pool":
+        return memo.setdefault(id(self), Pool())
+
+    def pack(self, t: torch.Tensor) -> int:
+        with self.lock:
+            key = self.free.pop() if self.free else next(self.keys)
+            self.packed += 1
+        self.store[key] = t.detach().clone()
+        return key
+
+    def unpack(self, key: int) -> torch.Tensor:
+        with self.lock:
+            self.unpacks += 1
+            self.free.append(key)
+            return self.store[key]
 
 
 class ProjectedAttention(pe.SplitFunction):
@@ -171,6 +201,11 @@ class Stage(nn.Module):
             hooks = (pe.once_only_hooks if k == "offload" else torch.autograd.graph.saved_tensors_hooks)
             with hooks(self.offload.pack, self.offload.unpack):
                 return x + self.body(x)
+        if k in ("offload_checkpoint", "pool_checkpoint", "unknown_hook_checkpoint"):  # docs/schedules.md's
+            hooks = (torch.autograd.graph.saved_tensors_hooks if k == "unknown_hook_checkpoint" else pe.once_only_hooks)
+            with hooks(self.offload.pack, self.offload.unpack):
+                out = checkpoint(self.body, x, use_reentrant=False)
+            return x + out
         if k in ("attention", "opaque_attention"):
             fn = ProjectedAttention if k == "attention" else OpaqueAttention
             x = x + fn.apply(self.norm(x), self.w_qkv, self.w_o, HEADS)
@@ -182,7 +217,7 @@ def make_stages(kind: str, n: int, seed: int = 0) -> list[Stage]:
     """``n`` stages of ``kind``; a reentrant checkpoint's first stage is plain (its input needs no grad, and then
     torch gives a reentrant region's parameters no gradient at all, unsplit too)."""
     torch.manual_seed(seed)
-    offload = Offload()
+    offload = Pool() if kind == "pool_checkpoint" else Offload()
     return [Stage("plain" if kind == "reentrant" and s == 0 else kind, offload) for s in range(n)]
 
 
@@ -207,6 +242,7 @@ def test_split_holds_and_i_computes_no_weight_grad(kind):
 
 
 @pytest.mark.parametrize("kind,why", [("reentrant", "reentrant"), ("unknown_hook", "once_only_hooks"),
+                                      ("unknown_hook_checkpoint", "once_only_hooks"),
                                       ("opaque_attention", "SplitFunction")])
 def test_what_cannot_split_falls_back_exactly_and_says_why(kind, why):
     unsplit, empty_after_i = _i_then_w(kind)
@@ -315,15 +351,16 @@ def test_runner_accounts_for_what_i_keeps_until_w():
 
 
 # -- every zero-bubble schedule, three optimizer steps, against the unsplit model -------------------
-def _train_pipe(kind: str, name: str, p: int, m: int, steps: int = 3) -> None:
+def _train_pipe(kind: str, name: str, p: int, m: int, steps: int = 3, checkpoint: str = "never") -> None:
     v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1
     stages = make_stages(kind, p * v)
     ref = nn.Sequential(*copy.deepcopy(stages))
     pipe = pe.Pipe(nn.Sequential(*stages), balance=[1] * (p * v), devices=["cpu"] * p, chunks=m, schedule=name,
-                   checkpoint="never")
+                   checkpoint=checkpoint)
+    offload = stages[0].offload
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    where = f"{kind} {name} p={p} m={m}"
+    where = f"{kind} {name} p={p} m={m} checkpoint={checkpoint}"
     for step in range(steps):
         x, y = batch(2 * m, seed=step)
         opt.zero_grad()
@@ -339,11 +376,13 @@ def _train_pipe(kind: str, name: str, p: int, m: int, steps: int = 3) -> None:
             torch.testing.assert_close(a.grad, b.grad, msg=f"{where} step {step} grad {n_}")
         opt.step()
         ref_opt.step()
+        # the hooks' contract: each packed tensor unpacked once (none twice, none left behind)
+        assert offload.unpacks == offload.packed and (kind == "pool_checkpoint" or not offload.store), where
         if kind in SPLITS:
             assert not unsplit, f"{where}: {unsplit}"
             assert set(pipe.split_report.values()) == {None}, f"{where}: {pipe.split_report}"
         else:
-            assert pipe.split_report and all(why is not None and "reentrant" in why
+            assert pipe.split_report and all(why is not None and FALLS[kind] in why
                                              for s, why in pipe.split_report.items() if s > 0), pipe.split_report
     for (n_, a), b in zip(pipe.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, msg=f"{where} param {n_} after {steps} steps")
@@ -356,6 +395,22 @@ def test_zero_bubble_schedules_train_exactly(kind):
         _train_pipe(kind, name, 2, 4)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["offload_checkpoint", "pool_checkpoint", "unknown_hook_checkpoint"])
+def test_offload_around_a_checkpoint_trains_exactly_under_the_pipes_checkpointing_too(kind):
+    """docs/schedules.md's offload pair around a plain checkpoint, with the Pipe's own checkpointing (the stage
+    runs again, under autograd, before its backward): the hooks save the region's inputs; I and W each
+    recompute the region from them, and the pair's unpack still runs once per packed tensor."""
+    for name in ZB:
+        _train_pipe(kind, name, 2, 4, checkpoint="always")
+
+
+@pytest.mark.timeout(240)
+def test_an_unknown_hook_around_a_checkpoint_falls_back_exactly():
+    for name in ZB:
+        _train_pipe("unknown_hook_checkpoint", name, 2, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", KINDS)
@@ -365,7 +420,7 @@ def test_zero_bubble_schedules_train_exactly_on_four_ranks(kind):
 
 
 # -- saying what happened: split_check, select(), the trace -------------------------------------------
-@pytest.mark.parametrize("kind", KINDS + ["unknown_hook", "opaque_attention"])
+@pytest.mark.parametrize("kind", KINDS + ["unknown_hook", "unknown_hook_checkpoint", "opaque_attention"])
 def test_split_check_predicts_what_i_does(kind):
     """``split_check`` reads a stage's graph without running backward and says what I would do."""
     stage = make_stages(kind, 2)[1]
@@ -444,6 +499,9 @@ def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
         ref_opt.step()
         if unsplit:
             bad.append(f"{name} {kind} rank {rank}: {unsplit}")
+        offload = modules[0].offload
+        if offload.unpacks != offload.packed or (kind != "pool_checkpoint" and offload.store):
+            bad.append(f"{name} {kind} rank {rank} step {step}: {offload.packed} packed, {offload.unpacks} unpacked")
     if set(sched.split_report.values()) != {None}:
         bad.append(f"{name} {kind} rank {rank}: split_report {sched.split_report}")
     report = sched.trace_report(dst=0)
@@ -457,6 +515,16 @@ def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
 def test_two_processes_split_exactly_and_trace_says_so(kind, name):
+    from mp_utils import no_complaints
+
+    no_complaints(_mp_case, 2, kind, name, timeout=150)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,name", [("offload_checkpoint", "zb_h1"), ("pool_checkpoint", "dualpipev")])
+def test_two_processes_offload_around_a_checkpoint_split_exactly(kind, name):
+    """docs/schedules.md's offload pair around a plain checkpoint on two Gloo ranks: exact, split, each packed
+    tensor unpacked once."""
     from mp_utils import no_complaints
 
     no_complaints(_mp_case, 2, kind, name, timeout=150)

@@ -39,7 +39,8 @@ What splits although a node runs twice ([Note: what I keeps for W] in
 once per boundary node); selective activation checkpointing (I and W share one
 group: the region is recomputed once, at I, and I keeps what W reads, freed
 after W); hooks wrapped in ``once_only_hooks`` (unpacked once, at I, kept for
-W); a ``SplitFunction`` (I runs its ``backward_input``, W its
+W; around a plain checkpoint, the region's inputs they saved are unpacked
+once and held for every recomputation); a ``SplitFunction`` (I runs its ``backward_input``, W its
 ``backward_weight``).
 """
 from __future__ import annotations
@@ -224,7 +225,8 @@ def backward_input(
     group = GraphExecGroup() if traits.shared else None
     deferred.group = group
     deferred.recomputes = traits.recomputes and group is None
-    deferred.keep = KeptForWeight(group, traits.frames, traits.holders, traits.boxes, traits.split_nodes)
+    deferred.keep = KeptForWeight(group, traits.frames, traits.holders, traits.boxes, traits.split_nodes,
+                                  traits.held)
     if not in_region:
         return [None] * len(inputs), deferred
 
@@ -271,7 +273,7 @@ def _analyse(pairs: Sequence[tuple[Any, Any]], input_nodes: set[Any]) -> tuple[s
     owner: dict[Any, int] = {}
     branches = _weight_branches(region, owner) if any(_edge(o).node in region for o, _ in pairs) else []
     outside = [o for o, _ in pairs if _edge(o).node not in region]
-    traits = graph_traits(leads, _run_twice(region, branches, owner, outside))
+    traits = graph_traits(leads, _run_twice(region, branches, owner, outside), region)
     if traits.obstacle is None and traits.shared and torch._C._get_graph_exec_group() is not None:
         traits = dataclasses.replace(traits, obstacle=(
             "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward runs "

@@ -32,6 +32,19 @@ the value twice is impossible or wrong:
   the box. An unknown hook pair on a boundary node is an obstacle (it may be
   once-only; ``split_obstacles``); on any other node it is unpacked once and
   harmless.
+- once-only hooks around a plain checkpoint
+  (``with once_only_hooks(...): checkpoint(block, x)``): inside the region the
+  checkpoint's own hooks save, so the user's pair saves only the region's
+  inputs (on the checkpoint frame, ``saved_args``, on no graph node), and
+  every recomputation unpacks them again. A region recomputed at I and at W
+  (each engine call outside one ``GraphExecGroup`` recomputes it: I's, and
+  W's branch and output calls) would call the user's unpack once per
+  recomputation. Those boxes are marked ``hold`` before I: the first unpack
+  (at I, or W's first call) calls the user's unpack and keeps the value, every
+  later one reads it, and ``KeptForWeight.release`` (after W) drops it. What
+  is kept is the region's inputs, not its activations. An unknown pair there
+  is an obstacle; a region recomputed once (under the shared group, or only
+  at I) unpacks its inputs once and needs nothing.
 
 What is kept is real memory between I and W; ``KeptForWeight.tensors`` lists
 it for the memory accounting (``ActivationMeter``, via ``StageRunner.on_kept``).
@@ -69,11 +82,12 @@ class _SpareFirst(dict):
 class OnceOnlyPacked:
     """What ``once_only_hooks`` packs: the user's packed object, and the unpacked value while I keeps it for W."""
 
-    __slots__ = ("packed", "keep", "kept", "unpacked")
+    __slots__ = ("packed", "keep", "hold", "kept", "unpacked")
 
     def __init__(self, packed: Any) -> None:
         self.packed = packed
         self.keep = False  # set by the split before I: the next unpack's value is kept for one more
+        self.hold = False  # set by the split before I: the next unpack's value is kept for every later one
         self.kept: Optional[torch.Tensor] = None
         self.unpacked = 0  # calls of the user's unpack
 
@@ -106,12 +120,14 @@ class once_only_hooks(torch.autograd.graph.saved_tensors_hooks):
             return OnceOnlyPacked(user_pack(t))
 
         def unpack(box: OnceOnlyPacked) -> torch.Tensor:
-            if box.kept is not None:  # W's read of what I kept: hand it over, keep nothing
-                value, box.kept = box.kept, None
+            if box.kept is not None:  # a later read of what an earlier one kept
+                value = box.kept
+                if not box.hold:  # the last read (W's of a boundary node): hand it over, keep nothing
+                    box.kept = None
                 return value
             box.unpacked += 1
             value = user_unpack(box.packed)
-            if box.keep:
+            if box.keep or box.hold:
                 box.keep, box.kept = False, value
             return value
 
@@ -125,27 +141,34 @@ class KeptForWeight:
     one); ``frames``: the checkpoint frames recomputed under it; ``holders``:
     their boundary nodes' holders; ``boxes``: the boundary nodes'
     ``OnceOnlyPacked`` boxes; ``split_nodes``: the boundary nodes of
-    ``SplitFunction``s, whose stash for W (``save_for_weight``) counts too.
+    ``SplitFunction``s, whose stash for W (``save_for_weight``) counts too;
+    ``held``: the boxes of checkpointed regions' inputs that more than one
+    recomputation unpacks.
     """
 
     def __init__(self, group: Any = None, frames: Iterable[Any] = (), holders: Iterable[Any] = (),
-                 boxes: Iterable[OnceOnlyPacked] = (), split_nodes: Iterable[Any] = ()) -> None:
+                 boxes: Iterable[OnceOnlyPacked] = (), split_nodes: Iterable[Any] = (),
+                 held: Iterable[OnceOnlyPacked] = ()) -> None:
         self.group = group
         self.frames = list(frames)
         self.holders = list(holders) if group is not None else []
         self.boxes = list(boxes)
         self.split_nodes = list(split_nodes)
+        self.held = list(held)
 
     def __bool__(self) -> bool:
-        return bool(self.group is not None or self.boxes or self.split_nodes)
+        return bool(self.group is not None or self.boxes or self.split_nodes or self.held)
 
     def arm(self) -> None:
-        """Before I: boundary holders keep their value past I's unpack, boundary boxes keep theirs."""
+        """Before I: boundary holders keep their value past I's unpack, boundary boxes keep theirs for W's read,
+        held boxes theirs for every later recomputation."""
         for h in self.holders:
             if not isinstance(h.handles, _SpareFirst) or h.handles.gid is not self.group:
                 h.handles = _SpareFirst(h.handles, self.group)
         for b in self.boxes:
             b.keep = True
+        for b in self.held:
+            b.hold = True
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors kept now (after I): recomputed values W will read, once-only values, SplitFunction stashes."""
@@ -154,7 +177,7 @@ class KeptForWeight:
             got = f.recomputed.get(self.group) if self.group is not None else None
             if got is not None:
                 out.extend(t for t in list(got.values()) if isinstance(t, torch.Tensor))
-        out.extend(b.kept for b in self.boxes if b.kept is not None)
+        out.extend(b.kept for b in (*self.boxes, *self.held) if b.kept is not None)
         for node in self.split_nodes:
             out.extend(t for t in getattr(node, STASH_ATTR, ()) if isinstance(t, torch.Tensor))
         return out
@@ -163,6 +186,8 @@ class KeptForWeight:
         """After W (or when it will not run): drop everything still kept."""
         for b in self.boxes:
             b.keep, b.kept = False, None
+        for b in self.held:
+            b.hold, b.kept = False, None
         for node in self.split_nodes:
             if hasattr(node, STASH_ATTR):
                 delattr(node, STASH_ATTR)
@@ -179,7 +204,7 @@ class KeptForWeight:
                         h.handles[g] = None
                 for table in (f.recomputed, f.recomp_counter, f.is_recomputed):
                     table.pop(g, None)
-        self.frames, self.holders, self.boxes, self.split_nodes = [], [], [], []
+        self.frames, self.holders, self.boxes, self.split_nodes, self.held = [], [], [], [], []
 
 
 #: where a SplitFunction's backward_input leaves tensors for its backward_weight (on the node, which is its ctx)

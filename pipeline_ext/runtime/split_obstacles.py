@@ -25,11 +25,18 @@ every node of ``twice`` gives the same answer when run again with
 - on a node of ``twice``, a custom ``autograd.Function`` we do not know: its
   ``backward`` computes every gradient each time, or does something once
   only (accumulates into a ``main_grad``). A ``SplitFunction`` (its backward
-  in ``backward_input`` and ``backward_weight`` halves) is known.
+  in ``backward_input`` and ``backward_weight`` halves) is known;
+- the inputs of a checkpointed region recomputed in more than one engine call
+  (read by a node that runs at W: see below), saved under an unpack hook we do
+  not know. The region's inputs are saved under the hooks around the
+  ``checkpoint`` call, on the checkpoint frame (no graph node holds them), and
+  each recomputation unpacks them again. Wrapped in ``once_only_hooks`` they
+  are unpacked once and held until W ([Note: what I keeps for W]).
 
 Checkpointed regions (non-reentrant) split. Plain ones: each engine call
 recomputes the region, and W's calls share one ``GraphExecGroup`` so W
-recomputes it once. With a ``context_fn`` (selective activation
+recomputes it once (twice where W also backpropagates outputs that do not
+depend on any input). With a ``context_fn`` (selective activation
 checkpointing, whose cache hands each saved value out once): I and W share
 one group, the region is recomputed once, at I, and I keeps what W reads
 ([Note: what I keeps for W]).
@@ -68,7 +75,8 @@ class GraphTraits:
     checkpointed (recomputed) regions; ``shared``: one of them has a ``context_fn``, so I and W must share
     one ``GraphExecGroup`` (one recomputation); ``frames``: the checkpoint frames; ``holders``, ``boxes``,
     ``split_nodes``: what I must keep for W on the nodes that run twice (checkpoint holders, ``once_only_hooks``
-    boxes, ``SplitFunction`` nodes)."""
+    boxes, ``SplitFunction`` nodes); ``held``: the ``once_only_hooks`` boxes of checkpointed regions' inputs
+    that more than one recomputation reads."""
 
     obstacle: Optional[str]
     recomputes: bool
@@ -77,15 +85,18 @@ class GraphTraits:
     holders: list = field(default_factory=list)
     boxes: list = field(default_factory=list)
     split_nodes: list = field(default_factory=list)
+    held: list = field(default_factory=list)
 
 
-def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTraits:
+def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = (),
+                 region: Optional[Collection[Any]] = None) -> GraphTraits:
     """Classify every node of a backward graph (all of them: the weight-only parts count too).
 
-    ``twice``: the nodes that run in both I and W (see the Note).
+    ``twice``: the nodes that run in both I and W (see the Note); ``region``: the nodes I runs (the input
+    region): a node outside it, or in ``twice``, runs at W. None: any node may run at W.
     """
     frames: dict[int, Any] = {}
-    shared = False
+    at_w: dict[int, bool] = {}  # per frame: a node that runs at W reads its values (W recomputes it)
     holders: list = []
     boxes: list = []
     split_nodes: list = []
@@ -103,8 +114,7 @@ def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTrai
             frame = checkpoint_frame(hook)
             if frame is not None:
                 frames.setdefault(id(frame), frame)
-                if not isinstance(_closure_value(frame.recompute_fn, "recompute_context"), contextlib.nullcontext):
-                    shared = True
+                at_w[id(frame)] = at_w.get(id(frame), False) or again or region is None or node not in region
                 if again:
                     holders.append(saved.data)
                 continue
@@ -121,11 +131,75 @@ def graph_traits(nodes: Iterable[Any], twice: Collection[Any] = ()) -> GraphTrai
                     f"({_name(hook)}) on {type(node).__name__}, which runs at I and at W; "
                     "pipeline_ext.once_only_hooks(pack, unpack) keeps the split",
                     bool(frames))
+    _outer_frames(frames, at_w)
+    shared = any(_selective(f) for f in frames.values())
     if shared:
         unknown = _unknown_checkpoint_internals(frames.values(), holders)
         if unknown is not None:
             return GraphTraits(unknown, True)
-    return GraphTraits(None, bool(frames), shared, list(frames.values()), holders, boxes, split_nodes)
+    held: list = []
+    if not shared:  # (under the shared group every region is recomputed once)
+        why = _recomputed_inputs([f for f in frames.values() if at_w[id(f)]], held)
+        if why is not None:
+            return GraphTraits(why, True)
+    return GraphTraits(None, bool(frames), shared, list(frames.values()), holders, boxes, split_nodes, held)
+
+
+def _selective(frame: Any) -> bool:
+    """A checkpoint with a ``context_fn`` (selective activation checkpointing)."""
+    return not isinstance(_closure_value(frame.recompute_fn, "recompute_context"), contextlib.nullcontext)
+
+
+def _frame_saved_inputs(frame: Any) -> Optional[list[Any]]:
+    """The SavedTensors of a checkpoint frame's inputs (each recomputation unpacks them); None: unreadable."""
+    args = getattr(frame, "saved_args", None)
+    if not isinstance(args, list):
+        return None
+    return [a for a in args if isinstance(a, torch._C._autograd.SavedTensor)]
+
+
+def _outer_frames(frames: dict[int, Any], at_w: dict[int, bool]) -> None:
+    """Add the frames whose holders keep other frames' inputs (a checkpoint inside a checkpoint: recomputing
+    the inner region unpacks them, which recomputes the outer one), recomputed wherever the inner one is."""
+    changed = True
+    while changed:
+        changed = False
+        for frame in list(frames.values()):
+            for saved in _frame_saved_inputs(frame) or ():
+                outer = checkpoint_frame(saved.unpack_hook) if saved.unpack_hook is not None else None
+                if outer is None:
+                    continue
+                if id(outer) not in frames:
+                    frames[id(outer)], at_w[id(outer)], changed = outer, at_w[id(frame)], True
+                elif at_w[id(frame)] and not at_w[id(outer)]:
+                    at_w[id(outer)], changed = True, True
+
+
+def _recomputed_inputs(frames: Iterable[Any], held: list) -> Optional[str]:
+    """The inputs of regions that I and W (or two of W's calls) each recompute: the ``once_only_hooks`` boxes
+    among them go to ``held`` (unpacked once, then read from the box); why the split would not be exact, if an
+    unknown hook saved one (None: it is)."""
+    for frame in frames:
+        saved_inputs = _frame_saved_inputs(frame)
+        if saved_inputs is None:
+            return (f"it holds a torch.utils.checkpoint region, and this torch ({torch.__version__}) keeps a "
+                    "checkpoint's inputs in another form than the split reads (saved_args), so it cannot tell "
+                    "whether recomputing the region at I and again at W may unpack them twice")
+        for saved in saved_inputs:
+            hook = saved.unpack_hook
+            if hook is None or checkpoint_frame(hook) is not None:
+                continue
+            if getattr(hook, "__qualname__", "") in _REENTRANT_SAFE_HOOKS:
+                continue
+            data = saved.data
+            if isinstance(data, OnceOnlyPacked):
+                held.append(data)
+                continue
+            return (f"it holds a torch.utils.checkpoint region whose inputs were saved under a saved_tensors_hooks "
+                    f"unpack hook we cannot unpack twice safely ({_name(hook)}), and I and W each recompute the "
+                    "region, unpacking its inputs each time; pipeline_ext.once_only_hooks(pack, unpack) keeps the "
+                    "split")
+    return None
 
 
 #: what keeping a selective checkpoint's recomputed values from I to W reads of torch's checkpoint objects
