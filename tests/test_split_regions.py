@@ -313,6 +313,64 @@ def test_once_only_hook_unpacks_each_saved_tensor_once():
     assert deferred.kept_tensors() == []
 
 
+def _around_checkpoints(shape: str, lin: nn.Linear, lin2: nn.Linear, c: torch.Tensor):
+    """Graphs where once-only hooks save checkpointed regions' inputs, which I and W (or two of W's calls) each
+    recompute from; ``run(x, offload)`` returns the stage's outputs."""
+    def ck(fn, *args):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    bodies = {
+        # W re-enters lin's node (weight branch) and backpropagates lin2(c), which no input leads to (W's second
+        # call): I and both W calls recompute the region
+        "outputs_independent_of_the_input": lambda x: ck(lambda x, c: (lin(x), lin2(c).tanh()), x, c),
+        # lin used twice: W is one backward over the parameters, through the whole region again
+        "tied_weights": lambda x: (ck(lambda x: lin(torch.tanh(lin(x))), x),),
+        # the inner region's inputs are the outer one's holders; the outer region's inputs are the hooks'
+        "nested": lambda x: (ck(lambda x: lin2(torch.tanh(ck(lambda y: lin(y).tanh(), x))), x),),
+        "two_regions": lambda x: (ck(lambda h: lin2(h).tanh(), ck(lambda x: lin(x).tanh(), x)),),
+        # no weight in the region: recomputed at I only, nothing kept
+        "input_only": lambda x: (lin(ck(lambda x: torch.tanh(x) * 2, x)),),
+    }
+
+    def run(x: torch.Tensor, offload: Offload) -> list[torch.Tensor]:
+        with pe.once_only_hooks(offload.pack, offload.unpack):
+            return list(bodies[shape](x))
+
+    return run
+
+
+@pytest.mark.parametrize("shape", ["outputs_independent_of_the_input", "tied_weights", "nested", "two_regions",
+                                   "input_only"])
+def test_once_only_hooks_around_checkpoints_unpack_each_input_once(shape):
+    """docs/schedules.md's ``with once_only_hooks(...): checkpoint(block, x)``: the hooks save the region's inputs
+    on the checkpoint frame and every recomputation unpacks them. Each is unpacked once (the pair pops: a second
+    unpack is a KeyError), held from the first recomputation until W, then dropped; the split holds, exactly."""
+    torch.manual_seed(0)
+    lin, lin2, c = nn.Linear(D, D), nn.Linear(D, D), torch.randn(3, D)
+    params = [*lin.parameters(), *lin2.parameters()]
+    run, offload = _around_checkpoints(shape, lin, lin2, c), Offload()
+    x = torch.randn(3, D, requires_grad=True)
+    outs = run(x, offload)
+    gs = [torch.randn_like(o) for o in outs]
+    (gx,), deferred = backward_input(outs, gs, [x])
+    assert deferred.unsplit is None and all(p.grad is None for p in params)
+    # what I holds for the recomputations to come (the region's inputs; the memory accounting sees it)
+    held = [b.kept for b in deferred.keep.held]
+    assert (held == [] if shape == "input_only" else any(t is not None and t.shape == x.shape for t in held)), held
+    assert all(any(t is k for k in deferred.kept_tensors()) for t in held if t is not None)
+    backward_weight(deferred)
+    assert offload.packed == offload.unpacks and not offload.store
+    assert deferred.kept_tensors() == [] and deferred.keep.held == []
+    got = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    x2 = x.detach().clone().requires_grad_(True)
+    torch.autograd.backward(run(x2, Offload()), gs)
+    torch.testing.assert_close(gx, x2.grad)
+    for a, p in zip(got, params):
+        torch.testing.assert_close(a, p.grad)
+
+
 def test_split_function_runs_each_half_once_and_matches_autograd():
     """The attention Function's halves, each once per split backward, against the same math under autograd."""
     torch.manual_seed(0)
