@@ -371,6 +371,20 @@ def test_once_only_hooks_around_checkpoints_unpack_each_input_once(shape):
         torch.testing.assert_close(a, p.grad)
 
 
+def test_a_plain_checkpoint_inside_the_callers_graph_exec_group_falls_back_exactly_and_says_why():
+    """Inside a caller's ``GraphExecGroup`` I and W share one recomputation, which hands each value out once, so a
+    node that runs at I and at W could not read its value twice (CheckpointError): the whole backward runs at I."""
+    from torch.utils.checkpoint import GraphExecGroup
+
+    torch.manual_seed(0)
+    stage = Stage("checkpoint")
+    x = torch.randn(3, T, D, requires_grad=True)
+    with GraphExecGroup():
+        assert "caller's GraphExecGroup" in (pe.runtime.split_check(stage, x) or "")
+        split = split_vs_whole(stage, x, list(stage.parameters()))
+    assert split.unsplit is not None and "caller's GraphExecGroup" in split.unsplit
+
+
 def test_split_function_runs_each_half_once_and_matches_autograd():
     """The attention Function's halves, each once per split backward, against the same math under autograd."""
     torch.manual_seed(0)

@@ -274,10 +274,17 @@ def _analyse(pairs: Sequence[tuple[Any, Any]], input_nodes: set[Any]) -> tuple[s
     branches = _weight_branches(region, owner) if any(_edge(o).node in region for o, _ in pairs) else []
     outside = [o for o, _ in pairs if _edge(o).node not in region]
     traits = graph_traits(leads, _run_twice(region, branches, owner, outside), region)
-    if traits.obstacle is None and traits.shared and torch._C._get_graph_exec_group() is not None:
-        traits = dataclasses.replace(traits, obstacle=(
-            "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward runs "
-            "inside the caller's GraphExecGroup: the split needs a group of its own, shared by I and W"))
+    if traits.obstacle is None and torch._C._get_graph_exec_group() is not None:
+        # in the caller's group every engine call shares one recomputation, and each value of it is handed out once
+        if traits.shared:
+            traits = dataclasses.replace(traits, obstacle=(
+                "it contains a checkpoint with a context_fn (selective activation checkpointing) and the backward "
+                "runs inside the caller's GraphExecGroup: the split needs a group of its own, shared by I and W"))
+        elif traits.holders:
+            traits = dataclasses.replace(traits, obstacle=(
+                "it contains a torch.utils.checkpoint region whose recomputed values a node that runs at I and at W "
+                "reads, and the backward runs inside the caller's GraphExecGroup, where I and W share one "
+                "recomputation that hands each value out once"))
     return region, branches, traits
 
 
