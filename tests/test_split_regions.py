@@ -610,7 +610,7 @@ def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
+@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev"), ("gated", "zbv")])
 def test_two_processes_split_exactly_and_trace_says_so(kind, name):
     from mp_utils import no_complaints
 
