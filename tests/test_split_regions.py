@@ -138,24 +138,26 @@ class ProjectedAttention(pe.SplitFunction):
 
 
 class GatedLinear(pe.SplitFunction):
-    """``(x @ w.T) * gate`` with the gate an activation (``sigmoid(Linear(x))``) passed beside the weight, and its
-    gradient returned by ``backward_weight`` as if it were one (it works unsplit)."""
+    """``(x @ w.T) * scale * gate`` with the gate an activation (``sigmoid(Linear(x))``) passed beside the weight,
+    and its gradient returned by ``backward_weight`` as if it were one (it works unsplit). ``scale``, a number,
+    sits between them: the gradients are indexed by forward input, the graph's edges leave it out."""
 
     @staticmethod
-    def forward(ctx, x, w, gate):
+    def forward(ctx, x, w, scale, gate):
         ctx.save_for_backward(x, w, gate)
-        return (x @ w.t()) * gate
+        ctx.scale = scale
+        return (x @ w.t()) * scale * gate
 
     @staticmethod
     def backward_input(ctx, g):
         x, w, gate = pe.SplitFunction.saved(ctx)
-        return (g * gate) @ w, None, None
+        return (g * ctx.scale * gate) @ w, None, None, None
 
     @staticmethod
     def backward_weight(ctx, g):
         x, w, gate = pe.SplitFunction.saved(ctx)
         d = x.shape[-1]
-        return None, (g * gate).reshape(-1, d).t() @ x.reshape(-1, d), g * (x @ w.t())
+        return None, (g * ctx.scale * gate).reshape(-1, d).t() @ x.reshape(-1, d), None, g * ctx.scale * (x @ w.t())
 
 
 class WeightGradAtInput(GatedLinear):
@@ -164,12 +166,12 @@ class WeightGradAtInput(GatedLinear):
     @staticmethod
     def backward_input(ctx, g):
         x, w, gate = pe.SplitFunction.saved(ctx)
-        d = x.shape[-1]
-        return (g * gate) @ w, (g * gate).reshape(-1, d).t() @ x.reshape(-1, d), g * (x @ w.t())
+        d, gs = x.shape[-1], g * ctx.scale
+        return (gs * gate) @ w, (gs * gate).reshape(-1, d).t() @ x.reshape(-1, d), None, gs * (x @ w.t())
 
     @staticmethod
     def backward_weight(ctx, g):
-        return None, None, None
+        return None, None, None, None
 
 
 class OpaqueAttention(torch.autograd.Function):
@@ -219,7 +221,7 @@ class Stage(nn.Module):
                 return x + self.body(x)
         if k == "gated":
             h = self.norm(x)
-            x = x + GatedLinear.apply(h, self.w, torch.sigmoid(self.gate(h)))
+            x = x + GatedLinear.apply(h, self.w, 0.5, torch.sigmoid(self.gate(h)))
             return x + self.down(nn.functional.gelu(self.up(x)))
         if k == "tied":  # one Linear twice: W is one backward over the parameters, re-running the input region
             x = x + self.tied(torch.tanh(self.tied(self.norm(x))))
@@ -348,7 +350,7 @@ def test_split_function_runs_each_half_once_and_matches_autograd():
         torch.testing.assert_close(got, exp)
 
 
-@pytest.mark.parametrize("fn,said", [(GatedLinear, "forward input(s) [2], which lead to the stage input"),
+@pytest.mark.parametrize("fn,said", [(GatedLinear, "forward input(s) [3], which lead to the stage input"),
                                      (WeightGradAtInput, "forward input(s) [1], which lead to no stage input")])
 def test_split_function_halves_are_cut_where_its_inputs_lead(fn, said):
     """A SplitFunction whose halves do not match where its inputs lead (an activation's gradient from
@@ -361,8 +363,8 @@ def test_split_function_halves_are_cut_where_its_inputs_lead(fn, said):
     split_function._warned.discard(fn)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        split = split_vs_whole(lambda x: fn.apply(x, w, torch.sigmoid(lin(x))), torch.randn(3, D, requires_grad=True),
-                               [w, *lin.parameters()])
+        split = split_vs_whole(lambda x: fn.apply(x, w, 0.5, torch.sigmoid(lin(x))),
+                               torch.randn(3, D, requires_grad=True), [w, *lin.parameters()])
     assert split.unsplit is None and split.no_weight_grad_after_i and split.branches == 2 and not split.fallback
     told = [str(m.message) for m in got if fn.__qualname__ in str(m.message)]
     assert len(told) == 1 and said in told[0], told
@@ -373,13 +375,13 @@ def test_split_function_giving_one_input_two_gradients_is_refused_split_or_not()
         @staticmethod
         def backward_input(ctx, g):
             x, w, gate = pe.SplitFunction.saved(ctx)
-            return (g * gate) @ w, None, g * (x @ w.t())
+            return (g * ctx.scale * gate) @ w, None, None, g * ctx.scale * (x @ w.t())
 
     lin, w = nn.Linear(D, D), nn.Parameter(torch.randn(D, D))
     for split in (False, True):
         x = torch.randn(3, D, requires_grad=True)
-        out = Twice.apply(x, w, torch.sigmoid(lin(x)))
-        with pytest.raises(RuntimeError, match="both halves returned a gradient for forward input 2"):
+        out = Twice.apply(x, w, 0.5, torch.sigmoid(lin(x)))
+        with pytest.raises(RuntimeError, match="both halves returned a gradient for forward input 3"):
             if split:
                 backward_weight(backward_input([out], [torch.ones_like(out)], [x])[1])
             else:

@@ -54,7 +54,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import GraphExecGroup
 
 from pipeline_ext.runtime.compiled_split import DEFER_ATTR
-from pipeline_ext.runtime.split_function import INPUT_EDGES_ATTR
+from pipeline_ext.runtime.split_function import INPUT_EDGES_ATTR, input_positions
 from pipeline_ext.runtime.split_keep import PHASE_ATTR, KeptForWeight
 from pipeline_ext.runtime.split_obstacles import graph_traits, split_aware
 
@@ -248,8 +248,7 @@ def backward_input(
         handles.append(b.node.register_prehook(hook))
     deferred.keep.arm()
     for node in deferred.keep.split_nodes:  # which of its inputs' gradients I owes (split_function)
-        setattr(node, INPUT_EDGES_ATTR,
-                frozenset(i for i, (c, _) in enumerate(node.next_functions) if c is not None and c in region))
+        setattr(node, INPUT_EDGES_ATTR, input_positions(node, region))
     _set_phase(deferred.keep.split_nodes, "I")
     try:
         with group if group is not None else contextlib.nullcontext():

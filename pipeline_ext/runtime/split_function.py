@@ -60,7 +60,7 @@ import torch
 
 from pipeline_ext.runtime.split_keep import PHASE_ATTR, STASH_ATTR
 
-__all__ = ["SplitFunction", "is_split_function", "INPUT_EDGES_ATTR"]
+__all__ = ["SplitFunction", "is_split_function", "INPUT_EDGES_ATTR", "input_positions"]
 
 _SAVED_ATTR = "_pipeline_ext_saved"
 #: set by the runtime on a node before I: the indices of the forward inputs that lead to a stage input
@@ -167,7 +167,7 @@ def _input_half(cls: Any, ctx: Any, grad_outputs: tuple) -> Any:
         gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
         if owed is None:
             return gi
-        edges = [c is not None for c, _ in ctx.next_functions]
+        edges = ctx.needs_input_grad  # per forward input: a tensor with an edge
         missing = [i for i in owed if i < len(gi) and gi[i] is None]
         extra = [i for i, g in enumerate(gi) if g is not None and i not in owed and i < len(edges) and edges[i]]
         if not missing and not extra:
@@ -214,6 +214,20 @@ def _warn_once(cls: Any, moved: list[int], extra: list[int]) -> None:
 
 def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def input_positions(node: Any, region: Any) -> frozenset[int]:
+    """The forward-input positions (what the halves index their gradients by) of ``node``'s edges into ``region``.
+
+    ``next_functions`` leaves out the inputs that are not tensors; its edges that are not None are, in order,
+    the inputs that need grad (``needs_input_grad``).
+    """
+    wanted = [i for i, needs in enumerate(node.needs_input_grad) if needs]
+    edges = [c for c, _ in node.next_functions if c is not None]
+    if len(wanted) != len(edges):
+        raise RuntimeError(f"{type(node).__name__}: {len(edges)} gradient edges for {len(wanted)} inputs that need "
+                           "grad; this torch lays out a custom Function's node otherwise than the I/W split reads")
+    return frozenset(i for i, c in zip(wanted, edges) if c in region)
 
 
 def is_split_function(fwd_cls: Any) -> bool:
