@@ -330,7 +330,8 @@ def split_check(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Optional[
 @contextlib.contextmanager
 def _untouched(module: torch.nn.Module) -> Any:
     """Run ``module`` on copies of its buffers, then put the originals back; the same for the RNG states."""
-    swapped = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    modules = module.modules() if isinstance(module, torch.nn.Module) else ()
+    swapped = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
     cuda = torch.cuda.is_initialized()
     with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
         try:

@@ -161,9 +161,10 @@ def _opaque(node: Any, again: bool) -> Optional[str]:
     if issubclass(fwd, _ckpt.CheckpointFunction):
         return "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), which refuses autograd.grad"
     if again and not is_split_function(fwd):
-        return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) that takes weights and "
-                f"whose backward would run at I and again at W, computing every gradient each time (or doing "
-                f"something once only); {_split_function_hint(fwd)}")
+        return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) whose backward would "
+                f"run at I and again at W (it takes weights, or a weight used twice in the stage makes W re-run the "
+                f"input region), computing every gradient each time (or doing something once only); "
+                f"{_split_function_hint(fwd)}")
     return None
 
 
