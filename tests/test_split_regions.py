@@ -14,7 +14,13 @@ back to a whole backward at I. Now:
 - a ``pe.SplitFunction`` (here attention with its projections inside the
   Function) splits: I runs its ``backward_input``, W its ``backward_weight``;
 - a reentrant checkpoint, an unknown hook or an unknown Function on a node
-  that runs at both I and W still fall back, exactly, and say why.
+  that runs at both I and W still fall back, exactly, and say why;
+- a ``pe.SplitFunction`` whose "weight" argument is an activation (a gate
+  computed from the stage input, its gradient given by ``backward_weight``)
+  stays exact: I runs both halves of that node and passes the gate's
+  gradient on (issue 45);
+- a weight used twice in a ``Pipe`` stage keeps the split: the Pipe's own
+  identity Function on the stage input is known to it (issue 45).
 
 Each case checks the split really held (no ``UnsplitBackwardWarning``, no
 weight gradient after I) and trains three SGD steps with momentum under
@@ -42,8 +48,10 @@ from models import split_vs_whole
 
 D, HEADS, T = 8, 2, 4
 ZB = ["zb_h1", "zb_h2", "zbv", "dualpipev"]
-KINDS = ["sac", "checkpoint", "reentrant", "offload", "attention", "offload_checkpoint", "pool_checkpoint"]
-SPLITS = {"sac", "checkpoint", "offload", "attention", "offload_checkpoint", "pool_checkpoint"}  # whose split holds
+KINDS = ["sac", "checkpoint", "reentrant", "offload", "attention", "offload_checkpoint", "pool_checkpoint",
+         "gated", "tied"]
+SPLITS = {"sac", "checkpoint", "offload", "attention", "offload_checkpoint", "pool_checkpoint",
+          "gated", "tied"}  # whose split holds
 #: the kinds that fall back, and a word their reason names
 FALLS = {"reentrant": "reentrant", "unknown_hook_checkpoint": "checkpoint region"}
 
@@ -161,6 +169,43 @@ class ProjectedAttention(pe.SplitFunction):
         return None, x.reshape(-1, d).t() @ dqkv.reshape(-1, 3 * d), a.reshape(-1, d).t() @ g.reshape(-1, d), None
 
 
+class GatedLinear(pe.SplitFunction):
+    """``(x @ w.T) * scale * gate`` with the gate an activation (``sigmoid(Linear(x))``) passed beside the weight,
+    and its gradient returned by ``backward_weight`` as if it were one (it works unsplit). ``scale``, a number,
+    sits between them: the gradients are indexed by forward input, the graph's edges leave it out."""
+
+    @staticmethod
+    def forward(ctx, x, w, scale, gate):
+        ctx.save_for_backward(x, w, gate)
+        ctx.scale = scale
+        return (x @ w.t()) * scale * gate
+
+    @staticmethod
+    def backward_input(ctx, g):
+        x, w, gate = pe.SplitFunction.saved(ctx)
+        return (g * ctx.scale * gate) @ w, None, None, None
+
+    @staticmethod
+    def backward_weight(ctx, g):
+        x, w, gate = pe.SplitFunction.saved(ctx)
+        d = x.shape[-1]
+        return None, (g * ctx.scale * gate).reshape(-1, d).t() @ x.reshape(-1, d), None, g * ctx.scale * (x @ w.t())
+
+
+class WeightGradAtInput(GatedLinear):
+    """The mirror mistake: ``backward_input`` returns the weight's gradient too (and the gate's, rightly)."""
+
+    @staticmethod
+    def backward_input(ctx, g):
+        x, w, gate = pe.SplitFunction.saved(ctx)
+        d, gs = x.shape[-1], g * ctx.scale
+        return (gs * gate) @ w, (gs * gate).reshape(-1, d).t() @ x.reshape(-1, d), None, gs * (x @ w.t())
+
+    @staticmethod
+    def backward_weight(ctx, g):
+        return None, None, None, None
+
+
 class OpaqueAttention(torch.autograd.Function):
     """The same attention as an ordinary Function: one ``backward`` for everything (unknown to the split)."""
 
@@ -185,6 +230,11 @@ class Stage(nn.Module):
         if kind in ("attention", "opaque_attention"):
             self.w_qkv = nn.Parameter(torch.randn(D, 3 * D) / math.sqrt(D))
             self.w_o = nn.Parameter(torch.randn(D, D) / math.sqrt(D))
+        if kind == "gated":
+            self.w = nn.Parameter(torch.randn(D, D) / math.sqrt(D))
+            self.gate = nn.Linear(D, D)
+        if kind == "tied":
+            self.tied = nn.Linear(D, D)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(self.norm(x))))
@@ -206,6 +256,13 @@ class Stage(nn.Module):
             with hooks(self.offload.pack, self.offload.unpack):
                 out = checkpoint(self.body, x, use_reentrant=False)
             return x + out
+        if k == "gated":
+            h = self.norm(x)
+            x = x + GatedLinear.apply(h, self.w, 0.5, torch.sigmoid(self.gate(h)))
+            return x + self.down(nn.functional.gelu(self.up(x)))
+        if k == "tied":  # one Linear twice: W is one backward over the parameters, re-running the input region
+            x = x + self.tied(torch.tanh(self.tied(self.norm(x))))
+            return x + self.down(nn.functional.gelu(self.up(x)))
         if k in ("attention", "opaque_attention"):
             fn = ProjectedAttention if k == "attention" else OpaqueAttention
             x = x + fn.apply(self.norm(x), self.w_qkv, self.w_o, HEADS)
@@ -403,6 +460,44 @@ def test_split_function_runs_each_half_once_and_matches_autograd():
         torch.testing.assert_close(got, exp)
 
 
+@pytest.mark.parametrize("fn,said", [(GatedLinear, "forward input(s) [3], which lead to the stage input"),
+                                     (WeightGradAtInput, "forward input(s) [1], which lead to no stage input")])
+def test_split_function_halves_are_cut_where_its_inputs_lead(fn, said):
+    """A SplitFunction whose halves do not match where its inputs lead (an activation's gradient from
+    backward_weight, a weight's from backward_input) keeps the split exact: I runs both halves of that node,
+    passes on what leads to the stage input, W gets the rest; one warning names the input to move."""
+    from pipeline_ext.runtime import split_function
+
+    torch.manual_seed(0)
+    lin, w = nn.Linear(D, D), nn.Parameter(torch.randn(D, D) / math.sqrt(D))
+    split_function._warned.discard(fn)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        split = split_vs_whole(lambda x: fn.apply(x, w, 0.5, torch.sigmoid(lin(x))),
+                               torch.randn(3, D, requires_grad=True), [w, *lin.parameters()])
+    assert split.unsplit is None and split.no_weight_grad_after_i and split.branches == 2 and not split.fallback
+    told = [str(m.message) for m in got if fn.__qualname__ in str(m.message)]
+    assert len(told) == 1 and said in told[0], told
+
+
+def test_split_function_giving_one_input_two_gradients_is_refused_split_or_not():
+    class Twice(GatedLinear):
+        @staticmethod
+        def backward_input(ctx, g):
+            x, w, gate = pe.SplitFunction.saved(ctx)
+            return (g * ctx.scale * gate) @ w, None, None, g * ctx.scale * (x @ w.t())
+
+    lin, w = nn.Linear(D, D), nn.Parameter(torch.randn(D, D))
+    for split in (False, True):
+        x = torch.randn(3, D, requires_grad=True)
+        out = Twice.apply(x, w, 0.5, torch.sigmoid(lin(x)))
+        with pytest.raises(RuntimeError, match="both halves returned a gradient for forward input 3"):
+            if split:
+                backward_weight(backward_input([out], [torch.ones_like(out)], [x])[1])
+            else:
+                out.sum().backward()
+
+
 def test_runner_accounts_for_what_i_keeps_until_w():
     """The ActivationMeter sees what I keeps (recomputed SAC values) and sees it go after W."""
     from pipeline_ext.runtime.memory import ActivationMeter
@@ -503,6 +598,70 @@ def test_split_check_predicts_what_i_does(kind):
     assert all(p.grad is None for p in stage.parameters())
 
 
+class NoWeightHalf(pe.SplitFunction):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward_input(ctx, g):
+        x, w = pe.SplitFunction.saved(ctx)
+        return g @ w.t(), None
+
+
+class _HalfStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):
+        return NoWeightHalf.apply(x, self.w)
+
+
+def test_split_check_says_what_a_split_function_lacks():
+    why = pe.runtime.split_check(_HalfStage(), torch.randn(2, D))
+    assert why is not None and "NoWeightHalf" in why and "SplitFunction without backward_weight" in why, why
+    assert "define backward_weight(ctx, *grad_outputs)" in why and "is no " not in why, why
+
+
+def test_split_check_leaves_buffers_and_rng_as_they_were():
+    """A user's loop with ``split_check`` before it trains exactly as one without: BatchNorm's running statistics
+    and the RNG (dropout's masks) are untouched by the check."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.3), nn.Linear(D, D))
+
+    def train(check: bool):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(1)
+        example = torch.randn(4, D)
+        if check:
+            buffers = {n: (b, b.clone()) for n, b in m.named_buffers()}
+            rng = torch.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+            assert pe.runtime.split_check(m, example) is None
+            assert torch.equal(torch.get_rng_state(), rng)
+            assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all() if cuda_rng else [], cuda_rng))
+            for n, b in m.named_buffers():
+                assert b is buffers[n][0] and torch.equal(b, buffers[n][1]), n
+        losses = []
+        for step in range(3):
+            x, y = batch(4, seed=step)
+            loss = nn.functional.mse_loss(m(x[:, 0]), y[:, 0])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, m.state_dict()
+
+    (got, got_state), (want, want_state) = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for k in want_state:
+        assert torch.equal(got_state[k], want_state[k]), k
+
+
 def test_select_simulates_a_fallen_back_split_and_says_where():
     from pipeline_ext import schedules as S
 
@@ -585,7 +744,7 @@ def _mp_case(rank: int, world: int, kind: str, name: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev")])
+@pytest.mark.parametrize("kind,name", [("sac", "zb_h1"), ("attention", "dualpipev"), ("gated", "zbv")])
 def test_two_processes_split_exactly_and_trace_says_so(kind, name):
     from mp_utils import no_complaints
 

@@ -24,20 +24,29 @@ import torch
 from torch import nn
 
 from pipeline_ext.pipe.recompute import CallRng, checkpoint_phase
+from pipeline_ext.runtime.split_function import SplitFunction
 
 __all__ = ["Call", "CallerContext", "stage_call"]
 
 
-class _Alias(torch.autograd.Function):
-    """Identity that is not a view: an in-place first layer may modify a stage's input (a leaf)."""
+class _Alias(SplitFunction):
+    """Identity that is not a view: an in-place first layer may modify a stage's input (a leaf).
+
+    A ``SplitFunction`` (all input half, no weights), so the I/W split knows it: where W re-runs the input
+    region (a weight used twice in the stage) an unknown Function there would make the split fall back.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward_input(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+    @staticmethod
+    def backward_weight(ctx: Any, grad: torch.Tensor) -> None:
+        return None
 
 
 @dataclass

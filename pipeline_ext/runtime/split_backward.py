@@ -55,6 +55,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import GraphExecGroup
 
 from pipeline_ext.runtime.compiled_split import DEFER_ATTR
+from pipeline_ext.runtime.split_function import INPUT_EDGES_ATTR, input_positions
 from pipeline_ext.runtime.split_keep import PHASE_ATTR, KeptForWeight
 from pipeline_ext.runtime.split_obstacles import graph_traits, split_aware
 
@@ -144,6 +145,9 @@ class DeferredWeightGrad:
         self.output_grads.clear()
         self.fallback_params = None
         _set_phase(self.keep.split_nodes, None)
+        for node in self.keep.split_nodes:
+            if hasattr(node, INPUT_EDGES_ATTR):
+                delattr(node, INPUT_EDGES_ATTR)
         self.keep.release()
 
 
@@ -245,6 +249,8 @@ def backward_input(
 
         handles.append(b.node.register_prehook(hook))
     deferred.keep.arm()
+    for node in deferred.keep.split_nodes:  # which of its inputs' gradients I owes (split_function)
+        setattr(node, INPUT_EDGES_ATTR, input_positions(node, region))
     _set_phase(deferred.keep.split_nodes, "I")
     try:
         with group if group is not None else contextlib.nullcontext():
@@ -307,6 +313,13 @@ def split_check(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Optional[
     inputs that require grad, as a stage's received activations do) and reads
     its graph (``split_obstacle``); nothing runs backward. Give
     ``schedules.select(split=...)`` one answer per rank share of the model.
+
+    The forward leaves no trace in what training reads next: it runs on copies
+    of the module's buffers (BatchNorm's running statistics stay as they were)
+    and the CPU RNG state, and every initialized CUDA device's, are put back
+    (dropout draws nothing from the training's stream). Other state the
+    forward changes (Python attributes it sets, a parameter it modifies in
+    place) is not put back.
     """
     def as_input(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
@@ -315,12 +328,31 @@ def split_check(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Optional[
 
     args = tuple(as_input(a) for a in args)
     kwargs = {k: as_input(v) for k, v in kwargs.items()}
-    with torch.enable_grad():
+    with _untouched(module), torch.enable_grad():
         out = module(*args, **kwargs)
     flat = out if isinstance(out, (tuple, list)) else (out,)
     outputs = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
     return split_obstacle(outputs, inputs)
+
+
+@contextlib.contextmanager
+def _untouched(module: torch.nn.Module) -> Any:
+    """Run ``module`` on copies of its buffers, then put the originals back; the same for the RNG states."""
+    modules = module.modules() if isinstance(module, torch.nn.Module) else ()
+    swapped = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+    cuda = torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
+        try:
+            with torch.no_grad():
+                for m, name, b in swapped:
+                    m._buffers[name] = b.clone()
+            yield
+        finally:
+            for m, name, b in swapped:
+                m._buffers[name] = b
+            if not cuda and torch.cuda.is_initialized():  # the forward started CUDA: back to its seeds' start
+                torch.cuda.manual_seed_all(torch.cuda.initial_seed())
 
 
 def _run_twice(region: set[Any], branches: Optional[list[_WeightBranch]], owner: dict[Any, int],

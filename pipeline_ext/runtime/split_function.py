@@ -38,18 +38,44 @@ a subclass that does is an unknown Function again.
 
 What ``save_for_weight`` stashes is kept from I to W and counted by the
 memory accounting ([Note: what I keeps for W] in ``split_keep``).
+
+The halves are cut by where each forward input leads, not by its name: I
+owes a gradient to every input that leads to a stage input (the runtime
+marks those, ``INPUT_EDGES_ATTR``), W's gradients reach the parameters only.
+An argument passed as a "weight" that is an activation (a gate computed from
+the stage input) gets its gradient from ``backward_weight`` in the whole
+backward, which at W would reach no stage input. So where ``backward_input``
+leaves such an input without a gradient, or gives one to an input that leads
+to no stage input, I runs ``backward_weight`` too, passes on what leads to
+the stage inputs and hands W the rest (exact; that node's weight math then
+runs at I, and a warning says which input to move into ``backward_input``).
 """
 from __future__ import annotations
 
+import threading
+import warnings
 from typing import Any, Optional
 
 import torch
 
 from pipeline_ext.runtime.split_keep import PHASE_ATTR, STASH_ATTR
 
-__all__ = ["SplitFunction", "is_split_function"]
+__all__ = ["SplitFunction", "is_split_function", "INPUT_EDGES_ATTR", "input_positions"]
 
 _SAVED_ATTR = "_pipeline_ext_saved"
+#: set by the runtime on a node before I: the indices of the forward inputs that lead to a stage input
+INPUT_EDGES_ATTR = "_pipeline_ext_input_edges"
+
+#: ``_SAVED_ATTR`` while I runs: ``saved`` unpacks at its first read and shares the tuple with a second half
+_UNPACK_ON_FIRST_READ = object()
+
+_warned: set[type] = set()
+_warned_lock = threading.Lock()
+
+
+class _WeightGrads(tuple):
+    """What I computed for W when it had to run ``backward_weight`` itself (kept in the W stash, so the memory
+    accounting counts it and ``KeptForWeight.release`` drops it)."""
 
 
 class SplitFunction(torch.autograd.Function):
@@ -83,6 +109,9 @@ class SplitFunction(torch.autograd.Function):
         """``ctx.saved_tensors``, unpacked once per engine call: in the whole backward both halves get the same
         tuple (a checkpointed or once-only saved tensor can be unpacked once per backward)."""
         shared = getattr(ctx, _SAVED_ATTR, None)
+        if shared is _UNPACK_ON_FIRST_READ:
+            shared = ctx.saved_tensors
+            setattr(ctx, _SAVED_ATTR, shared)
         return shared if shared is not None else ctx.saved_tensors
 
     @staticmethod
@@ -90,29 +119,115 @@ class SplitFunction(torch.autograd.Function):
         cls = ctx._forward_cls
         phase = getattr(ctx, PHASE_ATTR, None)
         if phase == "I":
-            return cls.backward_input(ctx, *grad_outputs)
+            return _input_half(cls, ctx, grad_outputs)
         if phase == "W":
-            return cls.backward_weight(ctx, *grad_outputs)
+            stash = getattr(ctx, STASH_ATTR, None)
+            if isinstance(stash, _WeightGrads):  # I ran backward_weight already
+                delattr(ctx, STASH_ATTR)
+                return tuple(stash)
+            gw = cls.backward_weight(ctx, *grad_outputs)
+            owed = getattr(ctx, INPUT_EDGES_ATTR, frozenset())
+            for i, g in enumerate(_as_tuple(gw)):
+                if g is not None and i in owed:  # I gave it one (else it would have run backward_weight itself)
+                    raise RuntimeError(_both(cls, i))
+            return gw
         setattr(ctx, _SAVED_ATTR, ctx.saved_tensors)
         try:
-            gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
-            gw = _as_tuple(cls.backward_weight(ctx, *grad_outputs))
+            return _whole(cls, ctx, grad_outputs)
         finally:
             delattr(ctx, _SAVED_ATTR)
             if hasattr(ctx, STASH_ATTR):
                 delattr(ctx, STASH_ATTR)
+
+
+def _whole(cls: Any, ctx: Any, grad_outputs: tuple) -> tuple:
+    """Both halves, merged (the caller shares one unpack of the saved tensors between them)."""
+    gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
+    gw = _as_tuple(cls.backward_weight(ctx, *grad_outputs))
+    if len(gi) != len(gw):
+        raise RuntimeError(f"{cls.__name__}: backward_input returned {len(gi)} gradients, backward_weight "
+                           f"{len(gw)}; each returns one per forward input")
+    for i, (a, b) in enumerate(zip(gi, gw)):
+        if a is not None and b is not None:
+            raise RuntimeError(_both(cls, i))
+    return tuple(a if a is not None else b for a, b in zip(gi, gw))
+
+
+def _both(cls: Any, i: int) -> str:
+    return (f"{cls.__name__}: both halves returned a gradient for forward input {i}; backward_input returns the "
+            "gradients of the inputs that lead to the stage input (activations), backward_weight the others'")
+
+
+def _input_half(cls: Any, ctx: Any, grad_outputs: tuple) -> Any:
+    """I: ``backward_input``; where its gradients do not match the inputs I owes (``INPUT_EDGES_ATTR``), both
+    halves, passing on what leads to the stage inputs and keeping the rest for W (see the module docstring)."""
+    owed = getattr(ctx, INPUT_EDGES_ATTR, None)
+    setattr(ctx, _SAVED_ATTR, _UNPACK_ON_FIRST_READ)  # one unpack for both halves, should I run both
+    try:
+        gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
+        if owed is None:
+            return gi
+        edges = ctx.needs_input_grad  # per forward input: a tensor with an edge
+        missing = [i for i in owed if i < len(gi) and gi[i] is None]
+        extra = [i for i, g in enumerate(gi) if g is not None and i not in owed and i < len(edges) and edges[i]]
+        if not missing and not extra:
+            return gi
+        gw = _as_tuple(cls.backward_weight(ctx, *grad_outputs))
         if len(gi) != len(gw):
             raise RuntimeError(f"{cls.__name__}: backward_input returned {len(gi)} gradients, backward_weight "
                                f"{len(gw)}; each returns one per forward input")
+        merged = []
         for i, (a, b) in enumerate(zip(gi, gw)):
             if a is not None and b is not None:
-                raise RuntimeError(f"{cls.__name__}: both halves returned a gradient for forward input {i}; "
-                                   "backward_input returns the inputs' and backward_weight the weights'")
-        return tuple(a if a is not None else b for a, b in zip(gi, gw))
+                raise RuntimeError(_both(cls, i))
+            merged.append(a if a is not None else b)
+    finally:
+        delattr(ctx, _SAVED_ATTR)
+    if hasattr(ctx, STASH_ATTR):  # what backward_input stashed and backward_weight did not take
+        delattr(ctx, STASH_ATTR)
+    moved = [i for i in missing if merged[i] is not None]
+    if moved or extra:
+        _warn_once(cls, moved, extra)
+    setattr(ctx, STASH_ATTR, _WeightGrads(None if i in owed else g for i, g in enumerate(merged)))
+    return tuple(g if i in owed else None for i, g in enumerate(merged))
+
+
+def _warn_once(cls: Any, moved: list[int], extra: list[int]) -> None:
+    with _warned_lock:
+        if cls in _warned:
+            return
+        _warned.add(cls)
+    said = []
+    if moved:
+        said.append(f"backward_weight returned the gradient of forward input(s) {moved}, which lead to the stage "
+                    "input (activations, not weights): return it from backward_input")
+    if extra:
+        said.append(f"backward_input returned a gradient for forward input(s) {extra}, which lead to no stage "
+                    "input (weights): return it from backward_weight")
+    warnings.warn(
+        f"{cls.__module__}.{cls.__qualname__}: {'; '.join(said)}. I ran both halves of this Function so that "
+        "every gradient goes where the whole backward sends it (exact, but its weight math now runs at I, "
+        "not in W). Warned once per Function.",
+        stacklevel=2,
+    )
 
 
 def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def input_positions(node: Any, region: Any) -> frozenset[int]:
+    """The forward-input positions (what the halves index their gradients by) of ``node``'s edges into ``region``.
+
+    ``next_functions`` leaves out the inputs that are not tensors; its edges that are not None are, in order,
+    the inputs that need grad (``needs_input_grad``).
+    """
+    wanted = [i for i, needs in enumerate(node.needs_input_grad) if needs]
+    edges = [c for c, _ in node.next_functions if c is not None]
+    if len(wanted) != len(edges):
+        raise RuntimeError(f"{type(node).__name__}: {len(edges)} gradient edges for {len(wanted)} inputs that need "
+                           "grad; this torch lays out a custom Function's node otherwise than the I/W split reads")
+    return frozenset(i for i, c in zip(wanted, edges) if c in region)
 
 
 def is_split_function(fwd_cls: Any) -> bool:

@@ -55,7 +55,7 @@ from typing import Any, Collection, Iterable, Iterator, Optional
 import torch
 from torch.utils import checkpoint as _ckpt
 
-from pipeline_ext.runtime.split_function import is_split_function
+from pipeline_ext.runtime.split_function import SplitFunction, is_split_function
 from pipeline_ext.runtime.split_keep import OnceOnlyPacked
 
 __all__ = ["GraphTraits", "graph_traits", "split_aware", "SPLITTABLE_MARK", "checkpoint_frame", "frame_inputs",
@@ -235,14 +235,28 @@ def _opaque(node: Any, again: bool) -> Optional[str]:
     if issubclass(fwd, _ckpt.CheckpointFunction):
         return "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), which refuses autograd.grad"
     if again and not is_split_function(fwd):
-        hint = ("it defines backward_input/backward_weight but is no pipeline_ext.SplitFunction (or overrides its "
-                "backward), so its backward cannot tell the halves apart" if hasattr(fwd, "backward_input")
-                else "declare its halves as a pipeline_ext.SplitFunction (backward_input, backward_weight) to keep "
-                     "the split")
-        return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) that takes weights and "
-                f"whose backward would run at I and again at W, computing every gradient each time (or doing "
-                f"something once only); {hint}")
+        return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) whose backward would "
+                f"run at I and again at W (it takes weights, or a weight used twice in the stage makes W re-run the "
+                f"input region), computing every gradient each time (or doing something once only); "
+                f"{_split_function_hint(fwd)}")
     return None
+
+
+def _split_function_hint(fwd: type) -> str:
+    """What keeps the split for ``fwd``, a custom Function the runtime cannot steer."""
+    if issubclass(fwd, SplitFunction):
+        missing = [n for n in ("backward_input", "backward_weight") if getattr(fwd, n) is getattr(SplitFunction, n)]
+        if missing:
+            return (f"it is a pipeline_ext.SplitFunction without {' and '.join(missing)}: define "
+                    f"{' and '.join(f'{n}(ctx, *grad_outputs)' for n in missing)} (backward_input returns the "
+                    "gradients of the inputs that lead to the stage input, backward_weight the others')")
+        return ("it is a pipeline_ext.SplitFunction that overrides backward: remove its backward (the runtime runs "
+                "backward_input at I, backward_weight at W, and both elsewhere)")
+    if hasattr(fwd, "backward_input") or hasattr(fwd, "backward_weight"):
+        return ("it defines backward_input/backward_weight but derives from torch.autograd.Function, not "
+                "pipeline_ext.SplitFunction, so its backward cannot tell the halves apart: derive it from "
+                "pipeline_ext.SplitFunction and drop its backward")
+    return "declare its halves as a pipeline_ext.SplitFunction (backward_input, backward_weight) to keep the split"
 
 
 def _saved_tensors(node: Any) -> Iterator[Any]:
