@@ -40,7 +40,7 @@ from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.call import Call, CallerContext, stage_call
 from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partition, build_schedule, check_chunks,
                                          check_shared_layers, fit_balance, resolve_devices)
-from pipeline_ext.pipe.recompute import CallRng, checkpoint_predicate, uses_randomness
+from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
                                              microbatch_sizes, split_step_inputs, split_step_target)
 from pipeline_ext.runtime.channel import check_timeout
@@ -404,7 +404,9 @@ class Pipe(nn.Module):
         }
         if self._bn is not None:
             self._bn.begin(self.training)
-        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
+        # a backward may recompute the user's own checkpointed regions, which set the generators' states
+        held = {s: RngHeldBackward(r, call.rng, self.stage_devices[s]) for s, r in runners.items()}
+        self._run(schedule, held, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
         if self._bn is not None:
             self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]
