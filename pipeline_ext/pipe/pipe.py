@@ -17,7 +17,10 @@ output as ONE argument (a tuple stays a tuple, within and between stages), the
 pipe is Sequential-like (``len``, iteration, indexing) and its state-dict keys
 are torchgpipe's (``partitions.1.2.weight``: a layer keeps its index in the
 user's Sequential). ``unpack_tuples=True`` spreads a tuple into positional
-arguments instead, the convention of the multi-process API.
+arguments instead, the convention of the multi-process API. Forwards run in
+torchgpipe's clock cycles (microbatch i on stage j in cycle i + j, after the
+whole previous cycle) wherever the schedule's order allows it: ``pipe(x)``
+and GPipe's ``step()`` (``pipe/lockstep.py``).
 
 A call is all-or-nothing: any failure (a stage error, Ctrl-C, the step's
 ``timeout``) cancels every worker at its next action and the step's partial
@@ -38,6 +41,7 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.call import Call, CallerContext, stage_call
+from pipeline_ext.pipe.lockstep import Lockstep, LockstepRunner
 from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partition, build_schedule, check_chunks,
                                          check_shared_layers, fit_balance, resolve_devices)
 from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
@@ -306,9 +310,15 @@ class Pipe(nn.Module):
         context = CallerContext.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
+        clock = Lockstep.of(schedule)  # torchgpipe's clock cycles, where the schedule's order allows them
+
+        def runner(s: int, r: int) -> Any:
+            guarded = GuardedRunner(runners[s], token, activities[r])
+            # a forward waiting for its cycle is not in an action yet (the activity says "waiting")
+            return guarded if clock is None else LockstepRunner(guarded, clock)
+
         executors = [
-            Executor(schedule, r, {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
-                     timeout=wait_timeout)
+            Executor(schedule, r, {s: runner(s, r) for s in schedule.stages_of(r)}, timeout=wait_timeout)
             for r in range(len(self.devices))
         ]
 
@@ -322,6 +332,8 @@ class Pipe(nn.Module):
 
         def cancel(reason: str) -> None:
             hub.close(f"step cancelled: {reason}")
+            if clock is not None:
+                clock.close(reason)
 
         run_step_threads(
             [job(r) for r in range(len(self.devices))],
