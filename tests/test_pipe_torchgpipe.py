@@ -274,3 +274,24 @@ def test_forwards_run_in_clock_cycle_order(call):
     pipe(torch.randn(3, 4))
     assert [timeline[0], set(timeline[1:3]), set(timeline[3:5]), timeline[5]] == [
         (0, 0), {(1, 0), (0, 1)}, {(2, 0), (1, 1)}, (2, 1)]
+
+
+def test_a_failed_forward_stops_the_later_cycles():
+    """torchgpipe's test_exception_early_stop_asap, without sleeps: stage 3 fails on microbatch 0 (cycle 3), so no
+    forward of cycle 4 or later runs (stage 2 never reaches microbatch 2), and the forwards waiting for their cycle
+    are woken by the cancellation: the stage's own error comes back, not a timeout."""
+
+    class Boom(Exception):
+        pass
+
+    class Raise(nn.Module):
+        def forward(self, x):
+            raise Boom()
+
+    for _ in range(5):
+        timeline: list = []
+        model = nn.Sequential(nn.Identity(), nn.Identity(), Clocked(2, timeline), Raise())
+        pipe = pe.Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 4, chunks=3, timeout=60.0)
+        with pytest.raises(Boom):
+            pipe(torch.randn(3, 4))
+        assert timeline in ([(0, 2)], [(0, 2), (1, 2)])  # microbatch 1 (cycle 3) may start beside the failure
