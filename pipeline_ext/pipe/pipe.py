@@ -89,7 +89,11 @@ class Pipe(nn.Module):
             numbers do not depend on thread timing. ``None``: on whenever a
             microbatch recomputes (required for exact recomputation, whatever
             draws the numbers) or the model has dropout. ``False`` is refused
-            with checkpointing.
+            with checkpointing. A model whose own ``torch.utils.checkpoint``
+            wraps randomness that is no dropout layer (``torch.rand``,
+            ``F.dropout``) needs ``True`` with ``checkpoint="never"``: its
+            recomputation replays the generator state it stashed, exact only
+            when no other stage draws in between.
         timeout: seconds a whole ``step()`` or ``pipe(x)`` may take; then it is
             cancelled and raises ``ChannelTimeout`` (within ``timeout``:
             its last 20 %, at most 5 s, let the workers stop). A positive,
