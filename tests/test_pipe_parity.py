@@ -9,14 +9,18 @@ those masks. Gradients from recomputation with other masks would differ.
 from __future__ import annotations
 
 import _thread
+import functools
+import sys
 import threading
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import pipeline_ext as pe
-from pipeline_ext.pipe.recompute import is_recomputing
+from pipeline_ext import schedules as S
+from pipeline_ext.pipe.recompute import CallRng, is_recomputing
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -202,3 +206,127 @@ def test_failure_before_any_backward_keeps_accumulated_gradients():
     with pytest.raises(KeyboardInterrupt):
         pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+
+
+# -- the user's own torch.utils.checkpoint inside a stage, with dropout ------------------------------
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """A selective-checkpoint policy: keep matmul outputs, recompute the rest (dropout included)."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class UserCheckpointed(nn.Module):
+    """A Linear, then a residual region with dropout under the user's own ``torch.utils.checkpoint``."""
+
+    def __init__(self, kind: str, d: int = 8) -> None:
+        super().__init__()
+        self.kind = kind
+        self.pre, self.a, self.b, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.5)
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.tanh(self.a(h))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        if self.kind == "sac":
+            ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return h + checkpoint(self.region, h, use_reentrant=False, context_fn=ctx)
+        return h + checkpoint(self.region, h, use_reentrant=self.kind == "reentrant")
+
+
+def _user_checkpointed(kind: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[UserCheckpointed(kind) for _ in range(4)])
+
+
+def _accumulation_order(pipe: pe.Pipe) -> dict[int, list[int]]:
+    """Per stage, the microbatches in the order the schedule adds their weight gradients into ``.grad``."""
+    order: dict[int, list[int]] = {}
+    for actions in pipe.schedule.actions:
+        for a in actions:
+            held = pipe.split_report.get(a.stage) is None  # else the whole backward ran at I
+            if a.kind.name == "B" or a.kind.name == ("W" if held else "I"):
+                order.setdefault(a.stage, []).append(a.microbatch)
+    return order
+
+
+def _seeded_reference_grads(ref: nn.Sequential, pipe: pe.Pipe, x, y, seed: int) -> list[torch.Tensor]:
+    """The unsplit model's gradients for one step, each (stage, microbatch) forward seeded as the pipe seeds it.
+
+    Each microbatch's backward runs on its own (weighted by its loss share, as
+    the pipe does); the per-microbatch gradients are then added in the order
+    the pipe's schedule adds them, so that equal gradients are bitwise equal.
+    """
+    torch.manual_seed(seed)
+    rng = CallRng.draw(True)  # the pipe draws its call's seed from the caller's generator the same way
+    stage_of = [s for s, b in enumerate(pipe.balance) for _ in range(b)]
+    m = pipe.chunks
+    xs, ys = x.chunk(m), y.chunk(m)
+    per_mb = []
+    for k in range(m):
+        ref.zero_grad(set_to_none=True)
+        h = xs[k]
+        for i, (layer, s) in enumerate(zip(ref, stage_of)):
+            if i == 0 or stage_of[i - 1] != s:  # a stage's forward starts: the pipe seeds it
+                torch.manual_seed(rng.seed(s, k))
+            h = layer(h)
+        loss = nn.functional.mse_loss(h, ys[k])
+        torch.autograd.backward(loss, torch.full_like(loss, 1.0 / m))
+        per_mb.append([[p.grad for p in layer.parameters()] for layer in ref])
+    order = _accumulation_order(pipe)
+    grads = []
+    for i, s in enumerate(stage_of):
+        for j in range(len(per_mb[0][i])):
+            g = per_mb[order[s][0]][i][j]
+            for k in order[s][1:]:
+                g = g + per_mb[k][i][j]
+            grads.append(g)
+    return grads
+
+
+def _differences_from_unsplit(kind: str, schedule: str, steps: int = 16) -> list:
+    """``steps`` training steps (SGD) of the pipe and of the unsplit model; the (schedule, step)s whose gradients or
+    parameters differ (each step from equal parameters)."""
+    model, ref = _user_checkpointed(kind), _user_checkpointed(kind)
+    stages = 2 * S.default_stages_per_rank(schedule)
+    # the pipe's own checkpointing on top of the user's, for the selective kind
+    pipe = pe.Pipe(model, balance=[4 // stages] * stages, devices=["cpu", "cpu"], chunks=4, schedule=schedule,
+                   checkpoint="except_last" if kind == "sac" else "never")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    differ: list = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-3)  # worker threads change hands more often: the interleavings of a loaded machine
+    try:
+        for step in range(steps):
+            x, y = torch.randn(8, 8), torch.randn(8, 8)
+            opt.zero_grad()
+            torch.manual_seed(1000 + step)
+            pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+            expected = _seeded_reference_grads(ref, pipe, x, y, 1000 + step)
+            grads_equal = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+            for p, g in zip(ref.parameters(), expected):
+                p.grad = g
+            opt.step()
+            ref_opt.step()
+            if not grads_equal or not all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())):
+                differ.append((schedule, step))
+                with torch.no_grad():  # the next step starts from the same parameters again: counted on its own
+                    for a, b in zip(model.parameters(), ref.parameters()):
+                        b.copy_(a)
+    finally:
+        sys.setswitchinterval(switch)
+    return differ
+
+
+# The user's checkpoint sets and restores the process-wide generator while its region recomputes in a
+# backward; on a worker thread beside other workers' seeded forwards and recomputations that gave wrong masks.
+@pytest.mark.parametrize("kind,schedules", [("plain", ["gpipe", "zb_h1", "zbv"]), ("sac", ["1f1b", "zb_h2", "dualpipev"])])
+def test_users_checkpoint_with_dropout_matches_unsplit_model_bitwise(kind, schedules):
+    differ = [d for schedule in schedules for d in _differences_from_unsplit(kind, schedule)]
+    assert differ == [], f"gradients differ from the unsplit model's at (schedule, step): {differ}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "sac", "reentrant"])
+def test_users_checkpoint_with_dropout_matches_unsplit_model_bitwise_under_every_schedule(kind):
+    differ = [d for schedule in S.available() for d in _differences_from_unsplit(kind, schedule)]
+    assert differ == [], f"gradients differ from the unsplit model's at (schedule, step): {differ}"

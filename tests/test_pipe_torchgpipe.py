@@ -224,3 +224,74 @@ def test_list_inputs_and_outputs_split_like_tuples_and_other_leaves_name_their_t
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
     with pytest.raises(TypeError, match="tensors, or tuples, lists or dicts of tensors; got a str"):
         pipe(["not a tensor"], ys)
+
+
+# -- forwards in clock-cycle order (torchgpipe's test_forward_lockstep, without its sleeps) ----------
+class Clocked(nn.Module):
+    """Records (microbatch, stage) when its forward returns (not in recomputations), counting its own calls."""
+
+    def __init__(self, stage: int, timeline: list) -> None:
+        super().__init__()
+        self.stage, self.timeline, self.calls = stage, timeline, 0
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.tanh(self.fc(x))
+        if not pe.is_recomputing():
+            self.timeline.append((self.calls, self.stage))
+            self.calls += 1
+        return out
+
+
+def _in_clock_cycles(timeline: list, n_stages: int, m: int) -> bool:
+    """Every forward once, and cycles (microbatch + stage) never go back: a forward returns only after every
+    forward of the previous cycle returned (none of them could start before that cycle was complete)."""
+    cycles = [i + j for i, j in timeline]
+    return sorted(timeline) == sorted((i, j) for i in range(m) for j in range(n_stages)) and cycles == sorted(cycles)
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_forwards_run_in_clock_cycle_order(call):
+    """torchgpipe runs the forward of microbatch i on stage j in clock cycle i + j, a cycle after the whole previous
+    one: users rely on that order (their forwards' side effects happen in the same order in every run). Stage 0,
+    which never waits for an input, would otherwise run ahead through its microbatches."""
+    n_stages, m = 3, 4
+    timeline: list = []
+    for run in range(10):
+        timeline.clear()
+        layers = [Clocked(j, timeline) for j in range(n_stages)]
+        pipe = pe.Pipe(nn.Sequential(*layers), balance=[1] * n_stages, devices=["cpu"] * n_stages, chunks=m)
+        x = torch.randn(2 * m, 4)
+        if call == "forward":
+            pipe(x).sum().backward()
+        else:
+            pipe.step(x, target=x, loss_fn=nn.functional.mse_loss)
+        assert _in_clock_cycles(timeline, n_stages, m), f"run {run}: (microbatch, stage) in order {timeline}"
+    # torchgpipe's own case: two stages, three microbatches; within a cycle the order is free (no sleeps here)
+    timeline.clear()
+    pipe = pe.Pipe(nn.Sequential(Clocked(0, timeline), Clocked(1, timeline)), balance=[1, 1],
+                   devices=["cpu", "cpu"], chunks=3)
+    pipe(torch.randn(3, 4))
+    assert [timeline[0], set(timeline[1:3]), set(timeline[3:5]), timeline[5]] == [
+        (0, 0), {(1, 0), (0, 1)}, {(2, 0), (1, 1)}, (2, 1)]
+
+
+def test_a_failed_forward_stops_the_later_cycles():
+    """torchgpipe's test_exception_early_stop_asap, without sleeps: stage 3 fails on microbatch 0 (cycle 3), so no
+    forward of cycle 4 or later runs (stage 2 never reaches microbatch 2), and the forwards waiting for their cycle
+    are woken by the cancellation: the stage's own error comes back, not a timeout."""
+
+    class Boom(Exception):
+        pass
+
+    class Raise(nn.Module):
+        def forward(self, x):
+            raise Boom()
+
+    for _ in range(5):
+        timeline: list = []
+        model = nn.Sequential(nn.Identity(), nn.Identity(), Clocked(2, timeline), Raise())
+        pipe = pe.Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 4, chunks=3, timeout=60.0)
+        with pytest.raises(Boom):
+            pipe(torch.randn(3, 4))
+        assert timeline in ([(0, 2)], [(0, 2), (1, 2)])  # microbatch 1 (cycle 3) may start beside the failure

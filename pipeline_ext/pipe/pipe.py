@@ -17,7 +17,10 @@ output as ONE argument (a tuple stays a tuple, within and between stages), the
 pipe is Sequential-like (``len``, iteration, indexing) and its state-dict keys
 are torchgpipe's (``partitions.1.2.weight``: a layer keeps its index in the
 user's Sequential). ``unpack_tuples=True`` spreads a tuple into positional
-arguments instead, the convention of the multi-process API.
+arguments instead, the convention of the multi-process API. Forwards run in
+torchgpipe's clock cycles (microbatch i on stage j in cycle i + j, after the
+whole previous cycle) wherever the schedule's order allows it: ``pipe(x)``
+and GPipe's ``step()`` (``pipe/lockstep.py``).
 
 A call is all-or-nothing: any failure (a stage error, Ctrl-C, the step's
 ``timeout``) cancels every worker at its next action and the step's partial
@@ -38,9 +41,10 @@ from torch import nn
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.call import Call, CallerContext, stage_call
+from pipeline_ext.pipe.lockstep import Lockstep, LockstepRunner
 from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partition, build_schedule, check_chunks,
                                          check_shared_layers, fit_balance, resolve_devices)
-from pipeline_ext.pipe.recompute import CallRng, checkpoint_predicate, uses_randomness
+from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
                                              microbatch_sizes, split_step_inputs, split_step_target)
 from pipeline_ext.runtime.channel import check_timeout
@@ -85,7 +89,11 @@ class Pipe(nn.Module):
             numbers do not depend on thread timing. ``None``: on whenever a
             microbatch recomputes (required for exact recomputation, whatever
             draws the numbers) or the model has dropout. ``False`` is refused
-            with checkpointing.
+            with checkpointing. A model whose own ``torch.utils.checkpoint``
+            wraps randomness that is no dropout layer (``torch.rand``,
+            ``F.dropout``) needs ``True`` with ``checkpoint="never"``: its
+            recomputation replays the generator state it stashed, exact only
+            when no other stage draws in between.
         timeout: seconds a whole ``step()`` or ``pipe(x)`` may take; then it is
             cancelled and raises ``ChannelTimeout`` (within ``timeout``:
             its last 20 %, at most 5 s, let the workers stop). A positive,
@@ -306,9 +314,15 @@ class Pipe(nn.Module):
         context = CallerContext.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
+        clock = Lockstep.of(schedule)  # torchgpipe's clock cycles, where the schedule's order allows them
+
+        def runner(s: int, r: int) -> Any:
+            guarded = GuardedRunner(runners[s], token, activities[r])
+            # a forward waiting for its cycle is not in an action yet (the activity says "waiting")
+            return guarded if clock is None else LockstepRunner(guarded, clock)
+
         executors = [
-            Executor(schedule, r, {s: GuardedRunner(runners[s], token, activities[r]) for s in schedule.stages_of(r)},
-                     timeout=wait_timeout)
+            Executor(schedule, r, {s: runner(s, r) for s in schedule.stages_of(r)}, timeout=wait_timeout)
             for r in range(len(self.devices))
         ]
 
@@ -322,6 +336,8 @@ class Pipe(nn.Module):
 
         def cancel(reason: str) -> None:
             hub.close(f"step cancelled: {reason}")
+            if clock is not None:
+                clock.close(reason)
 
         run_step_threads(
             [job(r) for r in range(len(self.devices))],
@@ -404,7 +420,9 @@ class Pipe(nn.Module):
         }
         if self._bn is not None:
             self._bn.begin(self.training)
-        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
+        # a backward may recompute the user's own checkpointed regions, which set the generators' states
+        held = {s: RngHeldBackward(r, call.rng, self.stage_devices[s]) for s, r in runners.items()}
+        self._run(schedule, held, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
         if self._bn is not None:
             self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]

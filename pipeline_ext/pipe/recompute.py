@@ -20,6 +20,18 @@ so two ``pipe(x)`` calls before one ``backward()`` each recompute with their own
 seeds. Masks no longer depend on thread timing, and all three checkpoint modes
 give the same gradients.
 
+A backward may touch those generators too: the user's own
+``torch.utils.checkpoint`` inside a stage (plain, reentrant or selective)
+stashes the generator states in the forward and, when its region recomputes
+in the backward, sets them and restores them afterwards (torch's
+``fork_rng``). Run unlocked on a worker thread, that restore rewinds the
+generator under another worker's seeded forward, and a concurrent draw moves
+it under the recomputation: dropout masks that differ from the forward's,
+wrong gradients. So in a seeded call every backward action (B, I and W: under
+a zero-bubble schedule both halves may recompute) holds the same locks as a
+forward (``RngHeldBackward``), without reseeding: the recomputation replays
+the state its checkpoint stashed.
+
 ``is_checkpointing()`` / ``is_recomputing()`` tell a layer which pass it is in
 (torchgpipe's functions): the first, activation-free forward of a checkpointed
 microbatch, or its recomputation before the backward.
@@ -28,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -37,6 +49,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "checkpoint_predicate",
     "CallRng",
+    "RngHeldBackward",
     "uses_randomness",
     "is_checkpointing",
     "is_recomputing",
@@ -118,9 +131,10 @@ class CallRng:
     """The seeds of one ``step()`` or ``pipe(x)`` call; kept by that call's forwards and recomputations.
 
     Seeded, a forward holds the CPU generator's lock (and its GPU's) while it
-    runs, which serialises the forwards of all stages in the process: the price
-    of exact recomputation. Forwards mostly launch kernels on GPUs, so there the
-    cost is small; on CUDA, seeding and restoring a generator is host-side state
+    runs, and so does a backward (``RngHeldBackward``), which serialises the
+    computation of all stages in the process: the price of exact
+    recomputation. Forwards and backwards mostly launch kernels on GPUs, so
+    there the cost is small; on CUDA, seeding and restoring a generator is host-side state
     and never synchronises the device. Not seeded (``base`` None), forwards draw
     from the shared generators as usual.
     """
@@ -138,15 +152,24 @@ class CallRng:
         return (self.base * 1_000_003 + stage * 10_007 + mb * 101 + offset) % (2**63 - 1)
 
     @contextmanager
+    def held(self, device: torch.device) -> Iterator[None]:
+        """Hold the generators a computation on ``device`` may touch, unchanged (nothing when not seeded)."""
+        if self.base is None:
+            yield
+            return
+        with ExitStack() as stack:
+            for dev, _ in _generators(device):  # CPU first, then the GPU: the one order, no deadlock
+                stack.enter_context(_rng_lock(dev))
+            yield
+
+    @contextmanager
     def __call__(self, stage: int, mb: int, device: torch.device) -> Iterator[None]:
         """Run a forward of (stage, mb) with its generators held, seeded, and restored afterwards."""
         if self.base is None:
             yield
             return
         gens = _generators(device)
-        with ExitStack() as stack:
-            for dev, _ in gens:
-                stack.enter_context(_rng_lock(dev))
+        with self.held(device):
             saved = [g.get_state() for _, g in gens]
             for i, (_, g) in enumerate(gens):
                 g.manual_seed(self.seed(stage, mb, i))
@@ -155,3 +178,34 @@ class CallRng:
             finally:
                 for (_, g), state in zip(gens, saved):
                     g.set_state(state)
+
+
+class RngHeldBackward:
+    """A stage runner whose backward actions (B, I, W) hold the call's generators, as its forwards do.
+
+    The backward of a stage that uses ``torch.utils.checkpoint`` itself sets
+    and restores the process-wide generator states while it recomputes; held,
+    that cannot happen under another worker's forward or recomputation. The
+    executor reads everything else (``forward``, ``is_last``, ...) from the
+    wrapped runner.
+    """
+
+    def __init__(self, runner: Any, rng: CallRng, device: torch.device) -> None:
+        self.runner = runner
+        self.rng = rng
+        self.device = device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.rng.held(self.device):
+            return self.runner.backward(*args, **kwargs)
+
+    def backward_input(self, *args: Any, **kwargs: Any) -> Any:
+        with self.rng.held(self.device):
+            return self.runner.backward_input(*args, **kwargs)
+
+    def backward_weight(self, *args: Any, **kwargs: Any) -> Any:
+        with self.rng.held(self.device):
+            return self.runner.backward_weight(*args, **kwargs)
