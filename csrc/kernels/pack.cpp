@@ -46,7 +46,8 @@ void check_buffer(const char* op, const at::Tensor& buffer, int64_t nbytes) {
 // functional, batched and other wrapped tensors, and any active
 // TorchDispatchMode, must see real view ops instead so that they trace them.
 bool builds_views_directly(const at::Tensor& buffer) {
-  return (buffer.is_cpu() || buffer.is_cuda()) && !is_wrapped(buffer) && !c10::impl::TorchDispatchModeTLS::any_modes_set();
+  return (buffer.is_cpu() || buffer.is_cuda()) && !is_wrapped(buffer) &&
+         !c10::impl::TorchDispatchModeTLS::any_modes_set();
 }
 
 // Zeroes the alignment gaps between entries, so that a packed message carries
