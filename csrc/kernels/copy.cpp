@@ -47,6 +47,33 @@ void CopyPlan::run(const at::Device& device) const {
               ")");
 }
 
+bool is_wrapped(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper});
+  return t.key_set().has_any(wrapped);
+}
+
+const char* unreadable_reason(const at::Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  if (t.is_nested()) return "a nested tensor";
+  if (is_wrapped(t)) return "a tensor subclass or wrapper (DTensor, FakeTensor, a __torch_dispatch__ subclass)";
+  if (t.layout() != at::kStrided) return "not a dense (strided) tensor (sparse or another layout)";
+  if (t.is_quantized()) return "a quantized tensor";
+  if (!(t.is_cpu() || t.is_cuda())) return "not on a CPU or CUDA device (a meta tensor has no data)";
+  if (!t.has_storage()) return "a tensor without storage";
+  return nullptr;
+}
+
+void check_readable(const at::Tensor& t, const char* op, int64_t index) {
+  const char* why = unreadable_reason(t);
+  if (why == nullptr) return;
+  TORCH_CHECK_TYPE(false, op, index >= 0 ? ": tensor " + std::to_string(index) : std::string(), " is ", why,
+                   ", whose memory pipeline_ext's core cannot read; pass plain dense CPU/CUDA tensors (a DTensor: "
+                   ".to_local() or .full_tensor(); sparse: .to_dense(); quantized: .dequantize(); nested: "
+                   ".to_padded_tensor(0))");
+}
+
 at::Tensor tensor_on_storage(const at::Storage& storage, at::ScalarType dtype, int64_t offset,
                              at::IntArrayRef shape) {
   const auto key = c10::computeDispatchKey(dtype, at::kStrided, storage.device());

@@ -55,6 +55,27 @@ constexpr int64_t kMinSegmentBytes = 128;
 // memcpy moves it; conjugate/negative views need copy_ to resolve their bit.
 inline bool is_plain(const at::Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
 
+// Why the core may not read `t`'s bytes itself (data pointer and strides), or
+// nullptr when it may: a dense strided CPU/CUDA tensor with no wrapper around it.
+// Every path that reads or writes a tensor's memory directly (pack, the kernels,
+// every channel's send) checks its tensors with it: a tensor subclass that
+// dispatches in Python (DTensor, FakeTensor, a __torch_dispatch__ wrapper, a
+// jagged NestedTensor) has no memory of its own there (its data pointer may be
+// null), and sparse, nested, quantized and meta tensors are not laid out as
+// their shape says. Reading them would crash the process. A few flag tests: no
+// measurable cost per message.
+const char* unreadable_reason(const at::Tensor& t);
+
+// True for a tensor seen through a wrapper or functional layer (a Python
+// subclass's dispatch, functionalization, vmap, grad transforms): its metadata
+// is the wrapper's, its bytes (if any) are not at its data pointer.
+bool is_wrapped(const at::Tensor& t);
+
+// TypeError naming the tensor ("pack: tensor 1", or `op` alone for index -1),
+// the reason and what to do, unless the core may read `t` directly (see
+// unreadable_reason).
+void check_readable(const at::Tensor& t, const char* op, int64_t index);
+
 // const_data_ptr for sources so that copy-on-write inputs are not materialized.
 inline const char* src_bytes(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 inline char* dst_bytes(const at::Tensor& t) { return static_cast<char*>(t.mutable_data_ptr()); }

@@ -31,6 +31,8 @@ at::Tensor entry_view(const at::Tensor& buffer, const PackEntry& e) {
 // Written with SymInts so that unpack also checks a traced (fake, possibly
 // dynamic-shape) buffer; on a real tensor they are plain integers.
 void check_buffer(const char* op, const at::Tensor& buffer, int64_t nbytes) {
+  TORCH_CHECK_TYPE(buffer.layout() == at::kStrided && !buffer.is_nested(), op,
+                   ": buffer must be a dense 1-D uint8 tensor, got layout ", buffer.layout());
   const bool contiguous_1d = buffer.dim() == 1 && (buffer.sym_stride(0) == 1 || buffer.sym_size(0) <= 1);
   TORCH_CHECK_VALUE(contiguous_1d && buffer.scalar_type() == at::kByte, op,
                     ": buffer must be a contiguous 1-D uint8 tensor, got dtype ", buffer.scalar_type(),
@@ -44,10 +46,7 @@ void check_buffer(const char* op, const at::Tensor& buffer, int64_t nbytes) {
 // functional, batched and other wrapped tensors, and any active
 // TorchDispatchMode, must see real view ops instead so that they trace them.
 bool builds_views_directly(const at::Tensor& buffer) {
-  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::FuncTorchGradWrapper});
-  return (buffer.is_cpu() || buffer.is_cuda()) && !buffer.key_set().has_any(wrapped) &&
+  return (buffer.is_cpu() || buffer.is_cuda()) && !is_wrapped(buffer) &&
          !c10::impl::TorchDispatchModeTLS::any_modes_set();
 }
 
@@ -177,6 +176,8 @@ PackLayout layout_of(at::TensorList tensors) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "pack: tensor ", i, " is on device ", t.device(),
                       " but tensor 0 is on device ", tensors[0].device(), "; all tensors must be on one device");
+    TORCH_CHECK_TYPE(!t.is_nested(), "pack: tensor ", i, " is a nested tensor; pack plain dense tensors "
+                     "(.to_padded_tensor(0))");
     TORCH_CHECK_VALUE(t.layout() == at::kStrided && !t.is_quantized(), "pack: tensor ", i,
                       " is not a dense tensor (layout ", t.layout(), ", dtype ", t.scalar_type(), ")");
     // Empty tensors take no space (offset 0 keeps them inside any buffer).
@@ -201,6 +202,9 @@ std::pair<at::Tensor, PackLayout> pack(at::TensorList tensors, const std::option
   } else {
     buffer = at::empty({layout.nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
   }
+  // Reads the tensors' bytes directly: also when a channel calls it, outside the dispatcher.
+  for (size_t i = 0; i < tensors.size(); ++i) check_readable(tensors[i], "pack", static_cast<int64_t>(i));
+  if (out.has_value()) check_readable(buffer, "pack: out", -1);
   c10::NoGradGuard no_grad;
   zero_gaps(buffer, layout);
   CopyPlan plan;

@@ -104,6 +104,7 @@ std::vector<at::Tensor> split(const at::Tensor& input, at::IntArrayRef sizes, in
 }
 
 std::vector<at::Tensor> split_copy(const at::Tensor& input, at::IntArrayRef sizes, int64_t dim) {
+  check_readable(input, "split", -1);  // its bytes are read directly
   return copy_pieces(input, sizes, check_split(input, sizes, dim));
 }
 
@@ -111,6 +112,7 @@ at::Tensor concat(at::TensorList tensors, int64_t dim, const std::optional<at::T
   TORCH_CHECK_VALUE(!tensors.empty(), "concat: expected a non-empty list of tensors");
   const at::Tensor& ref = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
+    check_readable(tensors[i], "concat", static_cast<int64_t>(i));  // their bytes are read directly
     TORCH_CHECK_VALUE(tensors[i].dim() > 0, "concat: tensor ", i,
                       " is 0-d; zero-dimensional tensors cannot be concatenated");
   }
@@ -132,6 +134,7 @@ at::Tensor concat(at::TensorList tensors, int64_t dim, const std::optional<at::T
   at::Tensor result;
   if (out.has_value()) {
     result = *out;
+    check_readable(result, "concat: out", -1);
     TORCH_CHECK_TYPE(result.scalar_type() == ref.scalar_type(), "concat: out has dtype ", result.scalar_type(),
                      " but the tensors have dtype ", ref.scalar_type());
     TORCH_CHECK_VALUE(result.device() == ref.device(), "concat: out is on device ", result.device(),

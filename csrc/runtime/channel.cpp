@@ -178,6 +178,8 @@ Channel::Outgoing Channel::validate_send(const std::vector<at::Tensor>& tensors,
                                          const std::optional<PackLayout>& expected, bool with_layout,
                                          const std::optional<at::Tensor>& out, bool owned) const {
   check_peer(peer, tag);
+  // Every transport reads the tensors' bytes directly (pack, or the one tensor as it is).
+  for (size_t i = 0; i < tensors.size(); ++i) check_readable(tensors[i], "send", static_cast<int64_t>(i));
   Outgoing msg{tensors, peer, tag, layout_of(tensors), {}, with_layout, {}, out, owned};
   const PackLayout& layout = msg.layout;
   check_tensors(tensors, peer);

@@ -2,6 +2,8 @@
 
 #include <functional>
 
+#include "kernels/copy.h"
+
 namespace pipeline_ext {
 namespace {
 
@@ -189,6 +191,8 @@ LocalChannel::LocalChannel(std::shared_ptr<LocalHub> hub, int rank) : hub_(std::
 
 std::shared_ptr<Request> LocalChannel::send(const std::vector<at::Tensor>& tensors, int peer, int64_t tag, bool owned) {
   TORCH_CHECK_VALUE(peer != rank_, "LocalChannel: rank ", rank_, " cannot send to itself");
+  // What crosses a stage boundary in one process is what may cross one between processes.
+  for (size_t i = 0; i < tensors.size(); ++i) check_readable(tensors[i], "send", static_cast<int64_t>(i));
   hub_->put(rank_, peer, tag, transfer(tensors, hub_->device(rank_), hub_->device(peer), hub_->copy_streams(), owned));
   return std::make_shared<CompletedRequest>();
 }

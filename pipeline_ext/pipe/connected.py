@@ -112,7 +112,7 @@ class ConnectedRunner(StagePosition):
         if self.is_last:
             self.outputs[mb] = out
             return ()
-        outs = as_output_tuple(out, self.stage_index)
+        outs = as_output_tuple(out, self.stage_index, mb)
         self.links[(self.stage_index, mb)] = outs
         return tuple(o.detach() for o in outs)
 

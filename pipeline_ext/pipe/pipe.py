@@ -310,7 +310,7 @@ class Pipe(nn.Module):
         wait_timeout = None if self.timeout is None else self.timeout + 1.0
         if self.skip_routes:
             check_tag_space(schedule.num_stages, schedule.n_microbatches, skips=True)
-        hub = LocalHub(self.devices, send_timeout=wait_timeout)
+        hub = LocalHub(self.devices, send_timeout=wait_timeout, num_stages=schedule.num_stages)
         context = CallerContext.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]

@@ -14,6 +14,8 @@ import torch
 
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelHandle, _ms
+from pipeline_ext.runtime.ops import explain_unmovable
+from pipeline_ext.runtime.tags import describe_tag
 
 __all__ = ["LocalHub", "LocalChannel", "LocalStep"]
 
@@ -31,7 +33,14 @@ class LocalChannel:
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owned: bool = False) -> ChannelHandle:
         """Hand tensors (detached; copies on the same device unless ``owned``) to ``peer``; blocks only
         while the hub's bound is full."""
-        return ChannelHandle(self._channel.send(list(tensors), peer, tag, owned))
+        try:
+            return ChannelHandle(self._channel.send(list(tensors), peer, tag, owned))
+        except TypeError as exc:  # the core refuses what it cannot read (check_readable): name it
+            err = explain_unmovable(f"rank {self.rank}: {describe_tag(tag, self.hub.num_stages)} to rank {peer}",
+                                    tensors)
+            if err is None:
+                raise
+            raise err from exc
 
     def recv(self, peer: int, tag: int) -> ChannelHandle:
         """A handle whose ``wait`` blocks (GIL released) until ``peer``'s message arrives."""
@@ -45,13 +54,15 @@ class LocalHub:
     beyond it waits up to ``send_timeout`` seconds). ``close(reason)`` makes
     every wait fail with ``reason``: call it when a worker thread fails so the
     others stop at once instead of waiting out their timeouts.
+    ``num_stages`` only makes error messages name stage and microbatch.
     ``copy_streams=False`` queues copies between devices on the compute
     streams instead of the copy streams: only the overlap benchmark's baseline.
     """
 
     def __init__(self, devices: Sequence[Device], capacity: int = 4096, send_timeout: Optional[float] = 300.0,
-                 copy_streams: bool = True) -> None:
+                 copy_streams: bool = True, num_stages: Optional[int] = None) -> None:
         self.devices = [torch.device(d) for d in devices]
+        self.num_stages = num_stages  # only makes error messages name stage and microbatch
         self._hub = _C.LocalHub(self.devices, capacity, _ms(send_timeout), copy_streams)
 
     @property

@@ -159,9 +159,18 @@ def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: Any) -> int:
     if t.dim() == 0:
         raise ValueError(f"cannot split 0-d tensor {where} into microbatches; mark it Replicate()")
     dim = spec.dim if spec.dim >= 0 else spec.dim + t.dim()
+    try:
+        shape = t.shape
+    except RuntimeError as exc:  # a strided nested tensor has no shape
+        raise _unsplittable(t, where, exc) from exc
     if not 0 <= dim < t.dim():
-        raise ValueError(f"chunk dim {spec.dim} is out of range for {where} with shape {tuple(t.shape)}")
-    return t.shape[dim]
+        raise ValueError(f"chunk dim {spec.dim} is out of range for {where} with shape {tuple(shape)}")
+    return shape[dim]
+
+
+def _unsplittable(t: torch.Tensor, where: Any, exc: Exception) -> Exception:
+    """The error to raise when splitting ``t`` (``where``) failed with ``exc``: named when the core cannot read it."""
+    return ops.explain_unmovable(f"cannot split {where} into microbatches", [t], lambda i: "it") or exc
 
 
 def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: Any) -> list[Any]:
@@ -178,7 +187,13 @@ def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, wher
             f"cannot split {where} with {rows} rows along dim {spec.dim} into {n} microbatches: "
             f"n_microbatches must not exceed the batch size"
         )
-    return list(ops.split(x, ops.even_sizes(rows, n), dim=spec.dim))
+    try:
+        return list(ops.split(x, ops.even_sizes(rows, n), dim=spec.dim))
+    except Exception as exc:
+        err = _unsplittable(x, where, exc)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def split_args_kwargs(
@@ -332,19 +347,56 @@ def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any],
     return microbatch_weights(sizes)
 
 
-def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate | Reduce) -> Any:
+def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate | Reduce, name: Callable[[], str]) -> Any:
+    """One output's microbatch values merged; ``name()`` (worked out on failure only) says which output."""
     if isinstance(spec, Reduce):
         return functools.reduce(spec.reduce_fn, values, spec.init_value)
     first = values[0]
     if isinstance(first, torch.Tensor):
         if isinstance(spec, Replicate):
             return first
-        if first.dim() == 0:
-            return torch.stack(values)
-        return ops.concat(values, dim=spec.dim)
+        try:
+            if first.dim() == 0:
+                return torch.stack(values)
+            return ops.concat(values, dim=spec.dim)
+        except Exception as exc:
+            err = _merge_error(values, name(), exc)
+            if err is exc:
+                raise
+            raise err from exc
     if all(v == first for v in values[1:]):
         return first
     return list(values)
+
+
+def _microbatch_list(ks: list[int]) -> str:
+    return ("microbatch " if len(ks) == 1 else "microbatches ") + ", ".join(map(str, ks))
+
+
+def _merge_error(values: list[Any], name: str, exc: Exception) -> Exception:
+    """Why merging ``name`` over the microbatches failed, naming the output, the microbatches and what differs."""
+    what = f"cannot merge {name} over the microbatches"
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        kinds = {}
+        for k, v in enumerate(values):
+            kinds.setdefault(type(v).__name__, []).append(k)
+        return TypeError(f"{what}: it is a tensor in some microbatches only ("
+                         + "; ".join(f"{t} in {_microbatch_list(ks)}" for t, ks in kinds.items()) + ")")
+    unmovable = ops.explain_unmovable(what, values, lambda k: f"its value in microbatch {k}")
+    if unmovable is not None:
+        return unmovable
+    for attr, fix in (("dtype", "cast it to one dtype (e.g. .float())"), ("device", "move it to one device")):
+        seen: dict[Any, list[int]] = {}
+        for k, v in enumerate(values):
+            seen.setdefault(getattr(v, attr), []).append(k)
+        if len(seen) > 1:
+            return TypeError(f"{what}: its {attr} varies per microbatch ("
+                             + "; ".join(f"{d} in {_microbatch_list(ks)}" for d, ks in seen.items())
+                             + f"); a stage must return the same {attr} for every microbatch: {fix}")
+    if isinstance(exc, (TypeError, ValueError, RuntimeError, IndexError)):
+        shapes = ", ".join(f"{tuple(v.shape)}" for v in values)
+        return type(exc)(f"{what} (shapes per microbatch: {shapes}): {exc}")
+    return exc
 
 
 def merge_chunks(chunks: Sequence[Any], spec: _Spec = None) -> Any:
@@ -357,14 +409,18 @@ def merge_chunks(chunks: Sequence[Any], spec: _Spec = None) -> Any:
     if len(chunks) == 0:
         raise ValueError("merge_chunks needs at least one chunk")
     if all(isinstance(c, torch.Tensor) for c in chunks):  # one tensor per microbatch: no pytree walk
-        return _merge_leaf(list(chunks), _flat_specs(chunks[0], spec, "outputs")[0])
+        return _merge_leaf(list(chunks), _flat_specs(chunks[0], spec, "outputs")[0], lambda: "the output")
     flat = [pytree.tree_flatten(c) for c in chunks]
     tree = flat[0][1]
     for i, (_, t) in enumerate(flat[1:], start=1):
         if t != tree:
             raise ValueError(f"microbatch {i} output structure {t} differs from microbatch 0's {tree}")
     specs = _flat_specs(chunks[0], spec, "outputs")
-    merged = [_merge_leaf([f[0][j] for f in flat], specs[j]) for j in range(len(specs))]
+
+    def name(j: int) -> Callable[[], str]:
+        return lambda: "output" + pytree.keystr(pytree.tree_flatten_with_path(chunks[0])[0][j][0])
+
+    merged = [_merge_leaf([f[0][j] for f in flat], specs[j], name(j)) for j in range(len(specs))]
     return pytree.tree_unflatten(merged, tree)
 
 

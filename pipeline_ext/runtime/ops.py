@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import List, Optional, Sequence, Tuple
+import sys
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,7 +44,8 @@ from pipeline_ext.runtime._ext import _C
 #: pack, pack_out, unpack.
 _ops = torch.ops.pipeline_ext
 
-__all__ = ["split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT"]
+__all__ = ["split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT", "movable",
+           "unmovable_reason", "check_movable", "explain_unmovable"]
 
 #: Where each tensor lives in a :func:`pack` buffer: ``nbytes``, ``dtypes``,
 #: ``shapes``, ``offsets``; ``encode()`` / ``PackLayout.decode(words)`` and
@@ -69,6 +71,91 @@ def even_sizes(n: int, chunks: int) -> List[int]:
         raise ValueError(f"even_sizes: n must be >= 0, got {n}")
     base, extra = divmod(n, chunks)
     return [base + 1 if i < extra else base for i in range(chunks)]
+
+
+# ---------------------------------------------------------------- what the core can read
+# [Note: tensors the core can read]
+# The C++ core reads a tensor's bytes at its data pointer with its strides:
+# pack, every channel's send, the kernels' copy passes. That holds for a plain
+# dense (strided) CPU/CUDA tensor, and for subclasses that only override
+# __torch_function__ (nn.Parameter). It does not for a subclass that dispatches
+# in Python (DTensor, FakeTensor, a __torch_dispatch__ wrapper, a jagged
+# NestedTensor: a wrapper whose own data pointer may be null), nor for sparse,
+# nested, quantized or meta tensors. The C++ side refuses them where it reads
+# memory (csrc/kernels/copy.h, check_readable: a TypeError, never a crash);
+# this is the Python side of the same rule, which can name the argument, the
+# Python type and what to do. ``movable`` is the per-message test (a few flag
+# reads); the rest runs only for a tensor that fails it, or after a failure.
+
+_STRIDED = torch.strided
+
+
+def movable(t: torch.Tensor) -> bool:
+    """True for a plain dense tensor the core reads directly; False means: ask ``unmovable_reason``."""
+    return type(t) is torch.Tensor and t.layout is _STRIDED and not (t.is_quantized or t.is_nested or t.is_meta)
+
+
+def _is_a(t: torch.Tensor, module: str, name: str) -> bool:
+    """isinstance(t, module.name) without importing ``module`` (a tensor of that class means it is imported)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(t, cls)
+
+
+def unmovable_reason(t: torch.Tensor) -> Optional[str]:
+    """What ``t`` is and what to do instead, when the core cannot read its memory (see the note above); else None."""
+    if movable(t):
+        return None
+    if _is_a(t, "torch.distributed.tensor", "DTensor"):
+        return ("a DTensor: pipeline_ext moves plain tensors, and DTensor activations between stages are not "
+                "supported yet; return .to_local() (this rank's shard) or .full_tensor() (the whole tensor) and "
+                "rebuild the DTensor in the next stage (DTensor.from_local)")
+    if _is_a(t, "torch._subclasses.fake_tensor", "FakeTensor"):
+        return "a FakeTensor, which has no data: run the pipeline on real tensors (outside FakeTensorMode)"
+    if t.is_nested:
+        return (f"a nested tensor (layout {t.layout}): pipeline_ext moves dense tensors; pass a padded one "
+                "(.to_padded_tensor(0)) or its values and offsets as plain tensors")
+    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        return (f"a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass that dispatches in Python "
+                "(__torch_dispatch__), whose memory is not its data: pass a plain torch.Tensor (unwrap it)")
+    if t.layout is not _STRIDED:
+        return f"a {t.layout} tensor: pipeline_ext moves dense tensors; pass .to_dense()"
+    if t.is_quantized:
+        return f"a quantized tensor ({t.dtype}): pipeline_ext moves plain tensors; pass .dequantize()"
+    if t.is_meta:
+        return "a meta tensor, which has no data: run the pipeline on real tensors"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"a tensor on {t.device}: pipeline_ext's core moves CPU and CUDA tensors"
+    return None  # a subclass that only overrides __torch_function__ (nn.Parameter): its memory is its data
+
+
+def check_movable(t: torch.Tensor, what: str) -> None:
+    """TypeError naming ``what`` (e.g. "stage 0's output 1, microbatch 2") unless the core can read ``t``."""
+    reason = unmovable_reason(t)
+    if reason is not None:
+        raise TypeError(f"{what} is {reason}")
+
+
+def explain_unmovable(op: str, tensors: Sequence[object],
+                      name: Callable[[int], str] = lambda i: f"tensor {i}") -> Optional[TypeError]:
+    """After ``op`` failed on ``tensors``: the TypeError naming the first one the core cannot read, if any.
+
+    Failure paths call it (``raise err from exc``), so a call that succeeds
+    pays nothing: the dispatcher already handles subclasses and layouts it can
+    (FakeTensor, __torch_dispatch__ wrappers run the ops through their own
+    dispatch), and refuses the others with messages that name no argument.
+    """
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            reason = unmovable_reason(t)
+            if reason is not None:
+                return TypeError(f"{op}: {name(i)} is {reason}")
+    return None
+
+
+def _unmovable_in(op: str, tensors: object, out: Optional[torch.Tensor]) -> Optional[TypeError]:
+    """``explain_unmovable`` for an op's tensor list (whatever the caller passed) and its ``out``."""
+    items = list(tensors) if isinstance(tensors, (list, tuple)) else []
+    return explain_unmovable(op, [*items, out], lambda i: "out" if i == len(items) else f"tensor {i}")
 
 
 def _as_sizes(sizes: Sequence[int], symbolic: bool = False) -> List[int]:
@@ -148,12 +235,18 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
         raise TypeError(f"split: expected a tensor, got {type(tensor).__name__}")
     # Tensor subclasses (FakeTensor, FunctionalTensor: AOTAutograd tracing a
     # backward) may have symbolic shapes, which call_split cannot read.
-    if type(tensor) in _PLAIN and not torch.compiler.is_compiling():
-        return _C.call_split(tensor, _as_sizes(sizes), dim)
-    sizes = _as_sizes(sizes, symbolic=True)
-    if _views_suffice(tensor, sizes, dim):
-        return list(torch.split_with_sizes(tensor, sizes, dim))
-    return _ops.split_copy.default(tensor, sizes, dim)
+    try:
+        if type(tensor) in _PLAIN and not torch.compiler.is_compiling():
+            return _C.call_split(tensor, _as_sizes(sizes), dim)
+        sizes = _as_sizes(sizes, symbolic=True)
+        if _views_suffice(tensor, sizes, dim):
+            return list(torch.split_with_sizes(tensor, sizes, dim))
+        return _ops.split_copy.default(tensor, sizes, dim)
+    except Exception as exc:
+        err = explain_unmovable("split", [tensor], lambda i: "the tensor")
+        if err is None:
+            raise
+        raise err from exc
 
 
 def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -171,19 +264,25 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
             "concat: out= is not differentiable, but an input requires grad; "
             "drop out= or run under torch.no_grad()"
         )
-    if not torch.compiler.is_compiling():  # FakeTensors etc. are fine: call_concat reads no shape
-        try:
-            return _C.call_concat(tensors, dim, out)
-        except TypeError:
-            _as_tensors("concat", tensors)  # a clear message instead of pybind11's
+    try:
+        if not torch.compiler.is_compiling():  # FakeTensors etc. are fine: call_concat reads no shape
+            try:
+                return _C.call_concat(tensors, dim, out)
+            except TypeError:
+                _as_tensors("concat", tensors)  # a clear message instead of pybind11's
+                raise
+        tensors = _as_tensors("concat", tensors)
+        if not tensors:  # with no tensor the dispatcher could not pick a kernel to say so
+            raise ValueError("concat: expected a non-empty list of tensors")
+        if out is None:
+            return _ops.concat.default(tensors, dim)
+        _ops.concat_out.default(tensors, dim, out)
+        return out
+    except Exception as exc:
+        err = _unmovable_in("concat", tensors, out)
+        if err is None:
             raise
-    tensors = _as_tensors("concat", tensors)
-    if not tensors:  # with no tensor the dispatcher could not pick a kernel to say so
-        raise ValueError("concat: expected a non-empty list of tensors")
-    if out is None:
-        return _ops.concat.default(tensors, dim)
-    _ops.concat_out.default(tensors, dim, out)
-    return out
+        raise err from exc
 
 
 def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, PackLayout]:
@@ -203,9 +302,13 @@ def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) ->
         _as_tensors("pack", tensors)
     try:
         return _C.call_pack(tensors, out)
-    except TypeError:
-        _as_tensors("pack", tensors)  # a clear message instead of pybind11's
-        raise
+    except Exception as exc:
+        if isinstance(exc, TypeError):
+            _as_tensors("pack", tensors)  # a clear message instead of pybind11's
+        err = _unmovable_in("pack", tensors, out)
+        if err is None:
+            raise
+        raise err from exc
 
 
 def unpack(buffer: torch.Tensor, layout: PackLayout) -> List[torch.Tensor]:

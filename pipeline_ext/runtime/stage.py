@@ -46,6 +46,7 @@ from pipeline_ext.runtime.split_backward import (
     backward_input,
     backward_weight,
 )
+from pipeline_ext.runtime.ops import check_movable, movable
 from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 
@@ -101,15 +102,26 @@ def is_differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def as_output_tuple(out: Any, stage: int) -> tuple[torch.Tensor, ...]:
-    """A stage output as the flat tuple of tensors that travels to the next stage."""
+def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """A stage output as the flat tuple of tensors that travels to the next stage.
+
+    Each must be a tensor the core can move (``ops.movable``: a plain dense
+    one; see [Note: tensors the core can read] in runtime/ops.py): checked here,
+    where a stage's output is first seen, on every transport alike (processes,
+    threads of a Pipe, two stages of one rank), so a DTensor or a sparse
+    output is refused naming the stage, the output and the microbatch.
+    """
     items = out if isinstance(out, (tuple, list)) else (out,)
     for i, t in enumerate(items):
+        if movable(t):
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"stage {stage} returned a {type(t).__name__} at output position {i}; stages that feed another "
                 "stage must return a tensor or a tuple/list of tensors"
             )
+        mb = "" if microbatch is None else f", microbatch {microbatch}"
+        check_movable(t, f"stage {stage}'s output at position {i}{mb}")
     return tuple(items)
 
 
@@ -339,7 +351,7 @@ class StageRunner(StagePosition):
                 state.loss_weight = loss_weight
             sent: tuple[torch.Tensor, ...] = ()
         else:
-            outs = as_output_tuple(out, self.stage_index)
+            outs = as_output_tuple(out, self.stage_index, mb)
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple([o.detach() for o in outs])
             if state.outputs and self.release_outputs:
