@@ -139,12 +139,12 @@ class Step:
 
     def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
                  decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
-                 plans: PlanCache) -> None:
+                 plans: PlanCache, explain: Optional[Callable[[Any], str]] = None) -> None:
         self.number = number
         self.inputs = inputs
         self.skip_stages = skips.stages
         self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
-        self._channel, self._plans = channel, plans
+        self._channel, self._plans, self._explain = channel, plans, explain
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
 
@@ -157,7 +157,8 @@ class Step:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.number)
-            self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
+            self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover,
+                                              self._explain)
         return self._messages
 
     # -- what the executor asks ---------------------------------------------------------------
@@ -301,7 +302,8 @@ class Session:
                 raise error from None
             except Exception as exc:  # the peers could not be told; say both
                 raise exc from error
-        return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans)
+        return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
+                    self.agreement.counted_by_value if self._has_first else None)
 
     def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
         """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""
