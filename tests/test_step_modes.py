@@ -450,3 +450,69 @@ def test_an_object_equal_to_an_earlier_one_with_other_shapes_is_named_in_the_err
     assert said.startswith("step 1:"), said
     assert "changed shape or dtype" in said and "cfg: LooseWidth" in said, said
     assert "__eq__ and __hash__" in said, said
+
+
+# -- a keyword argument with one row per microbatch (torch's test_zero_bubble_with_model_kwargs) ---------
+
+class Scaled(nn.Module):
+    """Stage 0: its keyword argument holds one row per microbatch, not one per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+def _per_microbatch_kwarg(rank: int, world: int, name: str) -> list:
+    import warnings
+
+    import pipeline_ext as pe
+
+    v = 2 if name == "interleaved_zb" else 1
+    torch.manual_seed(0)
+    model = [Scaled()] + _mlp(world * v - 1, seed=1)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+    mine = [rank + i * world for i in range(v)]
+    stages = [pe.PipelineStage(model[s], s, world * v, "cpu") for s in mine]
+    cls = pe.ScheduleInterleavedZeroBubble if v == 2 else pe.Schedule1F1B
+    sched = cls(stages if v == 2 else stages[0], M, loss_fn=nn.functional.mse_loss, timeout=30.0)
+    opt = torch.optim.SGD([p for s in mine for p in model[s].parameters()], lr=0.1)
+    problems, warned = [], []
+    for i in range(3):
+        x, y = _batch(i)
+        scale = torch.linspace(0.5, 2.0, M).unsqueeze(1) + i  # M rows beside a batch of ROWS: one per microbatch
+        opt.zero_grad()
+        losses: list = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _step(sched, rank, world, x, y, scale=scale)
+        warned += [str(w.message) for w in said if "different numbers of rows" in str(w.message)]
+        opt.step()
+        # the unsplit model, microbatch by microbatch: microbatch k gets rows k of x and row k of scale
+        ref_opt.zero_grad()
+        loss = 0
+        for k, (xk, yk) in enumerate(zip(x.tensor_split(M), y.tensor_split(M))):
+            h = ref[0](xk, scale=scale[k : k + 1])
+            for m in ref[1:]:
+                h = m(h)
+            loss = loss + nn.functional.mse_loss(h, yk) * (len(xk) / ROWS)
+        loss.backward()
+        ref_opt.step()
+        for s in mine:
+            for p, q in zip(model[s].parameters(), ref[s].parameters()):
+                if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):
+                    problems.append(f"{name} step {i}: stage {s}'s parameters differ from the unsplit model's")
+        if losses and not torch.allclose(torch.stack(losses).sum() / M, loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"{name} step {i}: loss {float(torch.stack(losses).sum() / M)} != {float(loss)}")
+    if rank == 0 and len(warned) != 3:
+        problems.append(f"{name}: rank 0 warned {len(warned)} times in 3 steps, not at every step: {warned[:1]}")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_zb"])
+def test_a_keyword_argument_with_one_row_per_microbatch_is_split_on_its_own_as_torch_does(name):
+    out = rank_values(_per_microbatch_kwarg, 2, name, timeout=120)
+    assert out == {0: [], 1: []}
