@@ -337,6 +337,8 @@ class StepAgreement:
         self._objects = _ObjectIds()
         #: signature -> the arguments in it that count by value (objects), in words; kept as long as the key
         self._by_value: dict[int, str] = {}
+        #: exchanges of failed steps this rank did not wait for (``PendingExchange.abandon``), oldest first
+        self._owed: list["PendingExchange"] = []
 
     def _global(self, pipeline_rank: int) -> int:
         return self._ranks[pipeline_rank]
@@ -439,7 +441,20 @@ class PendingExchange:
         self._records: Optional[list[StepRecord]] = None
 
     def records(self) -> list[StepRecord]:
-        """Every rank's record, ``mine`` first; waits (bounded by the timeout) on the first call."""
+        """Every rank's record, ``mine`` first; waits (bounded by the timeout) on the first call.
+
+        The exchanges of earlier failed steps this rank did not wait for are
+        waited first: the peers' records arrive in step order.
+        """
+        if self._records is None:
+            owed, self._owner._owed = self._owner._owed, []
+            for earlier in owed:
+                if earlier is not self:
+                    earlier._settle()
+            self._settle()
+        return self._records  # type: ignore[return-value]
+
+    def _settle(self) -> None:
         if self._records is None:
             peers = self._peers
             doing = ["receiving"] * len(peers) + ["sending"] * len(peers)
@@ -447,7 +462,19 @@ class PendingExchange:
                 self._owner._wait(work, peer, self.mine.step, what)
             self._records = [self.mine] + [StepRecord.decode(self._bufs[r].tolist(), r) for r in peers]
             self._works, self._keep = [], []
-        return self._records
+
+    def abandon(self) -> None:
+        """This rank's step failed before it needed the records: wait for them with the next step's, not now.
+
+        A rank that rejects its own inputs, or whose step fails before its
+        first message, raises its own error at once, even when a peer never
+        comes (it exited, or calls something else): its record, already
+        posted, tells each peer in that peer's own call of the step. The
+        exchange stays owed (its buffers alive until it completes) and is
+        settled, in order, before the next step's records are read.
+        """
+        if self._records is None and self not in self._owner._owed:
+            self._owner._owed.append(self)
 
 
 #: non-tensor leaves that count by value in a step signature: a stage's output shapes may depend on them
