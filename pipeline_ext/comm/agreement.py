@@ -358,12 +358,11 @@ class StepAgreement:
         for args, kwargs in zip(args_chunks, kwargs_chunks):
             fresh = self._objects.fresh
             key = _flat_key(args, kwargs)
-            objects = ()
+            keys: tuple = ()
             if key is None:  # nested containers: the general (slower) pytree walk
-                leaves, spec = pytree.tree_flatten_with_path((tuple(args), kwargs))
-                keys = tuple(_leaf_key(x, self._objects) for _, x in leaves)
+                leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+                keys = tuple(_leaf_key(x, self._objects) for x in leaves)
                 key = (spec, keys)
-                objects = [(path, k) for (path, _), k in zip(leaves, keys) if len(k) == 4 and k[2] == "value"]
             sig = self._signatures.get(key)
             if sig is None:
                 sig = stable_hash(repr(key))
@@ -374,8 +373,10 @@ class StepAgreement:
                     self._signatures.clear()
                     self._by_value.clear()
                 self._signatures[key] = sig
-                if objects:
-                    self._by_value[sig] = ", ".join(f"{_argument(path)}: {k[1]}" for path, k in objects)
+                if any(len(k) == 4 and k[2] == "value" for k in keys):  # say which, should a send not match
+                    paths = [p for p, _ in pytree.tree_flatten_with_path((tuple(args), kwargs))[0]]
+                    self._by_value[sig] = ", ".join(f"{_argument(p)}: {k[1]}" for p, k in zip(paths, keys)
+                                                    if len(k) == 4 and k[2] == "value")
             out.append(sig)
         return out
 
