@@ -137,7 +137,14 @@ class _MovedModules(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         entry = self.moved.get(name)
-        return None if entry is None else importlib.util.spec_from_loader(name, _Moved(*entry))
+        if entry is None:
+            if name.rpartition(".")[0] in self.moved:
+                # An old module path that names a package now (pipeline_ext.distributed): its modules have
+                # their own names; found through its __path__ they would run a second time as new modules
+                raise ModuleNotFoundError(f"No module named {name!r} (import it from "
+                                          f"{self.moved[name.rpartition('.')[0]][0]})", name=name)
+            return None
+        return importlib.util.spec_from_loader(name, _Moved(*entry))
 
 
 _moved_modules = _MovedModules()

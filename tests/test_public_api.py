@@ -158,3 +158,18 @@ def test_moved_top_level_modules_are_attributes_too():
         if "." not in name:
             assert name in pe._DEPRECATED and name not in pe.__all__, name
     assert pe.ops is pe.runtime.ops and pe.microbatch is pe.runtime.microbatch
+
+
+def test_an_old_module_path_that_names_a_package_now_runs_none_of_its_modules_twice():
+    import sys
+    import warnings
+
+    import pipeline_ext.pipelining.stage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import pipeline_ext.distributed
+    assert pipeline_ext.distributed is sys.modules["pipeline_ext.pipelining"]
+    with pytest.raises(ModuleNotFoundError, match="pipeline_ext.distributed.stage"):
+        import pipeline_ext.distributed.stage  # noqa: F401
+    assert "pipeline_ext.distributed.stage" not in sys.modules
