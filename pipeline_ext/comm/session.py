@@ -312,7 +312,8 @@ class Session:
             pending.abandon()
             if hasattr(error, "add_note"):
                 error.add_note(f"pipeline_ext: rank {self.rank} rejected step {number}; nothing was sent, and every "
-                               "other rank raises StepRejectedError naming it in its own call of this step")
+                               "other rank raises StepRejectedError naming it in its own call of this step (one "
+                               "that calls it after this process ended is told the rank is gone instead)")
             raise error
         return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
                     self.agreement.counted_by_value if self._has_first else None)
