@@ -291,6 +291,10 @@ def test_object_leaves_are_keyed_by_value_or_anew_each_step():
     for make in (HiddenWidth, ReprWidth):  # by value, whatever the repr says
         a, b = make(8), make(12)
         assert sig(a) == sig(make(8)) != sig(b), make
+    import enum
+
+    Mode = enum.Enum("Mode", ["NARROW", "WIDE"])
+    assert sig(Mode.NARROW) == sig(Mode["NARROW"]) != sig(Mode.WIDE)  # a member is its own value
     changed = EqWidth(8)
     first = sig(changed)
     changed.n = 12

@@ -55,6 +55,7 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import weakref
@@ -528,7 +529,8 @@ class _ObjectIds:
     two values must not share cached layouts, and the signature that travels
     must be a digest: its ``repr`` cannot be trusted to show the deciding
     field (``field(repr=False)``, a ``__repr__`` of its own, object's default
-    repr of an object changed in place). So an object that compares by value
+    repr of an object changed in place). An enum member counts by its name
+    (a singleton of its class). Any other object that compares by value
     (hashable, its class defines ``__eq__``) gets an id from a counter on
     stage 0's rank: an object equal (``==``, same hash) to one that has an id
     gets that id, any other a new one; ids are never reused. The table holds
@@ -538,7 +540,9 @@ class _ObjectIds:
     exchanged again: correct, one discovery step). Python's rule that a
     hashable object's value does not change makes this exact; one changed in
     place that changes its hash with it (the usual ``__hash__`` over the
-    fields) is looked up as its new value.
+    fields) is looked up as its new value; one whose hash does not follow
+    keeps its id, and a send that then does not match the layouts names it
+    (``counted_by_value``).
 
     An object that compares by identity, cannot be hashed or compared (a
     frozen dataclass holding a list or a tensor), or cannot be weakly
@@ -557,6 +561,8 @@ class _ObjectIds:
 
     def key(self, x: Any) -> tuple:
         cls = type(x)
+        if isinstance(x, enum.Enum):  # a member is a singleton of its class: its name is its value
+            return (cls.__module__, cls.__qualname__, "member", x.name)
         if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
             try:
                 return (cls.__module__, cls.__qualname__, "value", self._id(x))
