@@ -18,7 +18,7 @@ use of a runtime name loads them.
 """
 from __future__ import annotations
 
-from pipeline_ext._lazy import lazy_names
+from pipeline_ext._lazy import lazy_names, moved_modules
 
 __version__ = "0.1.0"
 
@@ -63,9 +63,29 @@ _SUBMODULES = {
     "microbatch": "pipeline_ext.runtime.microbatch",
 }
 
+#: module paths users import that live elsewhere: ``import pipeline_ext.microbatch`` is the module at its home
+#: (torch users write ``torch.distributed.pipelining.microbatch``); see ``_lazy.moved_modules``
+_MOVED = {f"pipeline_ext.{name}": _SUBMODULES[name] for name in ("ops", "microbatch")}
+#: module paths of an earlier release that moved, kept for one release: importing one warns and gives the
+#: module at its new home (the same object); ``pipeline_ext.<name>`` reaches the top-level ones too
+_MOVED_DEPRECATED = {
+    "pipeline_ext.launch": "pipeline_ext.comm.launch",
+    "pipeline_ext.distributed": "pipeline_ext.pipelining",  # PipelineStage, PipelineSchedule and their errors
+    "pipeline_ext.schedule_classes": "pipeline_ext.pipelining.schedule_classes",
+    "pipeline_ext.tracer": "pipeline_ext.pipelining.model_split",
+    "pipeline_ext.mesh": "pipeline_ext.pipelining.mesh",
+    "pipeline_ext.partition": "pipeline_ext.pipe.partition",
+    "pipeline_ext.checkpoint": "pipeline_ext.pipe.recompute",  # the Pipe's checkpointing
+    "pipeline_ext.batchnorm": "pipeline_ext.pipe.batchnorm",
+    "pipeline_ext.demo_model": "pipeline_ext.demo.model",
+    "pipeline_ext.training.balance": "pipeline_ext.training.profiling",
+}
+moved_modules(_MOVED, _MOVED_DEPRECATED)
+
 #: old names of renamed subpackages, kept for one release: not in ``__all__``; importing one warns (``dist.py``)
 _DEPRECATED = {
     "dist": "pipeline_ext.dist",  # now ``comm``
+    **{old.split(".")[1]: old for old in _MOVED_DEPRECATED if old.count(".") == 1},
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)

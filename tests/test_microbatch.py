@@ -102,10 +102,10 @@ def test_split_is_differentiable_for_inputs_that_require_grad():
         (lambda: split_args_kwargs((torch.randn(3),), {}, 1, chunk_spec=((TensorChunkSpec(2),), None)), "out of range"),
         (lambda: split_args_kwargs((torch.randn(3), torch.randn(3)), {}, 1, chunk_spec=((0,), None)), "does not match"),
         (lambda: microbatch_sizes((1, "a"), {}, 2), "no tensor"),
-        # inputs whose rows differ would be paired silently, microbatch by microbatch (the unsplit model raises)
-        (lambda: split_step_inputs((torch.randn(8, 2),), {"w": torch.randn(6, 2)}, 2, torch.device("cpu")),
-         r"different numbers of rows: args\[0\] has 8, kwargs\['w'\] has 6"),
-        (lambda: microbatch_sizes((torch.randn(8), (torch.randn(8), torch.randn(7))), {}, 2), r"args\[1\]\[1\] has 7"),
+        # each input is split on its own (as torch): one with fewer rows than microbatches leaves one without any
+        (lambda: split_step_inputs((torch.randn(8, 2),), {"w": torch.randn(1, 2)}, 2, torch.device("cpu")),
+         r"cannot split kwargs\['w'\] with 1 rows into 2 microbatches.*args\[0\], the batch, has 8 rows"),
+        (lambda: microbatch_sizes((torch.randn(8), (torch.randn(8), torch.randn(2))), {}, 3), r"args\[1\]\[1\] with 2 rows"),
         (lambda: merge_chunks([]), "at least one"),
         (lambda: merge_chunks([(torch.ones(1),), [torch.ones(1)]]), "structure"),
     ],
@@ -113,6 +113,21 @@ def test_split_is_differentiable_for_inputs_that_require_grad():
 def test_errors_name_the_problem(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_inputs_whose_rows_differ_are_each_split_on_their_own_as_torch_does_and_named_in_a_warning():
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks as torch_split
+
+    x, w, per_mb = torch.randn(8, 2), torch.randn(6, 2), torch.randn(4, 1)
+    with pytest.warns(UserWarning, match=r"args\[0\]: 8 rows into 4 of 2 rows; kwargs\['w'\]: 6 rows into 2 of 2 and "
+                                          r"2 of 1 rows.*kwargs\['s'\]: 4 rows into 4 of 1 row"):
+        args, kwargs, sizes = split_step_inputs((x,), {"w": w, "s": per_mb}, 4, torch.device("cpu"))
+    assert sizes == [2, 2, 2, 2]  # the batch's: the first split input's
+    theirs_args, theirs_kwargs = torch_split((x,), {"w": w, "s": per_mb}, 4)
+    import torch.utils._pytree as pytree
+
+    ours, theirs = pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((theirs_args, theirs_kwargs))
+    assert len(ours) == len(theirs) == 12 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 @pytest.mark.parametrize("args,kwargs", [

@@ -80,3 +80,96 @@ def test_names_moved_out_of_a_module_still_import_from_it():
 
     assert pipe.MULTI_STAGE_SCHEDULES is placement.MULTI_STAGE_SCHEDULES is pe.pipe.MULTI_STAGE_SCHEDULES
     assert pipe.Partition is placement.Partition
+
+
+#: every module path an earlier release had that moved: new home, and the names it exported (its ``__all__``)
+MOVED_PATHS = {
+    "pipeline_ext.microbatch": ("pipeline_ext.runtime.microbatch", [
+        "TensorChunkSpec", "Replicate", "REPLICATE", "Reduce", "split_args_kwargs", "split_args_kwargs_into_chunks",
+        "merge_chunks", "microbatch_sizes", "microbatch_weights", "split_target", "split_step_inputs",
+        "split_step_target", "to_device"]),
+    "pipeline_ext.ops": ("pipeline_ext.runtime.ops", [
+        "split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT"]),
+    "pipeline_ext.launch": ("pipeline_ext.comm.launch", ["free_port", "spawn", "RankError"]),
+    "pipeline_ext.distributed": ("pipeline_ext.pipelining", [
+        "PipelineStage", "PipelineSchedule", "PipeliningMetadataError", "PipeliningShapeError"]),
+    "pipeline_ext.schedule_classes": ("pipeline_ext.pipelining.schedule_classes", [
+        "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime", "ScheduleGPipe",
+        "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS",
+        "ScheduleZBH1", "ScheduleZBH2", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class"]),
+    "pipeline_ext.tracer": ("pipeline_ext.pipelining.model_split", [
+        "pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "as_stage"]),
+    "pipeline_ext.mesh": ("pipeline_ext.pipelining.mesh", ["pipeline_mesh", "pipeline_layout", "PipelineLayout"]),
+    "pipeline_ext.partition": ("pipeline_ext.pipe.partition", [
+        "balance_by_params", "balance_by_time", "balance_by_size", "split_min_max"]),
+    "pipeline_ext.checkpoint": ("pipeline_ext.pipe.recompute", [
+        "CHECKPOINT_MODES", "checkpoint_predicate", "CallRng", "uses_randomness", "is_checkpointing",
+        "is_recomputing", "checkpoint_phase"]),
+    "pipeline_ext.batchnorm": ("pipeline_ext.pipe.batchnorm", ["DeferredStats"]),
+    "pipeline_ext.demo_model": ("pipeline_ext.demo.model", ["GPTConfig", "gpt_stages", "synthetic_batch", "lm_loss"]),
+    "pipeline_ext.training.balance": ("pipeline_ext.training.profiling", [
+        "profile_layers", "balance_layers", "LayerChain", "stage_modules", "block_ranges", "sizes_with_ends"]),
+    "pipeline_ext.demo": ("pipeline_ext.demo", ["main", "train"]),  # a module then, a package now
+}
+
+_IMPORT_ONE = """
+import importlib, json, sys, warnings
+old, new, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    exec(f"import {old}")
+    exec(f"from {old} import " + ", ".join(names))
+    module = importlib.import_module(old)
+home = importlib.import_module(new)
+same = [n for n in names if eval(n) is getattr(home, n)]
+print(json.dumps({"same_module": module is home and sys.modules[old] is home,
+                  "spec": module.__spec__.name, "same": same,
+                  "warned": [str(w.message) for w in said if issubclass(w.category, DeprecationWarning)
+                             and w.filename == "<string>"]}))
+"""
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_PATHS))
+def test_every_module_path_of_an_earlier_release_imports_in_a_fresh_interpreter(old):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    new, names = MOVED_PATHS[old]
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ONE, old, new, json.dumps(names)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["same_module"] and got["spec"] == new, got
+    assert got["same"] == names, got
+    if old in pe._MOVED_DEPRECATED:  # an old path of an earlier release warns, naming the new one, at the import
+        assert got["warned"] and all(f"{old} is now {new}" in w for w in got["warned"]), got
+    else:  # the paths torch users write (pipeline_ext.microbatch, .ops) and packages are current names
+        assert got["warned"] == [], got
+
+
+def test_moved_top_level_modules_are_attributes_too():
+    for old in pe._MOVED_DEPRECATED:
+        name = old.split(".", 1)[1]
+        if "." not in name:
+            assert name in pe._DEPRECATED and name not in pe.__all__, name
+    assert pe.ops is pe.runtime.ops and pe.microbatch is pe.runtime.microbatch
+
+
+def test_an_old_module_path_that_names_a_package_now_runs_none_of_its_modules_twice():
+    import sys
+    import warnings
+
+    import pipeline_ext.pipelining.stage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import pipeline_ext.distributed
+    assert pipeline_ext.distributed is sys.modules["pipeline_ext.pipelining"]
+    with pytest.raises(ModuleNotFoundError, match="pipeline_ext.distributed.stage"):
+        import pipeline_ext.distributed.stage  # noqa: F401
+    assert "pipeline_ext.distributed.stage" not in sys.modules

@@ -191,6 +191,10 @@ def _batch_too_small(rank: int, world: int) -> str:
         sched.step(x) if rank == 0 else sched.step(target=y)
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        # Rank 0 raises at once, its record on its way; a loop goes on (here: waits for its peer) while the
+        # peer takes it. A rank that ends its process first leaves its peer a "failed or is gone" error instead.
+        torch.distributed.barrier()
     return "no error"
 
 

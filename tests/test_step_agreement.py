@@ -616,3 +616,60 @@ def test_a_module_error_mid_step_ends_the_peers_wait_naming_it_and_the_loop_goes
     assert len(said[0]) == 1 and said[0][0].startswith("1:"), said
     assert "failed on rank 1 in F of stage 1, microbatch 2: ValueError: boom in the user's module" in said[0][0], said
     assert "timed out" not in said[0][0], said
+
+
+# -- a rank that refuses its own step while its peer has already left (torch's test_shape_prop_mismatch) ----
+
+def _validated_after_the_peer_left(rank: int, world: int) -> list:
+    """torch's loop: every rank runs one step, then the peer leaves; rank 0 alone calls steps that must fail.
+
+    With ``stage._runtime_validate`` (torch's switch) the first step's shapes hold: a batch of other rows or
+    dtype is refused before anything is posted, an output of other shape or dtype after the forward. Each
+    error is rank 0's own, raised at once: the peer is gone and its record will never come (the schedule's
+    timeout is far longer than the test's, so a wait for it fails the test).
+    """
+    from torch import nn
+    from torch.utils._pytree import tree_map_only
+
+    import pipeline_ext as pe
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(world)]
+    ref = [nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(world)]
+    for a, b in zip(ref, layers):
+        b.load_state_dict(a.state_dict())
+    stage = pe.PipelineStage(layers[rank], rank, world, "cpu")
+    stage._runtime_validate = True
+    sched = pe.ScheduleGPipe(stage, 4, timeout=600.0)
+    x = torch.randn(8, 16)
+    out = sched.step(x) if rank == 0 else sched.step()
+    said = []
+    if rank == world - 1 and not torch.allclose(out, ref[1](ref[0](x)), rtol=RTOL, atol=ATOL):
+        said.append("the first step's output differs from the unsplit model's")
+    if rank != 0:  # leaves the loop, as torch's test does (its process goes on to the next test)
+        torch.distributed.barrier()  # (on the group's collective slot, apart from the step's messages)
+        return said
+
+    def hook(fn):
+        return lambda module, args, output: tree_map_only(torch.Tensor, fn, output)
+
+    cases = [("shape mismatch", torch.randn(9, 16), None), ("dtype mismatch", x.to(torch.float64), None),
+             ("shape mismatch", x, hook(lambda t: t.flatten())),
+             ("dtype mismatch", x, hook(lambda t: t.to(torch.bfloat16)))]
+    for words, batch, fn in cases:
+        handle = layers[0].register_forward_hook(fn) if fn is not None else None
+        try:
+            sched.step(batch)
+            said.append(f"{words}: accepted")
+        except pe.PipeliningMetadataError as exc:
+            if words not in str(exc):
+                said.append(f"{words}: {exc}")
+        finally:
+            if handle is not None:
+                handle.remove()
+    torch.distributed.barrier()
+    return said
+
+
+def test_a_step_refused_on_the_first_rank_raises_at_once_when_the_peer_has_left():
+    assert rank_values(_validated_after_the_peer_left, 2, timeout=120) == {0: [], 1: []}

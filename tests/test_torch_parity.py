@@ -160,7 +160,7 @@ def _step_surface(rank: int, world: int) -> list[str]:
         sched1.step(x[:4], target=y[:4])
         bad.append("a microbatch unlike input_args was accepted")
     except pe.PipeliningMetadataError as exc:  # torch's class (also a ValueError), raised before any stage runs
-        if "input 0 is (1, " not in str(exc) or "input_args says (2, " not in str(exc):
+        if "input 0: shape mismatch: (1, " not in str(exc) or "input_args has (2, " not in str(exc):
             bad.append(f"input_args mismatch message: {exc}")
     return bad
 

@@ -55,7 +55,10 @@ go as one ``batch_isend_irecv``, which NCCL needs to not deadlock.
 """
 from __future__ import annotations
 
+import enum
 import functools
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -331,38 +334,61 @@ class StepAgreement:
         if ranks is None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(num_ranks))
         self._ranks = list(ranks)
-        self._signatures: dict[tuple, int] = {}
+        self._signatures: dict[tuple, int] = {}  # keys hold plain values and object ids only: no user object
+        self._objects = _ObjectIds()
+        #: signature -> the arguments in it that count by value (objects), in words; kept as long as the key
+        self._by_value: dict[int, str] = {}
+        #: exchanges of failed steps this rank did not wait for (``PendingExchange.abandon``), oldest first
+        self._owed: list["PendingExchange"] = []
 
     def _global(self, pipeline_rank: int) -> int:
         return self._ranks[pipeline_rank]
 
     def microbatch_signatures(self, args_chunks: Sequence[Sequence[Any]], kwargs_chunks: Sequence[dict]) -> list[int]:
-        """Each microbatch's 62-bit signature: the hash of its pytree structure, tensor shapes and dtypes, and
-        the values of its plain non-tensor leaves (numbers, strings, booleans, None).
+        """Each microbatch's 62-bit signature: the hash of its pytree structure, tensor shapes and dtypes, the
+        values of its plain non-tensor leaves (numbers, strings, booleans, None), and for any other leaf the
+        id its value has on this rank (``_ObjectIds``).
 
         A stage's messages for a microbatch have layouts that follow from
         these (that is what a stage must guarantee: shapes from inputs, not
         from tensor data), so layouts are cached by them, wherever the
-        microbatch comes in a step. Cached per distinct key.
+        microbatch comes in a step. Only stage 0's rank computes them; the
+        others learn them from its record. Cached per distinct key.
         """
         out = []
         for args, kwargs in zip(args_chunks, kwargs_chunks):
-            fresh = _Fresh.made
+            fresh = self._objects.fresh
             key = _flat_key(args, kwargs)
+            keys: tuple = ()
             if key is None:  # nested containers: the general (slower) pytree walk
                 leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-                key = (spec, tuple(_leaf_key(x) for x in leaves))
+                keys = tuple(_leaf_key(x, self._objects) for x in leaves)
+                key = (spec, keys)
             sig = self._signatures.get(key)
             if sig is None:
                 sig = stable_hash(repr(key))
-                if _Fresh.made != fresh:  # a key no later step can meet: not worth a cache entry
+                if self._objects.fresh != fresh:  # a key no later step can meet: not worth a cache entry
                     out.append(sig)
                     continue
                 if len(self._signatures) >= _CACHE_LIMIT:
                     self._signatures.clear()
+                    self._by_value.clear()
                 self._signatures[key] = sig
+                if any(len(k) == 4 and k[2] == "value" for k in keys):  # say which, should a send not match
+                    paths = [p for p, _ in pytree.tree_flatten_with_path((tuple(args), kwargs))[0]]
+                    self._by_value[sig] = ", ".join(f"{_argument(p)}: {k[1]}" for p, k in zip(paths, keys)
+                                                    if len(k) == 4 and k[2] == "value")
             out.append(sig)
         return out
+
+    def counted_by_value(self, signature: Any) -> str:
+        """What to tell a user whose stage sent other shapes under a signature its object arguments decided."""
+        said = self._by_value.get(signature)
+        if not said:
+            return ""
+        return (f"This microbatch's object arguments count by value (== and hash): {said}. Each is equal to the "
+                "one the layouts were exchanged with, yet the stage's output shapes differ: every field that "
+                "decides shapes must take part in its class's __eq__ and __hash__")
 
     def post(self, mine: StepRecord) -> "PendingExchange":
         """Start the exchange of ``mine`` now; its ``records()`` waits for the peers' records.
@@ -417,7 +443,20 @@ class PendingExchange:
         self._records: Optional[list[StepRecord]] = None
 
     def records(self) -> list[StepRecord]:
-        """Every rank's record, ``mine`` first; waits (bounded by the timeout) on the first call."""
+        """Every rank's record, ``mine`` first; waits (bounded by the timeout) on the first call.
+
+        The exchanges of earlier failed steps this rank did not wait for are
+        waited first: the peers' records arrive in step order.
+        """
+        if self._records is None:
+            owed, self._owner._owed = self._owner._owed, []
+            for earlier in owed:
+                if earlier is not self:
+                    earlier._settle()
+            self._settle()
+        return self._records  # type: ignore[return-value]
+
+    def _settle(self) -> None:
         if self._records is None:
             peers = self._peers
             doing = ["receiving"] * len(peers) + ["sending"] * len(peers)
@@ -425,7 +464,19 @@ class PendingExchange:
                 self._owner._wait(work, peer, self.mine.step, what)
             self._records = [self.mine] + [StepRecord.decode(self._bufs[r].tolist(), r) for r in peers]
             self._works, self._keep = [], []
-        return self._records
+
+    def abandon(self) -> None:
+        """This rank's step failed before it needed the records: wait for them with the next step's, not now.
+
+        A rank that rejects its own inputs, or whose step fails before its
+        first message, raises its own error at once, even when a peer never
+        comes (it exited, or calls something else): its record, already
+        posted, tells each peer in that peer's own call of the step. The
+        exchange stays owed (its buffers alive until it completes) and is
+        settled, in order, before the next step's records are read.
+        """
+        if self._records is None and self not in self._owner._owed:
+            self._owner._owed.append(self)
 
 
 #: non-tensor leaves that count by value in a step signature: a stage's output shapes may depend on them
@@ -452,43 +503,89 @@ def _flat_key(args: Sequence[Any], kwargs: dict) -> Optional[tuple]:
     return ("flat", tuple(keys), tuple((name, _leaf_key(x)) for name, x in kwargs.items()) if kwargs else ())
 
 
-def _leaf_key(x: Any) -> Any:
+def _argument(path: tuple) -> str:
+    """A leaf's place in ``(args, kwargs)`` as the user wrote it: ``cfg``, ``args[1]``, ``cfg.layers[0]``."""
+    head, rest = path[0].idx, path[1:]
+    if head == 1 and rest:  # kwargs
+        name, rest = str(rest[0].key), rest[1:]
+    else:
+        name, rest = (f"args[{rest[0].idx}]", rest[1:]) if rest else ("args", rest)
+    return name + "".join(str(p) for p in rest)
+
+
+def _leaf_key(x: Any, objects: Optional["_ObjectIds"] = None) -> Any:
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.dtype)
     if isinstance(x, _BY_VALUE):
         return (type(x).__name__, x)
-    return _object_key(x)
+    assert objects is not None, "objects are keyed by the pytree walk, which passes the ids"
+    return objects.key(x)
 
 
-def _object_key(x: Any) -> Any:
-    """Any other leaf (a config object, an enum, a frozen dataclass): by value when it compares by value.
+class _ObjectIds:
+    """Any other leaf (a config object, an enum, a frozen dataclass): an id per value, holding no reference.
 
     Such an argument may decide a stage's output shapes (``cfg.width``), so
-    two values must not share cached layouts. A hashable object whose class
-    defines ``__eq__`` is keyed by its value (equal values, one signature). One
-    that compares by identity, or cannot be hashed, says nothing a later step
-    can trust (it may have been changed in place): it gets a key of its own
-    every step, so the step exchanges its layouts again, correct whatever
-    it decides.
+    two values must not share cached layouts, and the signature that travels
+    must be a digest: its ``repr`` cannot be trusted to show the deciding
+    field (``field(repr=False)``, a ``__repr__`` of its own, object's default
+    repr of an object changed in place). An enum member counts by its name
+    (a singleton of its class). Any other object that compares by value
+    (hashable, its class defines ``__eq__``) gets an id from a counter on
+    stage 0's rank: an object equal (``==``, same hash) to one that has an id
+    gets that id, any other a new one; ids are never reused. The table holds
+    its objects weakly: an argument (and whatever it holds, a new tensor each
+    step) is freed when the user drops it, and with it its entry, so an equal
+    value made after the last one is gone gets a new id (its layouts are
+    exchanged again: correct, one discovery step). Python's rule that a
+    hashable object's value does not change makes this exact; one changed in
+    place that changes its hash with it (the usual ``__hash__`` over the
+    fields) is looked up as its new value; one whose hash does not follow
+    keeps its id, and a send that then does not match the layouts names it
+    (``counted_by_value``).
+
+    An object that compares by identity, cannot be hashed or compared (a
+    frozen dataclass holding a list or a tensor), or cannot be weakly
+    referenced says nothing a later step can trust (it may have been changed
+    in place): it gets a fresh id every step, so the step exchanges its
+    layouts again, correct whatever it decides.
     """
-    cls = type(x)
-    if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
-        try:
-            hash(x)
-            return (cls.__module__, cls.__qualname__, x)
-        except TypeError:  # a frozen dataclass holding a list: hashable class, unhashable value
-            pass
-    return (cls.__module__, cls.__qualname__, _Fresh())
 
-
-class _Fresh:
-    """A key equal only to itself, and with a repr of its own: a signature no earlier step had."""
-
-    made = 0  # how many there are: a key holding one is not cached (microbatch_signatures)
+    _ids = itertools.count(1)  # one counter per process: no two tables (schedules) ever share an id
 
     def __init__(self) -> None:
-        _Fresh.made += 1
-        self.n = _Fresh.made
+        #: hash -> [(weak reference to the first object of a value, its id)]; the hash is taken at lookup
+        #: (a weakref caches its referent's hash, which an object changed in place no longer has)
+        self._table: dict[int, list[tuple[weakref.ref, int]]] = {}
+        self.fresh = 0  # how many fresh ids were given: a key holding one is not cached (microbatch_signatures)
 
-    def __repr__(self) -> str:
-        return f"fresh-{self.n}"
+    def key(self, x: Any) -> tuple:
+        cls = type(x)
+        if isinstance(x, enum.Enum):  # a member is a singleton of its class: its name is its value
+            return (cls.__module__, cls.__qualname__, "member", x.name)
+        if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
+            try:
+                return (cls.__module__, cls.__qualname__, "value", self._id(x))
+            except Exception:  # noqa: BLE001 - unhashable value, no weak reference, an __eq__ that raises
+                pass
+        self.fresh += 1
+        return (cls.__module__, cls.__qualname__, "fresh", next(self._ids))
+
+    def _id(self, x: Any) -> int:
+        h = hash(x)
+        for ref, found in list(self._table.get(h, ())):  # a copy: a collection may drop an entry meanwhile
+            other = ref()
+            if other is not None and (other is x or bool(other == x)):
+                return found
+        ref = weakref.ref(x, functools.partial(self._drop, h))
+        found = next(self._ids)
+        self._table.setdefault(h, []).append((ref, found))
+        return found
+
+    def _drop(self, h: int, ref: weakref.ref) -> None:
+        """The object behind ``ref`` is gone: forget its value."""
+        bucket = [entry for entry in self._table.get(h, ()) if entry[0] is not ref]
+        if bucket:
+            self._table[h] = bucket
+        else:
+            self._table.pop(h, None)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import ContextManager, Hashable, Optional, Sequence, Union
+from typing import Callable, ContextManager, Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -94,19 +94,21 @@ class PlanCache:
         return sum(len(layouts) for layouts in self._known.values())
 
     def step(self, channel: DistChannel, microbatches: Optional[Sequence[Hashable]],
-             rediscover: bool = False) -> "StepMessages":
+             rediscover: bool = False, explain: Optional[Callable[[Hashable], str]] = None) -> "StepMessages":
         """One step's messages: known when every microbatch's signature is cached (and not ``rediscover``).
 
         ``microbatches``: each microbatch's signature, in microbatch order.
         None makes a discovery step that is never committed: every message
         carries its layout (correct, one extra small message each).
+        ``explain``: what a signature's arguments are, said when a send does
+        not match its cached layout (``StepAgreement.counted_by_value``).
         """
         known = (microbatches is not None and not rediscover
                  and all(sig in self._known for sig in microbatches))
         if known:
             for sig in dict.fromkeys(microbatches):
                 self._known.move_to_end(sig)
-        return StepMessages(channel, self, microbatches, known)
+        return StepMessages(channel, self, microbatches, known, explain)
 
     def layout(self, signature: Hashable, part: tuple) -> Optional["_C.PackLayout"]:
         return self._known[signature].get(part)
@@ -174,8 +176,8 @@ class StepMessages:
     """
 
     def __init__(self, channel: DistChannel, cache: PlanCache, microbatches: Optional[Sequence[Hashable]],
-                 known: bool) -> None:
-        self.channel, self.cache, self.known = channel, cache, known
+                 known: bool, explain: Optional[Callable[[Hashable], str]] = None) -> None:
+        self.channel, self.cache, self.known, self._explain = channel, cache, known, explain
         self.microbatches = None if microbatches is None else list(microbatches)
         #: what a discovery step learnt: (direction, peer, message) -> layout
         self.layouts: dict[tuple, "_C.PackLayout"] = {}
@@ -209,7 +211,17 @@ class StepMessages:
         out = None
         if len(tensors) > 1 or (tensors and self.channel.packs_single):
             out = self.cache.send_buffer(key, layout.nbytes, tensors[0].device)
-        return self.channel.send(tensors, peer, tag, expected=layout, out=out, owned=owned)[0]
+        try:
+            return self.channel.send(tensors, peer, tag, expected=layout, out=out, owned=owned)[0]
+        except ChannelError as exc:
+            said = self._explain(self._signature(key)) if self._explain is not None else ""
+            if not said:
+                raise
+            raise ChannelError(f"{exc}. {said}") from None
+
+    def _signature(self, key: tuple) -> Hashable:
+        mb, _ = split_microbatch(key[2], self.channel.num_stages)
+        return self.microbatches[mb]
 
     def batch(self) -> ContextManager[None]:
         """The channel's batch (``DistChannel.batch``)."""

@@ -8,8 +8,10 @@ skip declarations with the routes settled from them.
 ``Session.begin`` checks this rank's part of a step (split the batch, check
 the target, weigh the microbatches), posts its step record to every rank and
 returns a ``Step``: the only thing the executor sees. A rank that rejects its
-own inputs raises here, after telling every rank, which then raise
-``StepRejectedError`` naming it. An accepted step does not wait: the ``Step``
+own inputs raises here at once (a peer may never come: it exited, or runs
+something else); the record it posted tells every other rank, which raises
+``StepRejectedError`` naming it, and the exchange is waited for with the next
+step's (``PendingExchange.abandon``). An accepted step does not wait: the ``Step``
 waits for the records right before its first message (or before a stage that
 moves skips runs, or before the last stage needs loss weights only the
 agreement knows), so the exchange travels while rank 0 runs its first forward.
@@ -43,7 +45,7 @@ import torch.distributed as dist
 
 from pipeline_ext import schedules as S
 from pipeline_ext.comm.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
-                                         StepAgreementError, StepRecord, agree, autocast_digest, describable,
+                                         StepRecord, agree, autocast_digest, describable,
                                          sizes_digest)
 from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
@@ -139,12 +141,12 @@ class Step:
 
     def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
                  decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
-                 plans: PlanCache) -> None:
+                 plans: PlanCache, explain: Optional[Callable[[Any], str]] = None) -> None:
         self.number = number
         self.inputs = inputs
         self.skip_stages = skips.stages
         self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
-        self._channel, self._plans = channel, plans
+        self._channel, self._plans, self._explain = channel, plans, explain
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
 
@@ -157,7 +159,8 @@ class Step:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.number)
-            self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover)
+            self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover,
+                                              self._explain)
         return self._messages
 
     # -- what the executor asks ---------------------------------------------------------------
@@ -179,6 +182,8 @@ class Step:
             return
         if self._messages is not None:
             self._plans.abandon(self._messages)
+        else:  # failed before its first message: the records are waited for with the next step's
+            self._pending.abandon()
         # The peers may be waiting in this step for what this rank will not send now: tell them, so their
         # waits end at once naming this failure, not at their timeout (on transports that can: shared memory)
         rank = self._channel.rank
@@ -194,7 +199,8 @@ class Session:
 
     ``local_stages``: this rank's stage indices; ``skips``: what each declares
     (``runtime/skips.declared_skips``). ``declared_first``: what stage 0
-    declares (``runtime/declared.py``; None when this rank does not hold it):
+    declares now (``runtime/declared.py``; a function, since a stage may learn
+    its shapes on its first step; None when this rank does not hold it):
     each of its microbatches is checked against it before the step is posted. ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
     (``comm/shm.make_channel``).
     """
@@ -203,7 +209,7 @@ class Session:
                  device: torch.device, local_stages: Sequence[int], skips: dict[int, StageSkips],
                  n_microbatches: int, loss_fn: Optional[LossFn], chunk_spec: Any, scale_grads: bool,
                  timeout: float, transport: Optional[str],
-                 declared_first: Optional[Declared] = None) -> None:
+                 declared_first: Optional[Callable[[], Optional[Declared]]] = None) -> None:
         self.rank, self.num_ranks, self.num_stages, self.device = rank, num_ranks, num_stages, device
         self.n_microbatches, self.loss_fn, self.chunk_spec, self.scale_grads = (n_microbatches, loss_fn,
                                                                                 chunk_spec, scale_grads)
@@ -252,8 +258,8 @@ class Session:
         lists with one entry per microbatch, any shapes; None where not given).
 
         Every call takes part in exactly one exchange, a rejected one too: a
-        rank that rejects its own inputs raises its own error, every other
-        rank raises ``StepRejectedError`` naming it, and all stay in step.
+        rank that rejects its own inputs raises its own error at once, every
+        other rank raises ``StepRejectedError`` naming it, and all stay in step.
         """
         assert self._schedule is not None, "set_schedule first"
         # The group numbers the steps, whatever schedule runs them (GroupSteps): a message is never taken by
@@ -276,9 +282,10 @@ class Session:
                                    "use eval() to run forward only")
             if self._has_first:
                 inputs.args, inputs.kwargs, sizes = self._inputs(args, kwargs, split)
-                if self._declared_first is not None:  # declared shapes: refuse before any stage runs
+                declared = self._declared_first() if self._declared_first is not None else None
+                if declared is not None:  # declared shapes: refuse before any stage runs
                     for mb, chunk in enumerate(inputs.args):
-                        self._declared_first.check("inputs", mb, tuple(chunk))
+                        declared.check("inputs", mb, tuple(chunk))
                 record.rows, record.sizes = sum(sizes), sizes_digest(sizes)
                 record.microbatches = describable(self.agreement.microbatch_signatures(inputs.args, inputs.kwargs))
             if self._has_last:
@@ -289,19 +296,27 @@ class Session:
         except Exception as exc:  # noqa: BLE001 - any failure here is this rank's rejection, told to all
             error = exc
             record.rejected = f"{type(exc).__name__}: {exc}"
-        pending = self.agreement.post(record)
+        try:
+            pending = self.agreement.post(record)
+        except Exception as exc:  # noqa: BLE001 - the group is broken; a rejection says its own error first
+            if error is None:
+                raise
+            if hasattr(error, "add_note"):
+                error.add_note(f"pipeline_ext: rank {self.rank} rejected step {number}, and could not tell the "
+                               f"other ranks: {exc}")
+            raise error from None
         decide = functools.partial(agree, first_rank=self._first_rank, last_rank=self._last_rank)
         if error is not None:
-            try:
-                decide(pending.records())
-            except StepAgreementError:
-                if hasattr(error, "add_note"):
-                    error.add_note(f"pipeline_ext: rank {self.rank} rejected step {number}; every rank was "
-                                   "told and raised, nothing was sent")
-                raise error from None
-            except Exception as exc:  # the peers could not be told; say both
-                raise exc from error
-        return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans)
+            # Raised now, not after the peers' records came: a peer may never come (it exited, or runs
+            # something else). The record posted tells each peer in its own call of this step.
+            pending.abandon()
+            if hasattr(error, "add_note"):
+                error.add_note(f"pipeline_ext: rank {self.rank} rejected step {number}; nothing was sent, and every "
+                               "other rank raises StepRejectedError naming it in its own call of this step (one "
+                               "that calls it after this process ended is told the rank is gone instead)")
+            raise error
+        return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
+                    self.agreement.counted_by_value if self._has_first else None)
 
     def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
         """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""

@@ -127,7 +127,7 @@ class PipelineSchedule:
                 skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
                 n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
                 scale_grads=scale_grads, timeout=timeout, transport=transport,
-                declared_first=first_stage._declared if first_stage is not None else None)
+                declared_first=(lambda: first_stage._declared) if first_stage is not None else None)
         self.schedule: Optional[S.Schedule] = None
         #: one executor per step kind (a forward-only one is built at the first eval)
         self._executors: dict[int, Executor] = {}

@@ -67,6 +67,11 @@ class PipelineStage(StagePosition):
         if dw_builder is not None and self.grad_sync is not None:
             raise ValueError("dw_builder with a data-parallel wrapped submodule is not supported: the gradient "
                              "reduction could not tell when the last weight-gradient runner has run")
+        #: torch's private switch, kept: True holds every step to the shapes of this stage's first microbatch
+        #: run with it set (inputs and outputs, as if declared as input_args/output_args); mismatches raise
+        #: ``PipeliningShapeError`` ("shape mismatch"/"dtype mismatch"). Off: shapes may change between steps.
+        self._runtime_validate = False
+        self._first_shapes: Optional[Declared] = None  # what _runtime_validate holds steps to, once seen
         #: the last step's per-microbatch outputs on the last stage (torch's name)
         self.output_chunks: list[Any] = []
         self._runner: Optional[StageRunner] = None
@@ -79,13 +84,33 @@ class PipelineStage(StagePosition):
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
 
     @property
-    def _declared(self) -> Declared:
-        """What this stage declares (``input_args``/``output_args``), as the runtime checks it."""
-        return Declared(self.stage_index, self.input_args, self.output_args)
+    def _declared(self) -> Optional[Declared]:
+        """The shapes this stage's microbatches are checked against: ``input_args``/``output_args``, else with
+        ``_runtime_validate`` its first microbatch's; None when nothing is checked."""
+        if self.input_args is not None or self.output_args is not None:
+            return Declared(self.stage_index, self.input_args, self.output_args)
+        return self._first_shapes if self._runtime_validate else None
+
+    def _call(self, mb: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The stage's forward for the runner, checked against ``_declared`` (read at each call: the switch
+        may be set after the schedule is built)."""
+        declared = self._declared
+        if declared is not None:
+            declared.check("inputs", mb, tuple(args))
+        out = module(*args, **kwargs)
+        if declared is not None:
+            declared.check("outputs", mb, out)
+        elif self._runtime_validate:
+            meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            from torch.utils import _pytree as pytree
+
+            self._first_shapes = Declared(self.stage_index, pytree.tree_map(meta, tuple(args)),
+                                          pytree.tree_map(meta, out), source="first step")
+        return out
 
     def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
         """This stage's runner for a schedule (the schedule's executor drives it)."""
-        kwargs = dict(call=self._declared.call(), grad_sync=self.grad_sync, n_microbatches=n_microbatches)
+        kwargs = dict(call=self._call, grad_sync=self.grad_sync, n_microbatches=n_microbatches)
         if self.dw_builder is not None:
             runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
                                                   dw_builder=self.dw_builder, **kwargs)

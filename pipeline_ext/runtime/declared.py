@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 __all__ = ["Declared", "errors"]
 
@@ -52,6 +51,9 @@ class Declared:
     stage: int
     inputs: Any = None
     outputs: Any = None
+    #: where the shapes come from, as errors name it: the stage's arguments, or its first step
+    #: (``PipelineStage._runtime_validate``)
+    source: str = "declared"
 
     def check(self, what: str, mb: int, actual: Any) -> None:
         """Raise ``PipeliningShapeError`` unless ``actual`` (microbatch ``mb``'s "inputs" or "outputs") matches."""
@@ -62,30 +64,25 @@ class Declared:
             return
         expected = expected if isinstance(expected, tuple) or what == "outputs" else (expected,)
         got, want = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+        source = f"{what[:-1]}_args" if self.source == "declared" else f"the first step's {what}"
         problem = None
         if len(got) != len(want):
-            problem = f"{len(got)} values where {what[:-1]}_args has {len(want)}"
+            problem = f"{len(got)} values where {source} has {len(want)}"
         else:
             for i, (g, w) in enumerate(zip(got, want)):
-                if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != w.shape
-                                                    or g.dtype != w.dtype):
-                    desc = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
-                    problem = f"{what[:-1]} {i} is {desc}, {what[:-1]}_args says {tuple(w.shape)} {w.dtype}"
+                if not isinstance(w, torch.Tensor):
+                    continue
+                if not isinstance(g, torch.Tensor):
+                    problem = f"{what[:-1]} {i} is a {type(g).__name__}, {source} has a tensor {tuple(w.shape)}"
+                elif g.shape != w.shape:  # torch's words ("shape mismatch", "dtype mismatch"), which its users match
+                    problem = f"{what[:-1]} {i}: shape mismatch: {tuple(g.shape)}, {source} has {tuple(w.shape)}"
+                elif g.dtype != w.dtype:
+                    problem = f"{what[:-1]} {i}: dtype mismatch: {g.dtype}, {source} has {w.dtype}"
+                if problem:
                     break
         if problem:
-            raise errors()["PipeliningShapeError"](
-                f"stage {self.stage}, microbatch {mb}: {problem} (input_args/output_args describe one microbatch; "
-                "leave them out to let shapes be discovered)")
-
-    def call(self) -> Optional[Callable[..., Any]]:
-        """The stage's forward with both checks around it (None when nothing is declared)."""
-        if self.inputs is None and self.outputs is None:
-            return None
-
-        def call(mb: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-            self.check("inputs", mb, tuple(args))
-            out = module(*args, **kwargs)
-            self.check("outputs", mb, out)
-            return out
-
-        return call
+            why = ("input_args/output_args describe one microbatch; leave them out to let shapes be discovered"
+                   if self.source == "declared" else
+                   "stage._runtime_validate holds every step to the first step's shapes; leave it unset to let "
+                   "shapes change between steps")
+            raise errors()["PipeliningShapeError"](f"stage {self.stage}, microbatch {mb}: {problem} ({why})")

@@ -21,6 +21,7 @@ The byte moving is done by the C++ kernels in ``pipeline_ext.runtime.ops``.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -273,11 +274,16 @@ def microbatch_sizes(
 
     Errors call the positional arguments ``args_name`` (``target_sizes``: "target").
 
-    Every tensor that is split must have the same number of rows along its
-    split dim: microbatch ``k`` of one input must line up with microbatch ``k``
-    of the others (the unsplit model would fail on inputs whose rows differ;
-    split, they would be paired silently). A tensor that is not per-row is
-    marked ``Replicate()`` in the chunk spec.
+    The rows are those of the first tensor that is split (the batch). Each
+    tensor is split on its own, as torch's ``split_args_kwargs_into_chunks``
+    does: one whose rows differ from the batch's (a keyword argument with one
+    row per microbatch beside a 64-row batch) is cut into ``n_microbatches``
+    parts of its own rows, and its part ``k`` goes with microbatch ``k``. That
+    is accepted with a ``UserWarning`` naming the inputs (rows that differ by
+    mistake would be paired silently; a tensor that is not per-row is marked
+    ``Replicate()`` in the chunk spec). Refused: a split tensor with fewer rows
+    than microbatches (some microbatch would get none; torch would cut every
+    input into fewer parts than the schedule runs).
     """
     args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
     found: list[tuple[_LeafName, int]] = []  # (which leaf, its rows)
@@ -290,21 +296,31 @@ def microbatch_sizes(
     if not found:
         raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
     (first, rows), *rest = found
-    differ = [f"{where} has {r}" for where, r in rest if r != rows]
+    for where, r in found:
+        if r == 0:
+            raise ValueError(f"{where} has 0 rows: every microbatch needs at least one row")
+        if n_microbatches > r:
+            raise ValueError(
+                f"cannot split {where} with {r} rows into {n_microbatches} microbatches: "
+                f"n_microbatches must not exceed the batch size"
+                + (f" (each input is split on its own; {first}, the batch, has {rows} rows)" if r != rows else "")
+            )
+    differ = [(where, r) for where, r in rest if r != rows]
     if differ:
-        raise ValueError(
-            f"the inputs to split into microbatches have different numbers of rows: {first} has {rows}, "
-            f"{', '.join(differ)}; every split input needs the batch's rows along its chunk dim "
-            "(mark an input that is not per-row Replicate() in the chunk spec)"
-        )
-    if rows == 0:
-        raise ValueError(f"{first} has 0 rows: every microbatch needs at least one row")
-    if n_microbatches > rows:
-        raise ValueError(
-            f"cannot split {first} with {rows} rows into {n_microbatches} microbatches: "
-            f"n_microbatches must not exceed the batch size"
-        )
+        cut = "; ".join(f"{where}: {r} rows into {_parts(r, n_microbatches)}" for where, r in [(first, rows)] + differ)
+        warnings.warn(
+            f"pipeline_ext: the inputs split into microbatches have different numbers of rows, so each is cut "
+            f"into {n_microbatches} parts on its own, as torch does, and part k of each goes to microbatch k "
+            f"({cut}); loss weights follow {first}, the batch. Mark an input that is not per-row Replicate() "
+            "in the chunk spec", UserWarning, stacklevel=3)
     return ops.even_sizes(rows, n_microbatches)
+
+
+def _parts(rows: int, n: int) -> str:
+    """How ``rows`` split into ``n`` parts, in words: "8 parts of 1 row", "2 of 4 and 1 of 3 rows"."""
+    sizes = ops.even_sizes(rows, n)
+    counts = [(size, sizes.count(size)) for size in dict.fromkeys(sizes)]
+    return " and ".join(f"{c} of {size}" for size, c in counts) + (" row" if sizes == [1] * n else " rows")
 
 
 def target_sizes(target: Any, n_microbatches: int) -> list[int]:
