@@ -182,3 +182,26 @@ def _reinit(rank: int, world: int, store: str) -> list[str]:
 @pytest.mark.timeout(60)
 def test_a_default_group_made_again_gets_a_transport_of_its_own(tmp_path):
     no_complaints(_reinit, 2, str(tmp_path / "store"), timeout=50)
+
+
+def test_hosts_note_says_which_rank_runs_where():
+    """What a failed step adds to its error once the transport setup has exchanged every rank's host: each host's
+    ranks; two hosts of one hostname (containers, namespaces) told apart by the rest of their identity."""
+    from pipeline_ext.comm import transport as T
+
+    class Group:  # stands for a process group: a key of the setups (weakly held)
+        pass
+
+    two, one_name, alone = Group(), Group(), Group()
+    T._setups[two] = T._GroupTransport("process_group", None, "hosts",
+                                       hosts={0: "a|boot1|shm|1", 1: "a|boot1|shm|1", 2: "b|boot2|shm|2"})
+    T._setups[one_name] = T._GroupTransport("process_group", None, "hosts", hosts={0: "a|boot|s1|1", 1: "a|boot|s2|2"})
+    T._setups[alone] = T._GroupTransport("process_group", None, "no inbox", hosts={0: "a|b|s|1", 1: "a|b|s|1"})
+    try:
+        assert T.hosts_note(two) == "pipeline_ext: the ranks' hosts: ranks 0, 1 on host a; rank 2 on host b"
+        assert T.hosts_note(one_name) == ("pipeline_ext: the ranks' hosts: rank 0 on host a (boot|s1|1); "
+                                          "rank 1 on host a (boot|s2|2)")
+        assert T.hosts_note(alone) == "" and T.hosts_note(None) == "" and T.hosts_note(Group()) == ""
+    finally:
+        for g in (two, one_name, alone):
+            del T._setups[g]

@@ -51,6 +51,7 @@ from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.comm.identity import GroupSteps, stable_hash
 from pipeline_ext.comm.shm import make_channel
+from pipeline_ext.comm.transport import hosts_note
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
@@ -192,6 +193,9 @@ class Step:
                 + f": {exc_type.__name__}: {str(exc)[:600]}")
         with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
             self._channel.notify_failure(self.number, text)
+        hosts = hosts_note(getattr(self._channel, "group", None))
+        if hosts and hasattr(exc, "add_note") and hosts not in getattr(exc, "__notes__", ()):
+            exc.add_note(hosts)  # a peer named by rank, on which machine
 
 
 class Session:

@@ -167,8 +167,10 @@ def _host_id() -> str:
 class _GroupTransport:
     """What one process uses on one group: ``kind`` ("shm" or "process_group"), the C++ channel, and why."""
 
-    def __init__(self, kind: str, channel: Any, reason: str = "") -> None:
+    def __init__(self, kind: str, channel: Any, reason: str = "", hosts: Optional[dict[int, str]] = None) -> None:
         self.kind, self.channel, self.reason = kind, channel, reason
+        #: every rank's host (``_host_id``), as the setup exchanged them: what a failed step names
+        self.hosts = hosts or {}
 
 
 #: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
@@ -293,7 +295,9 @@ class _Setup:
             if failed:
                 kind, reason = "process_group", f"CUDA IPC between the ranks failed ({failed})"
         if kind == "process_group":
-            return self._fallback(reason)
+            settled = self._fallback(reason)
+            settled.hosts = {p: e["host"] for p, e in [(self.rank, self._describe()), *peers.items()]}
+            return settled
         for peer, e in peers.items():
             self.shm.attach(peer, e["segment"])
             if self.acks is not None:
@@ -348,6 +352,26 @@ def _connect(group: dist.ProcessGroup, required: Union[bool, str], timeout: floa
         raise ChannelError(f"transport={wanted!r}: group {group.group_name!r} cannot use {_NAMES[wanted]} "
                            f"({known.reason}); use transport='auto' or 'process_group'")
     return known
+
+
+def hosts_note(group: Any) -> str:
+    """Which ranks of ``group`` run on which host, when they are on more than one (else ""): what a failed step adds
+    to its error, so that "peer rank 2" also says where to look. Known once the group's transport is settled by an
+    exchange (``transport="auto"``, "shm", "ipc"); a group on ``"process_group"`` never exchanged it."""
+    if group is None:
+        return ""
+    settled = [t for t in (_setups.get(group), _cuda_setups.get(group)) if isinstance(t, _GroupTransport) and t.hosts]
+    if not settled or len(set(settled[0].hosts.values())) < 2:
+        return ""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in sorted(settled[0].hosts.items()):
+        by_host.setdefault(host, []).append(rank)
+    names = [h.split("|")[0] for h in by_host]
+    said = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on host {h.split('|')[0]}"
+        + (f" ({h.split('|', 1)[-1]})" if names.count(h.split("|")[0]) > 1 else "")  # one name, two hosts: say which
+        for h, ranks in by_host.items())
+    return f"pipeline_ext: the ranks' hosts: {said}"
 
 
 class UnsettledTransport:
