@@ -35,7 +35,7 @@ import pytest
 
 from test_distributed import SCHEDULES
 
-pytestmark = [pytest.mark.slow, pytest.mark.isolated]
+pytestmark = [pytest.mark.slow, pytest.mark.isolated, pytest.mark.hosts]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
