@@ -270,6 +270,19 @@ def main() -> None:
             r = per_rank[0][(mode, name)]
             print(f"gain over {base.upper() if base == '1f1b' else base}: {name} measured {r_base['ms'] / r['ms']:.2f}x "
                   f"simulated {r_base['sim_ms'] / r['sim_ms']:.2f}x ({mode})")
+        split_costs = per_rank[0].get((mode, "zb_h1"), {}).get("costs")
+        if split_costs is not None and (mode, "1f1b") in per_rank[0]:
+            # select() from the measured costs: ZB-H1's F, I, W and 1F1B's whole backward B, per rank share
+            from pipeline_ext import schedules as S
+
+            in_ms = lambda v: [t * 1e3 for t in v] if isinstance(v, list) else v * 1e3  # noqa: E731
+            costs = S.Costs(in_ms(split_costs.f), in_ms(split_costs.b), in_ms(split_costs.w), in_ms(split_costs.comm),
+                            whole=in_ms(per_rank[0][(mode, "1f1b")]["costs"].b))
+            for budget in (None, world):
+                sel = S.select(world, args.microbatches, budget, costs)
+                print(f"select({world} ranks, {args.microbatches} microbatches, budget "
+                      f"{'none' if budget is None else f'{budget} units (1F1B)'}) at the measured costs in ms ({mode}): "
+                      f"{sel.reason}")
     print()
     print("ms/step: median wall time of the interleaved timed steps; spread: (max - min) / median over the repeats; "
           "traced ms / sim ms: the traced steps' span and the simulator's makespan at the per-stage F, I, W costs "
