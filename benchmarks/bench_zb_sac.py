@@ -11,10 +11,12 @@ side in one run:
 
 - the model: ``--blocks`` pre-norm transformer blocks (causal attention with
   qkv and output projections, GELU MLP), each under SAC with a policy that
-  saves the matmul outputs (mm/addmm/bmm) and recomputes the rest; the
-  residual stream in, MSE on the last stage. 4 ranks (spawned, Gloo on
-  127.0.0.1, one intra-op thread each); 1F1B and ZB-H1 cut it into 4
-  stages, ZBV into 8 (two per rank, V placement);
+  saves the matmul outputs (mm/addmm/bmm) and recomputes the rest (``--no-sac``:
+  the same blocks without checkpointing; ``--both``: both, interleaved in one
+  run); the residual stream in, MSE on the last stage. ``--ranks`` 2 (one per
+  core of a 2-core machine) or 4 (spawned, Gloo on 127.0.0.1, one intra-op
+  thread each); 1F1B, ZB-H1 and ZB-H2 cut it into one stage per rank, ZBV and
+  DualPipeV into two per rank (V placement);
 - correctness first: every schedule's first step is compared with the
   unsplit model on the same batch (loss, every gradient of the rank's
   blocks), no ``UnsplitBackwardWarning`` may be raised, and the trace must
@@ -26,12 +28,22 @@ side in one run:
   forward records for one microbatch (measured on rank 1);
 - time: interleaved repeats of every schedule (these machines are shared
   and noisy: only numbers taken side by side mean anything), traced: the
-  median step time, the bubble the tracer measured on those steps, and the
-  simulator's bubble and step time at the measured per-stage F, I, W costs
-  (its prediction for this run) and at unit costs.
+  median step time and its spread over the repeats, the bubble the tracer
+  measured on those steps, the simulator's bubble and step time at the
+  measured per-stage F, I, W costs (its prediction for this run) and at unit
+  costs, I + W against 1F1B's B, and where the median traced step's time went
+  (``replay_gap``: compute variance, latency, the runtime's own time);
+- the gains: one line per schedule, ``gain over 1F1B: NAME measured A.AAx
+  simulated B.BBx (sac|plain)``, with the paired gain (1F1B's step over the
+  schedule's in the same repeat, median over repeats) and the fastest repeats';
+  then ``select()``'s choice at the measured costs (ZB-H1's F, I, W and 1F1B's B
+  as ``Costs.whole``) and why.
 
-    PYTHONPATH=. python benchmarks/bench_zb_sac.py [--d 64] [--seq 32] [--blocks 8] [--microbatches 8]
-        [--rows 2] [--repeats 3] [--steps 2] [--no-sac]
+    PYTHONPATH=. python benchmarks/bench_zb_sac.py [--ranks 2] [--d 64] [--seq 32] [--blocks 8]
+        [--microbatches 8] [--rows 2] [--repeats 3] [--steps 2] [--no-sac | --both] [--trace PREFIX]
+        [--schedules 1f1b zb_h1 zb_h2 zbv dualpipev]
+
+docs/performance.md ("Zero bubble on transformer blocks") has the tables at d = 512 and 1024.
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ from torch import nn
 
 SCHEDULES = ["1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev"]
 ZB = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # the schedules that run I and W
+VARIANTS = {"sac": "every block under SAC (matmuls saved)", "plain": "no checkpointing"}
 
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
@@ -225,10 +238,11 @@ def main() -> None:
     load = os.getloadavg()
     print(f"{args.blocks} transformer blocks d={args.d} ({args.heads} heads), {args.seq} tokens x {args.rows} rows per "
           f"microbatch, {args.microbatches} microbatches, {world} ranks (Gloo, 1 thread each), "
-          f"{' and '.join({'sac': 'every block under SAC (matmuls saved)', 'plain': 'no checkpointing'}[m] for m in modes(args))}"
+          f"{' and '.join(VARIANTS[m] for m in modes(args))}"
           f"; {args.repeats} interleaved repeats of {args.steps} steps; torch {torch.__version__}; "
           f"load average after the run {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    errs = {f"{k[0]} {k[1]}": e for rows in per_rank.values() for k, r in rows.items() if (e := r["loss_err"]) is not None}
+    errs = {f"{k[0]} {k[1]}": e for rows in per_rank.values() for k, r in rows.items()
+            if (e := r["loss_err"]) is not None}
     print("first step of every schedule checked against the unsplit model (every gradient, the loss; loss rel. err "
           + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + "); no UnsplitBackwardWarning")
     base = args.schedules[0]
@@ -268,7 +282,8 @@ def main() -> None:
         r_base = per_rank[0][(mode, base)]
         for name in args.schedules[1:]:
             r = per_rank[0][(mode, name)]
-            print(f"gain over {base.upper() if base == '1f1b' else base}: {name} measured {r_base['ms'] / r['ms']:.2f}x "
+            label = base.upper() if base == "1f1b" else base
+            print(f"gain over {label}: {name} measured {r_base['ms'] / r['ms']:.2f}x "
                   f"simulated {r_base['sim_ms'] / r['sim_ms']:.2f}x ({mode}); paired "
                   f"{statistics.median(a / b for a, b in zip(r_base['times'], r['times'])):.2f}x, fastest repeats "
                   f"{min(r_base['times']) / min(r['times']):.2f}x")
@@ -282,9 +297,9 @@ def main() -> None:
                             whole=in_ms(per_rank[0][(mode, "1f1b")]["costs"].b))
             for budget in (None, world):
                 sel = S.select(world, args.microbatches, budget, costs)
-                print(f"select({world} ranks, {args.microbatches} microbatches, budget "
-                      f"{'none' if budget is None else f'{budget} units (1F1B)'}) at the measured costs in ms ({mode}): "
-                      f"{sel.reason}")
+                told = "none" if budget is None else f"{budget} units (1F1B)"
+                print(f"select({world} ranks, {args.microbatches} microbatches, budget {told}) at the measured costs "
+                      f"in ms ({mode}): {sel.reason}")
     print()
     print("ms/step: median wall time of the interleaved timed steps; spread: (max - min) / median over the repeats; "
           "traced ms / sim ms: the traced steps' span and the simulator's makespan at the per-stage F, I, W costs "
