@@ -11,10 +11,12 @@ side in one run:
 
 - the model: ``--blocks`` pre-norm transformer blocks (causal attention with
   qkv and output projections, GELU MLP), each under SAC with a policy that
-  saves the matmul outputs (mm/addmm/bmm) and recomputes the rest; the
-  residual stream in, MSE on the last stage. 4 ranks (spawned, Gloo on
-  127.0.0.1, one intra-op thread each); 1F1B and ZB-H1 cut it into 4
-  stages, ZBV into 8 (two per rank, V placement);
+  saves the matmul outputs (mm/addmm/bmm) and recomputes the rest (``--no-sac``:
+  the same blocks without checkpointing; ``--both``: both, interleaved in one
+  run); the residual stream in, MSE on the last stage. ``--ranks`` 2 (one per
+  core of a 2-core machine) or 4 (spawned, Gloo on 127.0.0.1, one intra-op
+  thread each); 1F1B, ZB-H1 and ZB-H2 cut it into one stage per rank, ZBV and
+  DualPipeV into two per rank (V placement);
 - correctness first: every schedule's first step is compared with the
   unsplit model on the same batch (loss, every gradient of the rank's
   blocks), no ``UnsplitBackwardWarning`` may be raised, and the trace must
@@ -26,12 +28,22 @@ side in one run:
   forward records for one microbatch (measured on rank 1);
 - time: interleaved repeats of every schedule (these machines are shared
   and noisy: only numbers taken side by side mean anything), traced: the
-  median step time, the bubble the tracer measured on those steps, and the
-  simulator's bubble and step time at the measured per-stage F, I, W costs
-  (its prediction for this run) and at unit costs.
+  median step time and its spread over the repeats, the bubble the tracer
+  measured on those steps, the simulator's bubble and step time at the
+  measured per-stage F, I, W costs (its prediction for this run) and at unit
+  costs, I + W against 1F1B's B, and where the median traced step's time went
+  (``replay_gap``: compute variance, latency, the runtime's own time);
+- the gains: one line per schedule, ``gain over 1F1B: NAME measured A.AAx
+  simulated B.BBx (sac|plain)``, with the paired gain (1F1B's step over the
+  schedule's in the same repeat, median over repeats) and the fastest repeats';
+  then ``select()``'s choice at the measured costs (ZB-H1's F, I, W and 1F1B's B
+  as ``Costs.whole``) and why.
 
-    PYTHONPATH=. python benchmarks/bench_zb_sac.py [--d 64] [--seq 32] [--blocks 8] [--microbatches 8]
-        [--rows 2] [--repeats 3] [--steps 2] [--no-sac]
+    PYTHONPATH=. python benchmarks/bench_zb_sac.py [--ranks 2] [--d 64] [--seq 32] [--blocks 8]
+        [--microbatches 8] [--rows 2] [--repeats 3] [--steps 2] [--no-sac | --both] [--trace PREFIX]
+        [--schedules 1f1b zb_h1 zb_h2 zbv dualpipev]
+
+docs/performance.md ("Zero bubble on transformer blocks") has the tables at d = 512 and 1024.
 """
 from __future__ import annotations
 
@@ -43,9 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
-WORLD = 4
-SCHEDULES = ["1f1b", "zb_h1", "zbv"]
-STAGES_PER_RANK = {"1f1b": 1, "zb_h1": 1, "zbv": 2}
+SCHEDULES = ["1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev"]
+ZB = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # the schedules that run I and W
+VARIANTS = {"sac": "every block under SAC (matmuls saved)", "plain": "no checkpointing"}
 
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
@@ -86,12 +98,17 @@ class Block(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False, context_fn=sac_context)
 
 
-def blocks(args: argparse.Namespace) -> list[Block]:
+def blocks(args: argparse.Namespace, sac: bool) -> list[Block]:
     torch.manual_seed(0)
-    return [Block(args.d, args.heads, not args.no_sac) for _ in range(args.blocks)]
+    return [Block(args.d, args.heads, sac) for _ in range(args.blocks)]
 
 
-def worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def modes(args: argparse.Namespace) -> list[str]:
+    """The model variants the run compares: "sac" (every block under SAC), "plain" (no checkpointing), or both."""
+    return ["sac", "plain"] if args.both else ["plain"] if args.no_sac else ["sac"]
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, str], Any]:
     import time
 
     import torch.distributed as dist
@@ -99,137 +116,201 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
     from pipeline_ext.runtime.memory import ActivationMeter
+    from pipeline_ext.runtime.trace import replay_gap
 
     m = args.microbatches
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m * args.rows, args.seq, args.d, generator=g)
     y = torch.randn(m * args.rows, args.seq, args.d, generator=g)
-    ref = nn.Sequential(*blocks(args))  # the unsplit model, for the first step's check
-    ref_loss = nn.functional.mse_loss(ref(x), y)
-    ref_loss.backward()
-    rows: dict[str, dict[str, Any]] = {}
-    steps: dict[str, Any] = {}
-    for name in SCHEDULES:
-        v = STAGES_PER_RANK[name]
-        n = world * v
-        ir = S.build(name, world, m, stages_per_rank=v)
-        mine = [s for s, r in enumerate(ir.stage_to_rank) if r == rank]
-        per = args.blocks // n
-        all_blocks = blocks(args)
-        modules = [nn.Sequential(*all_blocks[s * per:(s + 1) * per]) for s in range(n)]
-        stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
-        sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
-        # first step: measured memory, checked against the unsplit model
-        meter = ActivationMeter()
-        calls = {s: r.call for s, r in sched._runners.items()}
-        for s, r in sched._runners.items():
-            meter.watch(r, inputs=s > 0)
-        sched._tracer = meter  # a sample after every action
-        losses: list[torch.Tensor] = []
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            sched.step(x if 0 in mine else None, target=y if n - 1 in mine else None, losses=losses)
-        unsplit = [str(w.message) for w in said if issubclass(w.category, pe.UnsplitBackwardWarning)]
-        if unsplit:
-            raise AssertionError(f"{name} rank {rank}: the split fell back: {unsplit}")
-        for s in mine:
-            for (pn, p), q in zip(modules[s].named_parameters(), ref[s * per:(s + 1) * per].parameters()):
-                torch.testing.assert_close(p.grad, q.grad, msg=lambda msg: f"{name} stage {s} {pn}: {msg}")
-        loss_err = None
-        if losses:
-            mean = sum(losses) / len(losses)
-            torch.testing.assert_close(mean, ref_loss.detach(), msg=lambda msg: f"{name} loss: {msg}")
-            loss_err = float((mean - ref_loss.detach()).abs() / ref_loss.detach().abs())
-        for s, r in sched._runners.items():
-            r.call, r.on_kept = calls[s], None
-        sim = S.simulate(ir, S.Costs(1.0, 1.0, 1.0))
-        # the last stage keeps every microbatch's output (detached) until the step returns them to the caller:
-        # alive all step, no activation of the schedule's promise; counted next to it
-        outputs = m * args.rows * args.seq * args.d * x.element_size() if n - 1 in mine else 0
-        rows[name] = {"peak": meter.peak_bytes, "unit": meter.forward_bytes, "sim_units": sim.peak_activations[rank],
-                      "outputs": outputs, "sim_unit_bubble": sim.bubble_rate, "loss_err": loss_err}
-        sched.enable_tracing()  # the timed steps are traced: bubble and costs of exactly those
-        steps[name] = (sched, lambda sched=sched, mine=mine, n=n: sched.step(
-            x if 0 in mine else None, target=y if n - 1 in mine else None))
-    for name, (_, step) in steps.items():  # warm-up, untraced
-        steps[name][0].enable_tracing(False)
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    steps: dict[tuple[str, str], Any] = {}
+    for mode in modes(args):
+        ref = nn.Sequential(*blocks(args, mode == "sac"))  # the unsplit model, for the first step's check
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        for name in args.schedules:
+            v = S.default_stages_per_rank(name)
+            n = world * v
+            ir = S.build(name, world, m, stages_per_rank=v)
+            mine = [s for s, r in enumerate(ir.stage_to_rank) if r == rank]
+            per = args.blocks // n
+            all_blocks = blocks(args, mode == "sac")
+            modules = [nn.Sequential(*all_blocks[s * per:(s + 1) * per]) for s in range(n)]
+            stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+            sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
+            # first step: measured memory, checked against the unsplit model
+            meter = ActivationMeter()
+            calls = {s: r.call for s, r in sched._runners.items()}
+            for s, r in sched._runners.items():
+                meter.watch(r, inputs=s > 0)
+            sched._tracer = meter  # a sample after every action
+            losses: list[torch.Tensor] = []
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                sched.step(x if 0 in mine else None, target=y if n - 1 in mine else None, losses=losses)
+            unsplit = [str(w.message) for w in said if issubclass(w.category, pe.UnsplitBackwardWarning)]
+            if unsplit:
+                raise AssertionError(f"{mode} {name} rank {rank}: the split fell back: {unsplit}")
+            for s in mine:
+                for (pn, p), q in zip(modules[s].named_parameters(), ref[s * per:(s + 1) * per].parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, msg=lambda msg: f"{mode} {name} stage {s} {pn}: {msg}")
+            loss_err = None
+            if losses:
+                mean = sum(losses) / len(losses)
+                torch.testing.assert_close(mean, ref_loss.detach(), msg=lambda msg: f"{mode} {name} loss: {msg}")
+                loss_err = float((mean - ref_loss.detach()).abs() / ref_loss.detach().abs())
+            for s, r in sched._runners.items():
+                r.call, r.on_kept = calls[s], None
+            sim = S.simulate(ir, S.Costs(1.0, 1.0, 1.0))
+            # the last stage keeps every microbatch's output (detached) until the step returns them to the caller:
+            # alive all step, no activation of the schedule's promise; counted next to it
+            outputs = m * args.rows * args.seq * args.d * x.element_size() if n - 1 in mine else 0
+            rows[(mode, name)] = {"peak": meter.peak_bytes, "unit": meter.forward_bytes,
+                                  "sim_units": sim.peak_activations[rank], "outputs": outputs,
+                                  "sim_unit_bubble": sim.bubble_rate, "loss_err": loss_err, "v": v}
+            steps[(mode, name)] = (sched, lambda sched=sched, mine=mine, n=n: sched.step(
+                x if 0 in mine else None, target=y if n - 1 in mine else None))
+    for key, (sched, step) in steps.items():  # warm-up, untraced
+        sched.enable_tracing(False)
         step()
-        steps[name][0].enable_tracing()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        for name, (_, step) in steps.items():
+        sched.enable_tracing()  # the timed steps are traced: bubble and costs of exactly those
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    for _ in range(args.repeats):  # interleaved: every schedule once per repeat, side by side
+        for key, (_, step) in steps.items():
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step()
             dist.barrier()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    for name, (sched, _) in steps.items():
+            times[key].append((time.perf_counter() - t0) / args.steps)
+    for key, (sched, _) in steps.items():
         report = sched.trace_report(dst=0)
-        rows[name]["ms"] = statistics.median(times[name]) * 1e3
-        if report is not None:
-            held = [s for s, why in report.split.items() if why is None]
-            if name != "1f1b" and (len(held) != len(report.split) or len(report.split) != len(sched._runners) * world):
-                raise AssertionError(f"{name}: the trace says the split did not hold: {report.split}")
-            rows[name].update(bubble=report.measured_bubble, sim_bubble=report.simulated_bubble,
-                              sim_ms=report.simulated.makespan * 1e3, traced_ms=statistics.median(report.step_times) * 1e3,
-                              split=f"held on {len(held)}/{len(report.split)} stages", costs=report.costs)
+        rows[key]["times"] = times[key]
+        rows[key]["ms"] = statistics.median(times[key]) * 1e3
+        if report is None:
+            continue
+        if args.trace:
+            report.write_chrome_trace(f"{args.trace}_{key[0]}_{key[1]}_d{args.d}.json")
+        held = [s for s, why in report.split.items() if why is None]
+        if key[1] != "1f1b" and (len(held) != len(report.split) or len(report.split) != len(sched._runners) * world):
+            raise AssertionError(f"{key}: the trace says the split did not hold: {report.split}")
+        gap: dict[str, float] = {}
+        if not report.schedule.overlapped:  # replay runs each rank's actions one after the other
+            mid = sorted(range(len(report.steps)), key=lambda i: report.step_times[i])[len(report.steps) // 2]
+            gap = replay_gap(report.schedule, report.steps[mid], report.costs)
+        rows[key].update(bubble=report.measured_bubble, sim_bubble=report.simulated_bubble,
+                         sim_ms=report.simulated.makespan * 1e3, traced_ms=statistics.median(report.step_times) * 1e3,
+                         split=f"held on {len(held)}/{len(report.split)} stages", costs=report.costs, gap=gap)
     return rows
 
 
+def _total(value: Any) -> float:
+    """A cost summed over stages (a per-stage list) or the single value."""
+    return sum(value) if isinstance(value, list) else value
+
+
 def main() -> None:
+    import os
+
     from pipeline_ext.comm.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2, choices=(2, 4), help="pipeline ranks (processes)")
     ap.add_argument("--d", type=int, default=64, help="model width")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32, help="tokens per row")
-    ap.add_argument("--blocks", type=int, default=8, help="transformer blocks (a multiple of 8: ZBV has 8 stages)")
+    ap.add_argument("--blocks", type=int, default=8, help="transformer blocks (a multiple of 2 x ranks: V schedules "
+                                                          "cut the model into 2 stages per rank)")
     ap.add_argument("--rows", type=int, default=2, help="rows per microbatch")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, help="the first is the baseline of the gains")
     ap.add_argument("--no-sac", action="store_true", help="the same blocks without checkpointing (for comparison)")
+    ap.add_argument("--both", action="store_true", help="with SAC and without, interleaved in one run")
+    ap.add_argument("--trace", metavar="PREFIX", help="write each schedule's traced steps as Chrome trace JSON")
     args = ap.parse_args()
-    if args.blocks % 8:
-        ap.error("--blocks must be a multiple of 8 (ZBV cuts the model into 8 stages)")
-    res = spawn(worker, WORLD, args, timeout=3600, threads=1)
+    world = args.ranks
+    if args.blocks % (2 * world):
+        ap.error(f"--blocks must be a multiple of {2 * world} (V schedules cut the model into {2 * world} stages)")
+    res = spawn(worker, world, args, timeout=3600, threads=1)
     per_rank = {r: rows for r, (_, rows) in res.items()}
+    load = os.getloadavg()
     print(f"{args.blocks} transformer blocks d={args.d} ({args.heads} heads), {args.seq} tokens x {args.rows} rows per "
-          f"microbatch, {args.microbatches} microbatches, {WORLD} ranks (Gloo, 1 thread each), "
-          f"{'no checkpointing' if args.no_sac else 'every block under SAC (matmuls saved)'}; torch {torch.__version__}")
-    errs = {name: e for rows in per_rank.values() for name, r in rows.items() if (e := r["loss_err"]) is not None}
+          f"microbatch, {args.microbatches} microbatches, {world} ranks (Gloo, 1 thread each), "
+          f"{' and '.join(VARIANTS[m] for m in modes(args))}"
+          f"; {args.repeats} interleaved repeats of {args.steps} steps; torch {torch.__version__}; "
+          f"load average after the run {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    errs = {f"{k[0]} {k[1]}": e for rows in per_rank.values() for k, r in rows.items()
+            if (e := r["loss_err"]) is not None}
     print("first step of every schedule checked against the unsplit model (every gradient, the loss; loss rel. err "
           + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + "); no UnsplitBackwardWarning")
-    print()
-    head = (f"{'schedule':<7} {'ms/step':>8} {'traced ms':>9} {'sim ms':>7} {'bubble':>7} {'sim bubble':>10} "
-            f"{'sim@unit':>8} {'peak KiB':>9} {'promise KiB':>11} {'peak/promise':>12}  I/W split")
-    print(head)
-    def promise(rows: dict, name: str) -> float:
-        return rows[name]["sim_units"] * per_rank[1][name]["unit"] + rows[name]["outputs"]
+    base = args.schedules[0]
 
-    for name in SCHEDULES:
-        r0 = per_rank[0][name]
-        worst = max(per_rank.values(), key=lambda rows: rows[name]["peak"] / promise(rows, name))
-        peak, promised = worst[name]["peak"], promise(worst, name)
-        print(f"{name:<7} {r0['ms']:>8.1f} {r0['traced_ms']:>9.1f} {r0['sim_ms']:>7.1f} {r0['bubble']:>7.3f} "
-              f"{r0['sim_bubble']:>10.3f} {r0['sim_unit_bubble']:>8.3f} {peak / 1024:>9.0f} {promised / 1024:>11.0f} "
-              f"{peak / promised:>12.3f}  {r0['split'] if name != '1f1b' else '(no I/W)'}")
+    def promise(rows: dict, key: tuple[str, str]) -> float:
+        return rows[key]["sim_units"] * per_rank[1][key]["unit"] + rows[key]["outputs"]
+
+    ms = lambda v: "/".join(f"{t * 1e3:.1f}" for t in (v if isinstance(v, list) else [v]))  # noqa: E731
+    for mode in modes(args):
+        print()
+        print(f"== {mode} ==")
+        print(f"{'schedule':<9} {'ms/step':>8} {'spread':>7} {'traced ms':>9} {'sim ms':>7} {'bubble':>7} "
+              f"{'sim bubble':>10} {'sim@unit':>8} {'F ms':>7} {'I ms':>7} {'W ms':>7} {'(I+W)/B':>8} "
+              f"{'peak/promise':>12}  I/W split")
+        b_base = _total(per_rank[0][(mode, base)]["costs"].b)  # the baseline's whole backward (B), all stages
+        for name in args.schedules:
+            key = (mode, name)
+            r0 = per_rank[0][key]
+            c = r0["costs"]
+            t = r0["times"]
+            spread = (max(t) - min(t)) / statistics.median(t)
+            worst = max(per_rank.values(), key=lambda rows: rows[key]["peak"] / promise(rows, key))
+            ratio = (_total(c.b) + _total(c.w)) / b_base
+            print(f"{name:<9} {r0['ms']:>8.1f} {spread:>7.1%} {r0['traced_ms']:>9.1f} {r0['sim_ms']:>7.1f} "
+                  f"{r0['bubble']:>7.3f} {r0['sim_bubble']:>10.3f} {r0['sim_unit_bubble']:>8.3f} "
+                  f"{_total(c.f) * 1e3:>7.1f} {_total(c.b) * 1e3:>7.1f} {_total(c.w) * 1e3:>7.1f} "
+                  f"{ratio:>8.2f} {worst[key]['peak'] / promise(worst, key):>12.3f}  "
+                  f"{r0['split'] if name in ZB else '(no I/W)'}")
+        print()
+        for name in args.schedules:
+            c = per_rank[0][(mode, name)]["costs"]
+            gap = per_rank[0][(mode, name)]["gap"]
+            parts = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in gap.items() if k != "traced")
+            print(f"{name:<9} per stage (ms) F {ms(c.f)}  I/B {ms(c.b)}  W {ms(c.w)}  comm {ms(c.comm)}"
+                  + (f"; traced step's gap to the simulator (ms): {parts}" if parts else ""))
+        print()
+        r_base = per_rank[0][(mode, base)]
+        for name in args.schedules[1:]:
+            r = per_rank[0][(mode, name)]
+            label = base.upper() if base == "1f1b" else base
+            print(f"gain over {label}: {name} measured {r_base['ms'] / r['ms']:.2f}x "
+                  f"simulated {r_base['sim_ms'] / r['sim_ms']:.2f}x ({mode}); paired "
+                  f"{statistics.median(a / b for a, b in zip(r_base['times'], r['times'])):.2f}x, fastest repeats "
+                  f"{min(r_base['times']) / min(r['times']):.2f}x")
+        split_costs = per_rank[0].get((mode, "zb_h1"), {}).get("costs")
+        if split_costs is not None and (mode, "1f1b") in per_rank[0]:
+            # select() from the measured costs: ZB-H1's F, I, W and 1F1B's whole backward B, per rank share
+            from pipeline_ext import schedules as S
+
+            in_ms = lambda v: [t * 1e3 for t in v] if isinstance(v, list) else v * 1e3  # noqa: E731
+            costs = S.Costs(in_ms(split_costs.f), in_ms(split_costs.b), in_ms(split_costs.w), in_ms(split_costs.comm),
+                            whole=in_ms(per_rank[0][(mode, "1f1b")]["costs"].b))
+            for budget in (None, world):
+                sel = S.select(world, args.microbatches, budget, costs)
+                told = "none" if budget is None else f"{budget} units (1F1B)"
+                print(f"select({world} ranks, {args.microbatches} microbatches, budget {told}) at the measured costs "
+                      f"in ms ({mode}): {sel.reason}")
     print()
-    print("ms/step: median wall time of the interleaved timed steps; traced ms / sim ms: the traced steps' span and the "
-          "simulator's makespan at the per-stage F, I, W costs measured on them; bubble: measured on the traced steps, "
-          "sim bubble at those costs, sim@unit at F = I = W = 1")
-    print("peak KiB: the most activation bytes one rank held (ActivationMeter: forward inputs/outputs, checkpoint "
-          "frames' inputs and SAC-saved values, what I keeps for W), on the rank closest to its promise; promise: "
-          "the simulator's peak stage-microbatches on that rank x one stage-microbatch's bytes (measured on rank 1), "
-          "plus, on the rank of the last stage, the m outputs it keeps for the caller")
-    print()
-    for name in SCHEDULES:
-        ratios = [f"{rows[name]['peak'] / promise(rows, name):.2f}" for _, rows in sorted(per_rank.items())]
-        c = per_rank[0][name]["costs"]
-        ms = lambda v: "/".join(f"{t * 1e3:.1f}" for t in (v if isinstance(v, list) else [v]))  # noqa: E731
-        print(f"{name:<7} peak/promise per rank {' '.join(ratios)}; measured costs per stage (ms) "
-              f"F {ms(c.f)}  I {ms(c.b)}  W {ms(c.w)}")
+    print("ms/step: median wall time of the interleaved timed steps; spread: (max - min) / median over the repeats; "
+          "traced ms / sim ms: the traced steps' span and the simulator's makespan at the per-stage F, I, W costs "
+          "measured on them; bubble: measured on the traced steps, sim bubble at those costs, sim@unit at "
+          "F = I = W = 1; F, I, W ms: the measured costs summed over stages (I is B for a schedule without I/W); "
+          f"(I+W)/B: that schedule's I + W over {base}'s B; peak/promise: the most activation bytes one rank held "
+          "(ActivationMeter) over the simulator's peak stage-microbatches x one stage-microbatch's bytes, worst rank")
+    print("gain: the baseline's median step over the schedule's (measured), and the simulator's makespan at the "
+          "baseline's measured costs over the simulator's at the schedule's (simulated); paired: the median over the "
+          "repeats of the baseline's step over the schedule's in the same repeat; fastest repeats: the "
+          "baseline's fastest repeat over the schedule's (load from other processes only ever adds time)")
 
 
 if __name__ == "__main__":

@@ -115,3 +115,65 @@ def test_peak_bytes_per_stage():
     assert v.peak_bytes([1, 1, 1, 8])[0] == 3 * 1 + 8  # not 4 * 8: the four live at once are not all stage 3
     with pytest.raises(S.ScheduleError, match="activation_bytes has 3 entries but the schedule has 4 stages"):
         v.peak_bytes([1, 2, 3])
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_split_costing_more_than_the_bubble_it_removes_picks_a_schedule_without_it(budget):
+    """I + W = 2 against a measured whole backward B = 1.2: the split's extra 0.8 per microbatch outweighs
+    the bubble ZB removes (about (p - 1)(F + B) per step against m x 0.8), so a schedule that runs B wins,
+    and the reason says why with the numbers."""
+    costs = S.Costs(1.0, 1.0, 1.0, 0.05, whole=1.2)
+    sel = S.select(4, 8, budget, costs)
+    assert not sel.chosen.splits and sel.chosen.fits
+    if budget is not None:  # at 1F1B's memory: 1F1B, or DualPipeV (whole backwards but at its two ends)
+        assert sel.chosen.name in ("1f1b", "interleaved_1f1b", "dualpipev")
+    assert "costs more than the bubble it removes" in sel.reason
+    assert "I + W = 2 against a whole backward B = 1.2 per rank share (+67%)" in sel.reason
+    best_split = min((c for c in sel.candidates if c.fits and c.splits), key=lambda c: c.makespan)
+    assert best_split.makespan > sel.chosen.makespan and best_split.name in sel.reason
+    assert "chosen: " + sel.reason in sel.table()
+    # the candidates were timed with B at its measured cost: simulate 1F1B at B = 1.2 independently
+    one = next(c for c in sel.candidates if c.name == "1f1b")
+    assert one.makespan == pytest.approx(S.simulate(S.build("1f1b", 4, 8), S.Costs(1.0, 1.2, 0.0, 0.05)).makespan)
+
+
+def test_a_split_that_costs_less_than_the_bubble_picks_zero_bubble():
+    """The same model with the split free (I + W = B = 2): zero bubble wins, and says so; at a budget only
+    split schedules meet, the reason says that nothing without the split fits."""
+    sel = S.select(4, 8, 4, S.Costs(1.0, 1.0, 1.0, 0.05, whole=2.0))
+    assert sel.chosen.splits and sel.chosen.name == "zbv"
+    assert "the I/W split pays for itself" in sel.reason and "(+0%)" in sel.reason
+    tight = S.select(4, 8, 3, S.Costs(1.0, 1.0, 1.0, 0.05, whole=1.9))
+    assert tight.chosen.splits and "(+5%); no schedule without the I/W split fits" in tight.reason
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
+def test_the_choice_flips_where_the_split_overhead_crosses_the_bubble(p, m):
+    """Sweeping the measured B from I + W down: the choice splits while the split's overhead is small, then
+    stops splitting once for good, exactly where the best schedule without I/W becomes the faster one."""
+    choices = []
+    for whole in [2.0 - 0.05 * k for k in range(21)]:  # B from I + W = 2 down to 1
+        sel = S.select(p, m, p, S.Costs(1.0, 1.0, 1.0, 0.0, whole=whole))
+        best = {splits: min(c.makespan for c in sel.candidates if c.fits and c.splits == splits)
+                for splits in (True, False)}
+        assert sel.chosen.splits == (best[True] <= best[False])
+        choices.append(sel.chosen.splits)
+    assert choices[0] and not choices[-1]
+    flip = choices.index(False)
+    assert not any(choices[flip:])
+
+
+def test_whole_defaults_to_i_plus_w():
+    """Without a measured B, a B costs I + W, as before: the same makespans as whole = b + w given outright."""
+    a = S.select(4, 8, None, S.Costs(1.0, 2.0, 1.0, 0.1))
+    b = S.select(4, 8, None, S.Costs(1.0, 2.0, 1.0, 0.1, whole=3.0))
+    assert [(c.name, c.makespan) for c in a.candidates] == [(c.name, c.makespan) for c in b.candidates]
+    assert "split" not in a.reason and a.reason.startswith(a.chosen.name)
+
+
+def test_measured_costs_per_rank_share_time_v_schedules_too():
+    """Costs measured on a one-stage-per-rank run come as one entry per rank share; a schedule with two stages
+    per rank gets each share's entry, halved, on both stages in it: the same times as the numbers themselves."""
+    listed = S.select(2, 8, None, S.Costs([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.05, whole=[1.2, 1.2]))
+    plain = S.select(2, 8, None, S.Costs(1.0, 1.0, 1.0, 0.05, whole=1.2))
+    assert [(c.name, c.makespan) for c in listed.candidates] == [(c.name, c.makespan) for c in plain.candidates]

@@ -33,6 +33,19 @@ def test_simulated_timeline_read_as_a_trace_gives_back_costs_and_bubble(name):
     assert report.simulated_bubble == pytest.approx(sim.bubble_rate)
 
 
+def test_a_schedule_running_whole_and_split_backwards_is_charged_each_as_measured():
+    """DualPipeV runs B in its overlapped middle and I, W at its ends: a median over B and I together would
+    charge neither; B is measured into ``whole``, I into b, W into w, and the simulator gives the step back."""
+    sch = S.build("dualpipev", 2, 8, stages_per_rank=2)
+    costs = S.Costs(f=1.0, b=0.5, w=1.0, whole=1.2)  # I + W (1.5) costs more than the whole backward (1.2)
+    sim = S.simulate(sch, costs)
+    got = measure_costs(sch, [sim.timeline])
+    assert got.whole == pytest.approx([1.2] * 4) and got.b == pytest.approx([0.5] * 4)
+    assert got.w == pytest.approx([1.0] * 4)
+    assert S.simulate(sch, got).makespan == pytest.approx(sim.makespan)
+    assert measure_costs(S.build("zb_h1", 2, 4), [S.simulate(S.build("zb_h1", 2, 4)).timeline]).whole is None
+
+
 def test_transfer_time_is_read_only_from_receivers_that_waited():
     sch = S.lower(S.build("1f1b", 2, 2))
     a = S.Action

@@ -98,15 +98,23 @@ def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]]) -> Costs:
     """Per-stage median F, B (or I), W and the median transfer time, as simulator ``Costs``.
 
     A stage that runs full backwards gets b = its B time and w = 0 (the
-    simulator charges b + w for a B); a split one gets b = I and w = W.
+    simulator charges b + w for a B); a split one gets b = I and w = W. A
+    schedule whose stages run both (DualPipeV: whole backwards in its
+    overlapped middle, I and W at the ends) gets ``whole`` = the B time too,
+    so each kind is charged what it measured (a median over B and I together
+    would charge neither).
     """
     spans = [s for step in steps for s in step]
     stages = range(schedule.num_stages)
+    kinds = [{s.action.kind for s in spans if s.action.stage == st} for st in stages]
     f = [_median_by(spans, (ActionKind.F,), s) for s in stages]
-    b = [_median_by(spans, (ActionKind.B, ActionKind.I), s) for s in stages]
+    whole = [_median_by(spans, (ActionKind.B,), s) for s in stages]
+    b = [_median_by(spans, (ActionKind.I,), s) if ActionKind.I in kinds[s] else whole[s] for s in stages]
     w = [_median_by(spans, (ActionKind.W,), s) for s in stages]
+    mixed = any(ActionKind.B in k and ActionKind.I in k for k in kinds)
     samples = [c for step in steps for c in transfer_samples(schedule, step)]
-    return Costs(f=f, b=b, w=w, comm=statistics.median(samples) if samples else 0.0)
+    return Costs(f=f, b=b, w=w, comm=statistics.median(samples) if samples else 0.0,
+                 whole=[whole[s] if ActionKind.B in kinds[s] else b[s] + w[s] for s in stages] if mixed else None)
 
 
 def measured_bubble(spans: Sequence[Span], num_ranks: int) -> float:

@@ -32,6 +32,18 @@ stage of a schedule with v stages per rank takes the entry of the share it
 lies in. Such stages are simulated with I costing b + w and W nothing, and
 each candidate that splits says where its split holds and where it falls
 back (``Candidate.split``; the table lists the reasons).
+
+Splitting is not free. Two engine calls instead of one, what I keeps for W
+read back, under checkpointing a recomputation that both halves wait on: on
+real compute I + W often costs more than the whole backward B it replaces
+(docs/performance.md measures it). With ``Costs.whole`` set to the measured
+B, schedules that run B (1F1B, interleaved 1F1B, ...) are simulated at it and
+those that split at the measured I and W, so where the split costs more than
+the bubble it removes a schedule without it wins, and ``Selection.reason``
+says so with the numbers: I + W against B, and the two schedules' times.
+Measured costs come from traces (``runtime.trace.measure_costs``): a
+zero-bubble run gives F, I, W, a 1F1B run gives B;
+``dataclasses.replace(split_costs, whole=unsplit_costs.b)`` joins them.
 """
 from __future__ import annotations
 
@@ -61,6 +73,9 @@ class Candidate:
     #: the I/W split of a candidate that runs I and W, when select was told about it (``split``): "held",
     #: or "falls back on stages [...]"; "" for a candidate without I/W actions or when nothing was told
     split: str = ""
+    #: whether the candidate splits every backward into I and W (no whole B; DualPipeV runs B in its
+    #: overlapped middle and splits only at its ends, so it counts with the schedules that run B)
+    splits: bool = False
 
     @property
     def fits(self) -> bool:
@@ -76,6 +91,9 @@ class Selection:
     candidates: list[Candidate] = field(default_factory=list)
     #: why the I/W split falls back, per rank share of the model (as given to ``select``; empty: not told)
     split_reasons: dict[int, str] = field(default_factory=dict)
+    #: why the chosen one, in words: the fastest that fits, and where ``Costs.whole`` was given, whether the I/W
+    #: split pays for itself (I + W against B, the fastest schedule with the split and without it)
+    reason: str = ""
 
     def table(self) -> str:
         """The candidates as a text table, the chosen one marked with ``*`` (with a bytes column if bytes were given,
@@ -97,6 +115,8 @@ class Selection:
                          + f"  {c.verdict}")
         for share, why in sorted(self.split_reasons.items()):
             lines.append(f"  I/W split falls back on rank share {share}: {why}")
+        if self.reason:
+            lines.append(f"  chosen: {self.reason}")
         return "\n".join(lines)
 
 
@@ -124,20 +144,35 @@ def _with_fallbacks(costs: Costs, n: int, falls_back: list[bool]) -> Costs:
     """``costs`` for ``n`` stages with W folded into I where the stage's split falls back."""
     if not any(falls_back):
         return costs
-    b = [costs._get("b", s) + (costs._get("w", s) if falls_back[s] else 0.0) for s in range(n)]
+    b = [costs.backward(s) if falls_back[s] else costs._get("b", s) for s in range(n)]
     w = [0.0 if falls_back[s] else costs._get("w", s) for s in range(n)]
-    return Costs(costs.f, b, w, costs.comm)
+    return Costs(costs.f, b, w, costs.comm, costs.whole)
+
+
+def _by_share(costs: Costs, p: int, n: int) -> Costs:
+    """Per-rank-share cost lists (p entries, as measured on a one-stage-per-rank run) spread over ``n`` stages:
+    stage s covers the part of the model in share ``s * p // n``. Numbers and lists of any other length pass as
+    they are."""
+    def spread(value):
+        if isinstance(value, (int, float)) or value is None or len(value) != p:
+            return value
+        return [value[s * p // n] for s in range(n)]
+
+    return Costs(spread(costs.f), spread(costs.b), spread(costs.w), spread(costs.comm), spread(costs.whole))
 
 
 def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float],
              unit_bytes: Optional[float], shares: Optional[list[Optional[str]]] = None) -> Candidate:
-    costs = costs.per_stage_of(v) if v > 1 else costs
+    if v > 1:
+        costs = _by_share(costs, schedule.num_ranks, schedule.num_stages).per_stage_of(v)
     note = ""
+    kinds = {a.kind for acts in schedule.actions for a in acts}
+    splits = ActionKind.I in kinds and ActionKind.B not in kinds
     if shares is not None:
         n, p = schedule.num_stages, len(shares)
         falls_back = [shares[s * p // n] is not None for s in range(n)]
         costs = _with_fallbacks(costs, n, falls_back)
-        if any(a.kind in (ActionKind.I, ActionKind.W) for acts in schedule.actions for a in acts):
+        if ActionKind.I in kinds:
             back = [s for s in range(n) if falls_back[s]]
             note = "held" if not back else f"falls back on stages {back}" if len(back) < n else "falls back everywhere"
     result = simulate(schedule, costs)
@@ -150,7 +185,26 @@ def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Option
         verdict = f"over budget: peak {format_bytes(peak_bytes)} > {format_bytes(budget * unit_bytes)}"
     else:
         verdict = f"over budget: peak {peak:g} > {budget:g} units"
-    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes, note)
+    return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes, note, splits)
+
+
+def _reason(chosen: Candidate, candidates: Sequence[Candidate], costs: Costs, p: int) -> str:
+    """Why ``chosen``: the fastest that fits, and with ``costs.whole``, whether the I/W split pays for itself."""
+    text = f"{chosen.name} is the fastest simulated schedule that fits ({chosen.makespan:.4g})"
+    if costs.whole is None:
+        return text
+    split = sum(costs._get("b", s) + costs._get("w", s) for s in range(p)) / p  # per rank share, averaged
+    whole = sum(costs.backward(s) for s in range(p)) / p
+    over = split / whole - 1 if whole > 0 else 0.0
+    said = f"I + W = {split:.4g} against a whole backward B = {whole:.4g} per rank share ({over:+.0%})"
+    other = next((c for c in candidates if c.fits and c.splits != chosen.splits), None)
+    if other is None:
+        return f"{text}, {said}; no schedule {'without' if chosen.splits else 'with'} the I/W split fits"
+    if chosen.splits:
+        return (f"{text}: the I/W split pays for itself, {said}, less than the bubble it removes "
+                f"(the fastest schedule without it, {other.name}, takes {other.makespan:.4g})")
+    return (f"{text}: the I/W split costs more than the bubble it removes, {said} (the fastest schedule "
+            f"with it, {other.name}, takes {other.makespan:.4g})")
 
 
 def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
@@ -164,6 +218,7 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
     every candidate's ``peak_bytes`` is filled in (``activation_bytes``
     alone adds the bytes to the table without a budget). No budget: no limit.
     ``split``: whether each rank share's I/W split holds (module doc; None: assume it does, and say nothing).
+    ``costs.whole``: the measured whole backward B, against which the split's I + W is weighed (module doc).
     Ties in time go to the smaller bubble, then the smaller peak. Raises ``ScheduleError`` naming the
     smallest peak any candidate needs when none fits.
     """
@@ -214,4 +269,5 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
                             f"the smallest peak is {smallest:g} units")
     chosen = candidates[0]
     reasons = {r: why for r, why in enumerate(shares or []) if why is not None}
-    return Selection(schedules[(chosen.name, chosen.stages_per_rank)], chosen, candidates, reasons)
+    return Selection(schedules[(chosen.name, chosen.stages_per_rank)], chosen, candidates, reasons,
+                     _reason(chosen, candidates, costs, p))

@@ -10,7 +10,9 @@ The model: an F of stage s starts at max(rank free, end of the F of stage s-1
 on that microbatch + c); a B or I of stage s starts at max(rank free, end of
 the B/I of stage s+1 + c), or after the stage's own F on the last stage; a W
 starts when its rank is free. c is charged only between stages on different
-ranks. A B that is not split costs B+W. SEND/RECV actions of a lowered schedule
+ranks. A B that is not split costs B+W, or ``Costs.whole`` where a measured
+whole backward is known (the split is rarely free: I + W usually costs more than
+the B it replaces, see docs/performance.md). SEND/RECV actions of a lowered schedule
 take no time here: the runtime posts receives early, so only the transfer
 time c, charged on the dependency, matters.
 """
@@ -32,12 +34,20 @@ class Costs:
 
     Each is a number or a per-stage sequence. A per-stage ``comm`` entry is the
     cost of any message leaving that stage (forward or backward).
+
+    ``whole``: the duration of an unsplit backward (a B action), where it was
+    measured; None charges a B ``b + w``, as if splitting the backward into I
+    and W cost nothing. On real compute it does cost something (two engine
+    calls instead of one, what I keeps for W read back, a recomputation
+    shared between them), so a schedule that splits and one that does not are
+    compared fairly only with ``whole`` set to the measured B.
     """
 
     f: Cost = 1.0
     b: Cost = 1.0
     w: Cost = 1.0
     comm: Cost = 0.0
+    whole: Optional[Cost] = None
 
     @classmethod
     def parse(cls, text: str) -> "Costs":
@@ -63,7 +73,8 @@ class Costs:
                 return value / stages_per_rank
             return [x / stages_per_rank for x in value]
 
-        return Costs(split(self.f), split(self.b), split(self.w), self.comm)
+        return Costs(split(self.f), split(self.b), split(self.w), self.comm,
+                     None if self.whole is None else split(self.whole))
 
     def _get(self, which: str, stage: int) -> float:
         value = getattr(self, which)
@@ -87,8 +98,14 @@ class Costs:
         if kind is ActionKind.W:
             return self._get("w", s)
         if kind is ActionKind.B:
-            return self._get("b", s) + self._get("w", s)
+            return self.backward(s)
         return 0.0
+
+    def backward(self, stage: int) -> float:
+        """The duration of an unsplit backward of ``stage``: ``whole`` where given, else ``b + w``."""
+        if self.whole is None:
+            return self._get("b", stage) + self._get("w", stage)
+        return self._get("whole", stage)
 
     def transfer(self, from_stage: int) -> float:
         return self._get("comm", from_stage)
