@@ -1,0 +1,245 @@
+"""DTensor activations between stages: the local shard travels, with its layout as a small int64 tensor.
+
+[Note: DTensors between stages]
+A stage of a tensor-parallel model may return DTensors (``RowwiseParallel(
+use_local_output=False)``, sequence parallel's ``Shard(1)``). The core moves
+bytes at a data pointer, which a DTensor (a wrapper) does not have; what has
+bytes is its local shard. So a stage's outputs go out in *wire form*:
+
+- each DTensor output becomes ``output.to_local().contiguous()``, taken inside
+  the autograd graph, so the gradient that comes back (a plain tensor, the
+  local shard of the gradient in the output's own placements) enters the
+  graph through ``to_local``'s backward, which wraps it as the DTensor
+  gradient exactly as torch's ``PipelineStage`` rebuilds it;
+- one int64 tensor is appended to the message: a magic word, then per
+  DTensor output its position, mesh (dim names, shape),
+  placements, global shape and stride (``META_ENTRY`` words each, a fixed
+  size, so the message's layout depends only on how many outputs are
+  DTensors, and a new placement is read anew from every message).
+
+The receiving stage (``from_wire``) drops the layout tensor and rebuilds each
+DTensor with ``DTensor.from_local(local, mesh, placements, shape=, stride=,
+run_check=False)`` on a mesh of its own (``MeshFinder``: the stage module's
+DTensor parameters and their sub-meshes, ``PipelineStage(mesh=)``, or
+torch's ``get_mesh=`` callback), after checking that the mesh's dim names and
+shape are the sender's; a mismatch raises a TypeError naming the stage, the
+input and both sides. The local shard it received is the leaf that collects
+the gradient: ``from_local``'s backward redistributes the DTensor gradient
+to the forward placements (a Partial gradient is reduced over its mesh dim
+there, on every rank of the mesh in the same order, as part of the same
+backward) and hands back its local shard, which is what the sender's
+``to_local`` expects. Plain tensors are untouched: only a stage that returned
+a DTensor pays for any of this (``as_output_tuple`` sees it on the path that
+already handles tensors the core cannot read).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["MAGIC", "META_ENTRY", "to_wire", "is_wire", "from_wire", "MeshFinder", "dtensor_type", "scalar_grad",
+           "is_async_collective", "waited"]
+
+#: first word of a layout tensor (an int64 no activation carries by chance in that place, size and dtype)
+MAGIC = 0x5044_5445_4E53_4F52  # "PDTENSOR"
+_MESH_DIMS, _DIMS, _NAME_WORDS = 4, 8, 8
+# position, mesh ndim, mesh shape, (reserved), placements, ndim, shape, stride, dim names
+META_ENTRY = 1 + 1 + _MESH_DIMS * 3 + 1 + _DIMS * 2 + _NAME_WORDS
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_async_collective(t: torch.Tensor) -> bool:
+    """A functional collective's result not yet waited on (``AsyncCollectiveTensor``): plain once waited."""
+    return type(t).__name__ == "AsyncCollectiveTensor" and type(t).__module__.startswith("torch.distributed")
+
+
+def waited(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t``, or its plain tensor once waited on when it is an ``AsyncCollectiveTensor`` (outside autograd)."""
+    return t.wait() if t is not None and is_async_collective(t) else t
+
+
+def _encode_placement(p: Any, what: str) -> int:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if type(p) is Replicate:
+        return 0
+    if type(p) is Shard:
+        return 1 + p.dim
+    if type(p) is Partial and p.reduce_op in _REDUCE_OPS:
+        return -1 - _REDUCE_OPS.index(p.reduce_op)
+    raise TypeError(f"{what} is a DTensor with placement {p!r}; between stages only Replicate, Shard(dim) and "
+                    f"Partial({'/'.join(_REDUCE_OPS)}) travel: redistribute it before returning it")
+
+
+def _decode_placement(code: int) -> Any:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if code == 0:
+        return Replicate()
+    if code > 0:
+        return Shard(code - 1)
+    return Partial(_REDUCE_OPS[-1 - code])
+
+
+def _text_words(text: str) -> list[int]:
+    raw = text.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _words_text(words: Sequence[int]) -> str:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words).rstrip(b"\0").decode()
+
+
+def _names(mesh: Any) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else ()
+
+
+def _describe(names: Sequence[str], shape: Sequence[int]) -> str:
+    return f"mesh {tuple(names)} of shape {tuple(shape)}"
+
+
+def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]) -> tuple[torch.Tensor, ...]:
+    """A stage's outputs with each DTensor as its local shard (in the graph), then one layout tensor."""
+    DTensor = dtensor_type()
+    out: list[torch.Tensor] = []
+    words: list[int] = [MAGIC]
+    mb = "" if microbatch is None else f", microbatch {microbatch}"
+    for i, t in enumerate(items):
+        if not isinstance(t, DTensor):
+            out.append(t)
+            continue
+        what = f"stage {stage}'s output at position {i}{mb}"
+        mesh = t.device_mesh
+        if mesh.ndim > _MESH_DIMS or t.dim() > _DIMS:
+            raise TypeError(f"{what} is a DTensor on a {mesh.ndim}-D mesh with {t.dim()} dims; between stages "
+                            f"at most {_MESH_DIMS} mesh dims and {_DIMS} tensor dims travel")
+        names = ",".join(_names(mesh))
+        if len(names.encode()) > 8 * _NAME_WORDS:
+            raise TypeError(f"{what}: the mesh dim names {_names(mesh)} are longer than {8 * _NAME_WORDS} bytes")
+        pad = lambda xs, n: list(xs) + [0] * (n - len(xs))  # noqa: E731
+        words += [i, mesh.ndim, *pad(mesh.shape, _MESH_DIMS), *pad((), _MESH_DIMS),
+                  *pad([_encode_placement(p, what) for p in t.placements], _MESH_DIMS),
+                  t.dim(), *pad(t.shape, _DIMS), *pad(t.stride(), _DIMS), *_text_words(names)]
+        local = t.to_local()
+        out.append(local.clone() if is_async_collective(local) else local.contiguous())
+    device = next((t.device for t in out if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    out.append(torch.tensor(words, dtype=torch.int64, device=device))
+    return tuple(out)
+
+
+def is_wire(args: Sequence[Any]) -> bool:
+    """Whether a received message is in wire form (its last tensor the layout of its DTensors)."""
+    last = args[-1] if args else None
+    return (type(last) is torch.Tensor and last.dtype is torch.int64 and last.dim() == 1
+            and last.numel() % META_ENTRY == 1 and int(last[0]) == MAGIC)
+
+
+class MeshFinder:
+    """The receiving stage's meshes a DTensor input is rebuilt on (see the module's note).
+
+    Looked up by the sender's mesh dim names and shape: a mesh given with
+    ``PipelineStage(mesh=)``, then the meshes of the stage module's DTensor
+    parameters and buffers and their sub-meshes by name, then ``get_mesh``
+    (torch's callback: ``get_mesh(dim_names, layout)``).
+    """
+
+    def __init__(self, module: Optional[torch.nn.Module], mesh: Any = None,
+                 get_mesh: Optional[Callable[..., Any]] = None) -> None:
+        self.module, self.mesh, self.get_mesh = module, mesh, get_mesh
+        self._found: dict[tuple, Any] = {}
+        self._candidates: Optional[list[Any]] = None
+
+    def candidates(self) -> list[Any]:
+        if self._candidates is None:
+            DTensor = dtensor_type()
+            seen: dict[int, Any] = {}
+            if self.mesh is not None:
+                seen[id(self.mesh)] = self.mesh
+            if self.module is not None:
+                for t in (*self.module.parameters(), *self.module.buffers()):
+                    if isinstance(t, DTensor):
+                        seen.setdefault(id(t.device_mesh), t.device_mesh)
+            self._candidates = list(seen.values())
+        return self._candidates
+
+    def find(self, names: tuple[str, ...], shape: tuple[int, ...]) -> Any:
+        key = (names, shape)
+        mesh = self._found.get(key)
+        if mesh is not None:
+            return mesh
+        for cand in self.candidates():
+            sub = cand
+            if _names(cand) != names:
+                if not names or not set(names) <= set(_names(cand)):
+                    continue
+                try:
+                    sub = cand[names if len(names) > 1 else names[0]]
+                except (KeyError, RuntimeError, ValueError):
+                    continue
+            if tuple(sub.shape) == shape:
+                self._found[key] = sub
+                return sub
+        if self.get_mesh is not None:
+            mesh = self.get_mesh(names, None)  # torch's (dim_names, layout); the layout is not sent
+            if mesh is not None:
+                if (_names(mesh), tuple(mesh.shape)) != key:
+                    raise TypeError(f"get_mesh({names}, ...) returned {_describe(_names(mesh), mesh.shape)}, "
+                                    f"not the sender's {_describe(names, shape)}")
+                self._found[key] = mesh
+                return mesh
+        return None
+
+    def known(self) -> str:
+        said = [_describe(_names(m), m.shape) for m in self.candidates()]
+        return ", ".join(said) if said else "none (no DTensor parameter, no mesh= given)"
+
+
+def from_wire(args: Sequence[Any], meshes: MeshFinder, stage: int, microbatch: Optional[int]) -> tuple[Any, ...]:
+    """The message without its layout tensor, each DTensor rebuilt (from the received local shard)."""
+    DTensor = dtensor_type()
+    words = args[-1].tolist()
+    out = list(args[:-1])
+    for k in range(1, len(words), META_ENTRY):
+        e = words[k:k + META_ENTRY]
+        pos, mdim = e[0], e[1]
+        o = 2
+        mshape = tuple(e[o:o + mdim]); o += _MESH_DIMS  # noqa: E702
+        o += _MESH_DIMS  # reserved
+        placements = [_decode_placement(c) for c in e[o:o + mdim]]; o += _MESH_DIMS  # noqa: E702
+        ndim = e[o]; o += 1  # noqa: E702
+        shape = tuple(e[o:o + ndim]); o += _DIMS  # noqa: E702
+        stride = tuple(e[o:o + ndim]); o += _DIMS  # noqa: E702
+        text = _words_text(e[o:o + _NAME_WORDS])
+        names = tuple(text.split(",")) if text else ()
+        mb = "" if microbatch is None else f", microbatch {microbatch}"
+        where = f"stage {stage}'s input {pos}{mb}"
+        mesh = meshes.find(names, mshape)
+        if mesh is None:
+            raise TypeError(
+                f"{where} is a DTensor from stage {stage - 1} on {_describe(names, mshape)} with placements "
+                f"{tuple(placements)}, but stage {stage} has no such mesh (its meshes: {meshes.known()}); give the "
+                "stage the mesh (PipelineStage(..., mesh=) or get_mesh=) or make both stages' meshes agree"
+            )
+        local = out[pos]
+        out[pos] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+    return tuple(out)
+
+
+def scalar_grad(loss: Any, weight: Any) -> Any:
+    """The loss weight as the gradient of a DTensor loss (the last stage's loss_fn on DTensor outputs): a
+    DTensor in the loss's placements, a Partial one taken as Replicate (``from_local``'s rule for grads)."""
+    from torch.distributed.tensor import Replicate
+
+    local = loss.to_local()
+    w = weight.detach().to(local.device, local.dtype) if isinstance(weight, torch.Tensor) else weight
+    grad = torch.empty_like(local).fill_(w) if not isinstance(w, torch.Tensor) else w.expand_as(local).clone()
+    placements = [Replicate() if p.is_partial() else p for p in loss.placements]
+    return dtensor_type().from_local(grad, loss.device_mesh, placements, run_check=False, shape=loss.shape,
+                                     stride=loss.stride())
