@@ -243,3 +243,81 @@ def scalar_grad(loss: Any, weight: Any) -> Any:
     placements = [Replicate() if p.is_partial() else p for p in loss.placements]
     return dtensor_type().from_local(grad, loss.device_mesh, placements, run_check=False, shape=loss.shape,
                                      stride=loss.stride())
+
+
+# -- microbatch split and merge of DTensors ---------------------------------------------------------------
+# [Note: splitting a DTensor into microbatches]
+# A DTensor is split by splitting its local shard along the same dim and wrapping each piece with the same
+# mesh and placements (``to_local`` and ``from_local`` keep it in the graph). Where the dim is not sharded
+# (Replicate, Shard(other dim), Partial) the local dim is the global one: microbatch k holds the same rows
+# as the plain split. Where it is sharded on one mesh dim (a batch sharded over ranks, Shard(0)), each rank
+# cuts its own rows into equal pieces: microbatch k is then piece k of every rank (a permutation of the
+# plain split's rows, the same set over the step), and merging concatenates the local pieces again, which
+# undoes it exactly. That needs every rank's shard to hold the same number of rows, divisible by each
+# microbatch's share: anything else is refused by name.
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def _sharding_of(t: Any, dim: int) -> list[int]:
+    """The mesh dims that shard tensor dim ``dim`` of DTensor ``t``."""
+    return [i for i, p in enumerate(t.placements) if p.is_shard() and p.dim % t.dim() == dim]
+
+
+def split_dtensor(t: Any, sizes: Sequence[int], dim: int, split_local: Callable[..., Any]) -> list[Any]:
+    """``t`` (a DTensor) in pieces of ``sizes`` rows along ``dim`` (global), each a DTensor like it."""
+    DTensor = dtensor_type()
+    dim = dim % t.dim()
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    sharded = _sharding_of(t, dim)
+    local = t.to_local()
+    if is_async_collective(local):
+        local = local.clone()
+    if not sharded:
+        local_sizes = list(sizes)
+    else:
+        if len(sharded) > 1:
+            raise TypeError(f"split: a DTensor sharded along the split dim {dim} over {len(sharded)} mesh dims "
+                            f"({placements}) cannot be cut into microbatches; redistribute it first")
+        shards = mesh.size(sharded[0])
+        if t.shape[dim] % shards or local.shape[dim] * shards != t.shape[dim] or any(s % shards for s in sizes):
+            raise TypeError(
+                f"split: a DTensor of shape {tuple(t.shape)} sharded along the split dim {dim} ({placements}) over "
+                f"{shards} ranks is cut into microbatches on every rank alike, which needs each rank's "
+                f"{t.shape[dim] // shards if t.shape[dim] % shards == 0 else 'uneven'} rows and each microbatch's "
+                f"{list(sizes)} divisible by {shards}; pick n_microbatches so, or replicate it along dim {dim}")
+        local_sizes = [s // shards for s in sizes]
+    pieces = split_local(local, local_sizes, dim)
+    out = []
+    for piece, rows in zip(pieces, sizes):
+        shape = list(t.shape)
+        shape[dim] = rows
+        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                      stride=_contiguous_stride(shape)))
+    return out
+
+
+def concat_dtensors(tensors: Sequence[Any], dim: int, concat_local: Callable[..., Any]) -> Any:
+    """DTensors of one mesh and placements glued along ``dim``: their local shards concatenated (see the note)."""
+    DTensor = dtensor_type()
+    first = tensors[0]
+    for k, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            raise TypeError(f"concat: tensor {k} is a {type(t).__name__} where tensor 0 is a DTensor; a stage must "
+                            "return the same kind of tensor for every microbatch")
+        if t.device_mesh != first.device_mesh or tuple(t.placements) != tuple(first.placements):
+            raise TypeError(f"concat: tensor {k} is a DTensor with placements {tuple(t.placements)} on "
+                            f"{_describe(_names(t.device_mesh), t.device_mesh.shape)}, tensor 0 has "
+                            f"{tuple(first.placements)} on {_describe(_names(first.device_mesh), first.device_mesh.shape)}")
+    dim = dim % first.dim()
+    locals_ = [waited(t.to_local()) for t in tensors]
+    locals_ = [x.clone() if is_async_collective(x) else x for x in locals_]
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return DTensor.from_local(concat_local(locals_, dim), first.device_mesh, tuple(first.placements),
+                              run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
