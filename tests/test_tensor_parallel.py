@@ -85,7 +85,11 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     from pipeline_ext import schedules as S
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     tp, pp = mesh["tp"], mesh["pp"]
     bad: list[str] = []
     for name in names:
@@ -98,6 +102,12 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
         modules = {s: m for s, m in enumerate(Stage() for _ in range(ns)) if s in mine}
         for s in mine:
             modules[s] = _parallelize(modules[s], s, ns, case, tp, given)
+            if fsdp:
+                from torch.distributed.fsdp import fully_shard
+
+                for block in modules[s].blocks:
+                    fully_shard(block, mesh=mesh["dp_shard"])
+                modules[s] = fully_shard(modules[s], mesh=mesh["dp_shard"])
         extra = {"mesh": tp} if mesh_kw == "mesh" else {"get_mesh": lambda names, layout: mesh[names]} \
             if mesh_kw == "get_mesh" else {}
         stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp, **extra) for s in mine]
@@ -208,3 +218,9 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kin
             "input_args has a plain tensor")
     for r in range(4):
         assert want in said[r], f"rank {r}: {said[r]}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
+    no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
