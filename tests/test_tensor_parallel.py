@@ -110,8 +110,18 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
                 modules[s] = fully_shard(modules[s], mesh=mesh["dp_shard"])
         extra = {"mesh": tp} if mesh_kw == "mesh" else {"get_mesh": lambda names, layout: mesh[names]} \
             if mesh_kw == "get_mesh" else {}
-        stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp, **extra) for s in mine]
-        sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
+        if mesh_kw == "torch":  # torch 2.13's own PipelineStage and schedule on the same case, side by side
+            from torch.distributed import pipelining as tp_lib
+
+            lookup = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+            stages = [tp_lib.PipelineStage(modules[s], s, ns, torch.device("cpu"), group=pp.get_group(),
+                                           get_mesh=lambda names, layout: mesh[names]) for s in mine]
+            cls = tp_lib.schedules.get_schedule_class(lookup[name])
+            sched = cls(stages if issubclass(cls, tp_lib.schedules.PipelineScheduleMulti) else stages[0], M,
+                        loss_fn=_loss, scale_grads=True)
+        else:
+            stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp, **extra) for s in mine]
+            sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
                                                 timeout=120.0)
         opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
         ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
@@ -126,7 +136,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
 
                 xs, ys = (distribute_tensor(t, tp, [_placement(given)]) for t in (x, y))
             merged = sched.step(*((xs,) if 0 in mine else ()), target=ys if ns - 1 in mine else None,
-                                losses=losses, return_outputs=True)
+                                losses=losses)
             ref_opt.zero_grad()
             out = x
             for m in ref:
@@ -148,7 +158,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
                                    + ("" if p.grad is None else f" ratio {(_full(p.grad) / q.grad).flatten()[:3].tolist()}"))
             opt.step()
             ref_opt.step()
-        for st in stages:  # the I/W split held: W ran over the DTensor parameters, after I
+        for st in stages if mesh_kw != "torch" else ():  # the I/W split held: W ran over the DTensor params
             if st._runner.split_seen and st._runner.split_fallback is not None:
                 bad.append(f"{case} {name} rank {rank}: stage {st.stage_index}'s I ran the whole backward: "
                            f"{st._runner.split_fallback}")
@@ -224,3 +234,10 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kin
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
 def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
     no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_torch_pipeline_stage_on_the_same_case_for_reference(case):
+    """torch 2.13's PipelineStage (with get_mesh=) and 1F1B on the same model and data: exact too."""
+    no_complaints(_train, 4, case, ["1f1b", "interleaved_1f1b"], "torch", timeout=500)
