@@ -74,6 +74,16 @@ def _parallelize(stage: nn.Module, index: int, num_stages: int, case: str, tp, l
     return parallelize_module(stage, tp, plan)
 
 
+def _fresh_dtensor_caches() -> None:
+    """Forget torch's DTensor sharding cache: a pool worker runs many tests, each on a new process group,
+    and a cached sharding holds the previous test's mesh (equal by ranks and names) and its dead group."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
@@ -85,6 +95,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     from pipeline_ext import schedules as S
     from torch.distributed.device_mesh import init_device_mesh
 
+    _fresh_dtensor_caches()
     fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
     if fsdp:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
@@ -196,6 +207,7 @@ def _mismatch(rank: int, world: int, kind: str) -> str:
     import pipeline_ext as pe
     from torch.distributed.device_mesh import init_device_mesh
 
+    _fresh_dtensor_caches()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "tp"))["tp"]  # a "tp" of shape (1,)
     tp, pp = mesh["tp"], mesh["pp"]
@@ -230,12 +242,16 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kin
         assert want in said[r], f"rank {r}: {said[r]}"
 
 
+@pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
+# reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
 def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
     no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
 
 
+@pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
+# reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
 def test_torch_pipeline_stage_on_the_same_case_for_reference(case):

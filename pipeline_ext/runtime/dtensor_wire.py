@@ -105,15 +105,50 @@ def _describe(names: Sequence[str], shape: Sequence[int]) -> str:
     return f"mesh {tuple(names)} of shape {tuple(shape)}"
 
 
+#: layouts already encoded (sender) and decoded (receiver), so a steady step only pays torch's own
+#: to_local/from_local: the encoded int64 tensors are only ever read (the channel copies what it sends, the
+#: next stage on this rank decodes it), so one is reused for every message of that layout
+_ENCODED: dict[tuple, tuple] = {}
+_DECODED: dict[tuple, tuple] = {}
+_CACHED = 256
+
+
+def _remember(cache: dict, key: Any, value: Any) -> Any:
+    if len(cache) >= _CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]) -> tuple[torch.Tensor, ...]:
     """A stage's outputs with each DTensor as its local shard (in the graph), then one layout tensor."""
     DTensor = dtensor_type()
     out: list[torch.Tensor] = []
+    key: list[Any] = []
+    for i, t in enumerate(items):
+        if isinstance(t, DTensor):
+            key.append((i, id(t.device_mesh), tuple(t.placements), tuple(t.shape), t.stride()))
+            local = t.to_local()
+            out.append(local.clone() if is_async_collective(local) else local.contiguous())
+        else:
+            out.append(t)
+    device = next((t.device for t in out if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    cache_key = (tuple(key), device)
+    hit = _ENCODED.get(cache_key)
+    if hit is None:  # the entry holds the meshes, so their ids in the key stay theirs while it lives
+        meshes = [t.device_mesh for t in items if isinstance(t, DTensor)]
+        hit = _remember(_ENCODED, cache_key, (meshes, torch.tensor(_encode(items, stage, microbatch),
+                                                                   dtype=torch.int64, device=device)))
+    out.append(hit[1])
+    return tuple(out)
+
+
+def _encode(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]) -> list[int]:
+    DTensor = dtensor_type()
     words: list[int] = [MAGIC]
     mb = "" if microbatch is None else f", microbatch {microbatch}"
     for i, t in enumerate(items):
         if not isinstance(t, DTensor):
-            out.append(t)
             continue
         what = f"stage {stage}'s output at position {i}{mb}"
         mesh = t.device_mesh
@@ -127,11 +162,7 @@ def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]
         words += [i, mesh.ndim, *pad(mesh.shape, _MESH_DIMS), *pad((), _MESH_DIMS),
                   *pad([_encode_placement(p, what) for p in t.placements], _MESH_DIMS),
                   t.dim(), *pad(t.shape, _DIMS), *pad(t.stride(), _DIMS), *_text_words(names)]
-        local = t.to_local()
-        out.append(local.clone() if is_async_collective(local) else local.contiguous())
-    device = next((t.device for t in out if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    out.append(torch.tensor(words, dtype=torch.int64, device=device))
-    return tuple(out)
+    return words
 
 
 def is_wire(args: Sequence[Any]) -> bool:
@@ -204,8 +235,19 @@ class MeshFinder:
 def from_wire(args: Sequence[Any], meshes: MeshFinder, stage: int, microbatch: Optional[int]) -> tuple[Any, ...]:
     """The message without its layout tensor, each DTensor rebuilt (from the received local shard)."""
     DTensor = dtensor_type()
-    words = args[-1].tolist()
+    words = tuple(args[-1].tolist())
     out = list(args[:-1])
+    hit = _DECODED.get((words, id(meshes)))
+    if hit is None:  # the entry holds the finder, so its id in the key stays its own while it lives
+        hit = _remember(_DECODED, (words, id(meshes)), (meshes, _decode(words, meshes, stage, microbatch)))
+    for pos, mesh, placements, shape, stride in hit[1]:
+        out[pos] = DTensor.from_local(out[pos], mesh, placements, run_check=False, shape=shape, stride=stride)
+    return tuple(out)
+
+
+def _decode(words: Sequence[int], meshes: MeshFinder, stage: int, microbatch: Optional[int]) -> list:
+    """Per DTensor of a message: its position, the receiver's mesh, placements, global shape and stride."""
+    decoded = []
     for k in range(1, len(words), META_ENTRY):
         e = words[k:k + META_ENTRY]
         pos, mdim = e[0], e[1]
@@ -227,9 +269,8 @@ def from_wire(args: Sequence[Any], meshes: MeshFinder, stage: int, microbatch: O
                 f"{tuple(placements)}, but stage {stage} has no such mesh (its meshes: {meshes.known()}); give the "
                 "stage the mesh (PipelineStage(..., mesh=) or get_mesh=) or make both stages' meshes agree"
             )
-        local = out[pos]
-        out[pos] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
-    return tuple(out)
+        decoded.append((pos, mesh, tuple(placements), torch.Size(shape), stride))
+    return decoded
 
 
 def scalar_grad(loss: Any, weight: Any) -> Any:
