@@ -15,6 +15,7 @@ from torch import nn
 from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
 from pipeline_ext.runtime.declared import Declared, errors
+from pipeline_ext.runtime.dtensor_wire import MeshFinder
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
 __all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError"]
@@ -25,7 +26,11 @@ class PipelineStage(StagePosition):
 
     ``input_args`` / ``output_args`` (torch's static shapes, one microbatch)
     are optional: shapes are discovered on the first step (and again when they
-    change); when given, every microbatch is checked against them. ``group`` (a process group, or a 1-D ``DeviceMesh``
+    change); when given, every microbatch is checked against them. DTensor
+    outputs travel as their local shards and are rebuilt on the next stage's
+    mesh (``mesh=``, else found from its module's DTensor parameters, else
+    torch's ``get_mesh=`` callback); see [Note: DTensors between stages] in
+    runtime/dtensor_wire.py. ``group`` (a process group, or a 1-D ``DeviceMesh``
     such as ``mesh["pp"]``) defaults to the world group.
 
     A ``submodule`` wrapped in ``DistributedDataParallel`` or ``fully_shard``
@@ -44,6 +49,9 @@ class PipelineStage(StagePosition):
         output_args: Any = None,
         group: Optional[dist.ProcessGroup] = None,
         dw_builder: Any = None,
+        *,
+        mesh: Any = None,
+        get_mesh: Any = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage needs torch.distributed to be initialised (init_process_group) first")
@@ -53,8 +61,12 @@ class PipelineStage(StagePosition):
             raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index}")
         if dw_builder is not None and not callable(dw_builder):
             raise TypeError(f"dw_builder must be a callable returning the W runner, got {type(dw_builder).__name__}")
+        if get_mesh is not None and not callable(get_mesh):
+            raise TypeError(f"get_mesh must be a callable (dim_names, layout) -> DeviceMesh, got {type(get_mesh).__name__}")
         self.submod = submodule
         self.dw_builder = dw_builder
+        #: where DTensor inputs from the previous stage are rebuilt ([Note: DTensors between stages])
+        self.mesh, self.get_mesh = mesh, get_mesh
         self.input_args, self.output_args = input_args, output_args
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -116,6 +128,7 @@ class PipelineStage(StagePosition):
                                                   dw_builder=self.dw_builder, **kwargs)
         else:
             runner = StageRunner(self.submod, self.stage_index, self.num_stages, loss_fn, **kwargs)
+        runner.meshes = MeshFinder(self.submod, self.mesh, self.get_mesh)
         self._runner, self._has_backward = runner, loss_fn is not None
         return runner
 

@@ -78,6 +78,9 @@ class Declared:
                     problem = f"{what[:-1]} {i}: shape mismatch: {tuple(g.shape)}, {source} has {tuple(w.shape)}"
                 elif g.dtype != w.dtype:
                     problem = f"{what[:-1]} {i}: dtype mismatch: {g.dtype}, {source} has {w.dtype}"
+                elif _distribution(g) != _distribution(w):
+                    problem = (f"{what[:-1]} {i} is {_said(_distribution(g))}, {source} has "
+                               f"{_said(_distribution(w))}")
                 if problem:
                     break
         if problem:
@@ -86,3 +89,18 @@ class Declared:
                    "stage._runtime_validate holds every step to the first step's shapes; leave it unset to let "
                    "shapes change between steps")
             raise errors()["PipeliningShapeError"](f"stage {self.stage}, microbatch {mb}: {problem} ({why})")
+
+
+def _distribution(t: torch.Tensor) -> Any:
+    """None for a plain tensor; a DTensor's placements and mesh (dim names, shape)."""
+    if type(t) is torch.Tensor or not hasattr(t, "placements") or not hasattr(t, "device_mesh"):
+        return None
+    mesh = t.device_mesh
+    return tuple(t.placements), tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
+
+
+def _said(d: Any) -> str:
+    if d is None:
+        return "a plain tensor"
+    placements, names, shape = d
+    return f"a DTensor with placements {placements} on mesh {names} of shape {shape}"

@@ -38,6 +38,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from pipeline_ext.runtime import dtensor_wire
 from pipeline_ext.runtime._ext import _C
 
 #: The custom ops (registered when ``_C`` loads): split_copy, concat, concat_out,
@@ -106,9 +107,10 @@ def unmovable_reason(t: torch.Tensor) -> Optional[str]:
     if movable(t):
         return None
     if _is_a(t, "torch.distributed.tensor", "DTensor"):
-        return ("a DTensor: pipeline_ext moves plain tensors, and DTensor activations between stages are not "
-                "supported yet; return .to_local() (this rank's shard) or .full_tensor() (the whole tensor) and "
-                "rebuild the DTensor in the next stage (DTensor.from_local)")
+        return ("a DTensor: the core moves plain tensors. A PipelineStage passes DTensor outputs between stages "
+                "(their local shards, rebuilt on the next stage's mesh) and split/concat cut DTensors; anywhere "
+                "else (the Pipe, a channel) return .to_local() (this rank's shard) or .full_tensor() (the whole "
+                "tensor) and rebuild the DTensor in the next stage (DTensor.from_local)")
     if _is_a(t, "torch._subclasses.fake_tensor", "FakeTensor"):
         return "a FakeTensor, which has no data: run the pipeline on real tensors (outside FakeTensorMode)"
     if t.is_nested:
@@ -220,6 +222,11 @@ def _views_suffice(tensor: torch.Tensor, sizes: List[int], dim: int) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _is_dtensor(t: object) -> bool:
+    """A DTensor (checked off the plain path only: torch.distributed.tensor is imported on first use)."""
+    return type(t).__name__ == "DTensor" and isinstance(t, dtensor_wire.dtensor_type())
+
+
 def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torch.Tensor]:
     """Split ``tensor`` along ``dim`` into contiguous pieces of the given ``sizes``.
 
@@ -238,6 +245,8 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
     try:
         if type(tensor) in _PLAIN and not torch.compiler.is_compiling():
             return _C.call_split(tensor, _as_sizes(sizes), dim)
+        if _is_dtensor(tensor):  # its local shard is split ([Note: splitting a DTensor into microbatches])
+            return dtensor_wire.split_dtensor(tensor, _as_sizes(sizes), dim, split)
         sizes = _as_sizes(sizes, symbolic=True)
         if _views_suffice(tensor, sizes, dim):
             return list(torch.split_with_sizes(tensor, sizes, dim))
@@ -264,6 +273,8 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
             "concat: out= is not differentiable, but an input requires grad; "
             "drop out= or run under torch.no_grad()"
         )
+    if out is None and isinstance(tensors, (list, tuple)) and tensors and _is_dtensor(tensors[0]):
+        return dtensor_wire.concat_dtensors(tensors, dim, concat)
     try:
         if not torch.compiler.is_compiling():  # FakeTensors etc. are fine: call_concat reads no shape
             try:

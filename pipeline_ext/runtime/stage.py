@@ -46,6 +46,7 @@ from pipeline_ext.runtime.split_backward import (
     backward_input,
     backward_weight,
 )
+from pipeline_ext.runtime import dtensor_wire
 from pipeline_ext.runtime.ops import check_movable, movable
 from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import SkipKey, call_with_skips
@@ -102,7 +103,8 @@ def is_differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None,
+                    dtensors: bool = False) -> tuple[torch.Tensor, ...]:
     """A stage output as the flat tuple of tensors that travels to the next stage.
 
     Each must be a tensor the core can move (``ops.movable``: a plain dense
@@ -110,8 +112,12 @@ def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None) -> t
     where a stage's output is first seen, on every transport alike (processes,
     threads of a Pipe, two stages of one rank), so a DTensor or a sparse
     output is refused naming the stage, the output and the microbatch.
+    With ``dtensors`` (a ``PipelineStage``'s runner) DTensor outputs travel
+    in wire form instead (their local shards and one layout tensor;
+    [Note: DTensors between stages] in runtime/dtensor_wire.py).
     """
     items = out if isinstance(out, (tuple, list)) else (out,)
+    wire = False
     for i, t in enumerate(items):
         if movable(t):
             continue
@@ -121,8 +127,19 @@ def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None) -> t
                 "stage must return a tensor or a tuple/list of tensors"
             )
         mb = "" if microbatch is None else f", microbatch {microbatch}"
+        if dtensor_wire.is_async_collective(t):
+            # a plain tensor whose collective has not been waited on (TP's ``use_local_output=True``): the
+            # clone waits and is a plain tensor in the graph (a copy, for this kind of output only)
+            items = list(items)
+            items[i] = t.clone()
+            continue
+        if dtensors and isinstance(t, dtensor_wire.dtensor_type()):
+            if not dtensor_wire.is_async_collective(t._local_tensor):
+                check_movable(t._local_tensor, f"the local shard of stage {stage}'s output at position {i}{mb}")
+            wire = True
+            continue
         check_movable(t, f"stage {stage}'s output at position {i}{mb}")
-    return tuple(items)
+    return dtensor_wire.to_wire(items, stage, microbatch) if wire else tuple(items)
 
 
 @dataclass(frozen=True)
@@ -175,6 +192,7 @@ class _State:
     recompute: Optional[tuple[tuple[Any, ...], Optional[dict[str, Any]], Any, float, Skips, Optional[LossFn]]] = None
     skip_inputs: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # popped here, differentiable
     skip_roots: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # stashed for later stages
+    wire: bool = False  # its inputs came in wire form (DTensors): their gradients may need a wait
 
 
 class StageRunner(StagePosition):
@@ -256,6 +274,9 @@ class StageRunner(StagePosition):
         self._skippable = has_skippables(module)  # its forwards run under a skip tracker of their own
         self._stashed: dict[int, Skips] = {}  # per microbatch, detached, for take_stashed
         self._skip_grads: dict[int, Skips] = {}  # per microbatch, for take_skip_grads
+        #: where DTensor inputs are rebuilt (a ``PipelineStage``'s runner); None: DTensors between stages are
+        #: refused (the Pipe). [Note: DTensors between stages] in runtime/dtensor_wire.py
+        self.meshes: Optional[dtensor_wire.MeshFinder] = None
 
     @property
     def live_microbatches(self) -> int:
@@ -323,7 +344,10 @@ class StageRunner(StagePosition):
     ) -> tuple[torch.Tensor, ...]:
         """The forward proper: fills ``state`` with what backward needs (when autograd is on)."""
         if not self.is_first:
-            state.grad_inputs = [a for a in args if is_differentiable(a)]
+            state.grad_inputs = [a for a in args if is_differentiable(a)]  # a DTensor's local shard: the leaf
+            if self.meshes is not None and dtensor_wire.is_wire(args):
+                args = dtensor_wire.from_wire(args, self.meshes, self.stage_index, mb)
+                state.wire = True
         if skips:
             state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
         if self._skippable or skips:
@@ -351,7 +375,7 @@ class StageRunner(StagePosition):
                 state.loss_weight = loss_weight
             sent: tuple[torch.Tensor, ...] = ()
         else:
-            outs = as_output_tuple(out, self.stage_index, mb)
+            outs = as_output_tuple(out, self.stage_index, mb, dtensors=self.meshes is not None)
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple([o.detach() for o in outs])
             if state.outputs and self.release_outputs:
@@ -424,6 +448,8 @@ class StageRunner(StagePosition):
 
     def _grad_message(self, state: _State, grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
         """One gradient per floating-point input, zeros where autograd produced none."""
+        if state.wire:  # a DTensor input's gradient may be a collective's result not yet waited on
+            grads = [dtensor_wire.waited(g) for g in grads]
         return _zeros_where_none(state.grad_inputs, grads)
 
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
@@ -562,6 +588,8 @@ def _weight_as_grad(loss: torch.Tensor, weight: Any) -> torch.Tensor:
     seed): on a CPU each costs microseconds, on a GPU each is a launch. A
     weight that is a CPU tensor is read on the host, never copied to the GPU.
     """
+    if type(loss) is not torch.Tensor and isinstance(loss, dtensor_wire.dtensor_type()):
+        return dtensor_wire.scalar_grad(loss, weight)
     if isinstance(weight, torch.Tensor):
         if weight.device.type != "cpu" or loss.device.type == "cpu":
             return weight.detach().to(loss.device, loss.dtype).reshape(loss.shape)

@@ -1,0 +1,259 @@
+"""Pipeline x tensor parallel: DTensor activations between stages, exact against the unsplit model.
+
+4 Gloo CPU ranks, mesh (pp=2, tp=2); each stage is two MLP blocks made
+tensor-parallel with ``parallelize_module`` (w1 colwise, w2 rowwise), as a
+torchtitan user writes it. What crosses stages is a plain tensor (the blocks
+return local outputs), a Replicate DTensor (``use_local_output=False``) or a
+sequence-parallel ``Shard(1)`` DTensor. Several SGD steps; the loss and every
+full gradient are compared with the unsplit model's at every step.
+See [Note: DTensors between stages] in pipeline_ext/runtime/dtensor_wire.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mp_utils import no_complaints, run_ranks
+
+D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _loss(out, y):
+    # mse_loss(reduction="mean") of two Shard(0) DTensors has twice the gradient in torch 2.13 (its own
+    # loss.backward(), no pipeline); the same loss written out is exact on plain tensors and DTensors alike
+    return ((out - y) ** 2).mean()
+
+
+def _placement(name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"replicate": Replicate(), "shard0": Shard(0), "shard1": Shard(1)}[name]
+
+
+def _parallelize(stage: nn.Module, index: int, num_stages: int, case: str, tp, last_out: str = "") -> nn.Module:
+    """w1 colwise, w2 rowwise; between stages: ``case`` (the last block of the last stage returns a plain tensor,
+    or with ``last_out`` a DTensor of that placement)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for b in range(2):
+        first, last = index == 0 and b == 0, index == num_stages - 1 and b == 1
+        if case == "local" or last:
+            plan[f"blocks.{b}.w1"], plan[f"blocks.{b}.w2"] = ColwiseParallel(), RowwiseParallel()
+        elif case == "replicate":
+            plan[f"blocks.{b}.w1"] = ColwiseParallel()
+            plan[f"blocks.{b}.w2"] = RowwiseParallel(use_local_output=False)
+        else:  # sequence parallel: activations sharded on the sequence dim between the blocks and the stages
+            plan[f"blocks.{b}.w1"] = ColwiseParallel(input_layouts=Replicate() if first else Shard(1))
+            plan[f"blocks.{b}.w2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        if last and case == "sequence":
+            plan[f"blocks.{b}.w1"] = ColwiseParallel(input_layouts=Shard(1))
+    if last_out and index == num_stages - 1:
+        plan["blocks.1.w2"] = RowwiseParallel(output_layouts=_placement(last_out), use_local_output=False)
+    return parallelize_module(stage, tp, plan)
+
+
+def _fresh_dtensor_caches() -> None:
+    """Forget torch's DTensor sharding cache: a pool worker runs many tests, each on a new process group,
+    and a cached sharding holds the previous test's mesh (equal by ranks and names) and its dead group."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "") -> list[str]:
+    """``given``: the step's inputs, targets and last outputs are DTensors of that placement (split into
+    microbatches and merged back by the schedule); else plain tensors."""
+    import pipeline_ext as pe
+    from pipeline_ext import schedules as S
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fresh_dtensor_caches()
+    fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp, pp = mesh["tp"], mesh["pp"]
+    bad: list[str] = []
+    for name in names:
+        plan = S.build(name, 2, M)
+        ns = plan.num_stages
+        mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+        torch.manual_seed(0)
+        ref = [Stage() for _ in range(ns)]
+        torch.manual_seed(0)
+        modules = {s: m for s, m in enumerate(Stage() for _ in range(ns)) if s in mine}
+        for s in mine:
+            modules[s] = _parallelize(modules[s], s, ns, case, tp, given)
+            if fsdp:
+                from torch.distributed.fsdp import fully_shard
+
+                for block in modules[s].blocks:
+                    fully_shard(block, mesh=mesh["dp_shard"])
+                modules[s] = fully_shard(modules[s], mesh=mesh["dp_shard"])
+        extra = {"mesh": tp} if mesh_kw == "mesh" else {"get_mesh": lambda names, layout: mesh[names]} \
+            if mesh_kw == "get_mesh" else {}
+        if mesh_kw == "torch":  # torch 2.13's own PipelineStage and schedule on the same case, side by side
+            from torch.distributed import pipelining as tp_lib
+
+            lookup = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+            stages = [tp_lib.PipelineStage(modules[s], s, ns, torch.device("cpu"), group=pp.get_group(),
+                                           get_mesh=lambda names, layout: mesh[names]) for s in mine]
+            cls = tp_lib.schedules.get_schedule_class(lookup[name])
+            sched = cls(stages if issubclass(cls, tp_lib.schedules.PipelineScheduleMulti) else stages[0], M,
+                        loss_fn=_loss, scale_grads=True)
+        else:
+            stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp, **extra) for s in mine]
+            sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
+                                                timeout=120.0)
+        opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
+        ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(ROWS, SEQ, D, generator=g), torch.randn(ROWS, SEQ, D, generator=g)
+            opt.zero_grad()
+            losses: list = []
+            xs, ys = x, y
+            if given:
+                from torch.distributed.tensor import distribute_tensor
+
+                xs, ys = (distribute_tensor(t, tp, [_placement(given)]) for t in (x, y))
+            merged = sched.step(*((xs,) if 0 in mine else ()), target=ys if ns - 1 in mine else None,
+                                losses=losses)
+            ref_opt.zero_grad()
+            out = x
+            for m in ref:
+                out = m(out)
+            ref_loss = _loss(out, y)
+            ref_loss.backward()
+            where = f"{case} {name} rank {rank} step {step}"
+            if ns - 1 in mine:
+                if given and not torch.allclose(_full(merged), out.detach(), rtol=1e-5, atol=1e-6):
+                    bad.append(f"{where}: the merged output differs from the unsplit model's")
+                got = torch.stack([_full(v) for v in losses]).mean()
+                if not torch.allclose(got, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+                    bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
+            for s in mine:
+                for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
+                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, rtol=1e-5, atol=1e-6):
+                        err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
+                        bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})"
+                                   + ("" if p.grad is None else f" ratio {(_full(p.grad) / q.grad).flatten()[:3].tolist()}"))
+            opt.step()
+            ref_opt.step()
+        for st in stages if mesh_kw != "torch" else ():  # the I/W split held: W ran over the DTensor params
+            if st._runner.split_seen and st._runner.split_fallback is not None:
+                bad.append(f"{case} {name} rank {rank}: stage {st.stage_index}'s I ran the whole backward: "
+                           f"{st._runner.split_fallback}")
+        dist.barrier()
+    return bad
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["local", "replicate", "sequence"])
+def test_pp_x_tp_matches_the_unsplit_model(case):
+    no_complaints(_train, 4, case, ["1f1b", "zb_h1", "interleaved_1f1b"], "found", timeout=500)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_pp_x_tp_v_schedules_match_the_unsplit_model(case):
+    no_complaints(_train, 4, case, ["zbv", "dualpipev"], "found", timeout=500)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("given", ["replicate", "shard0", "shard1"])
+def test_dtensor_inputs_targets_and_outputs_are_split_and_merged_exactly(given):
+    no_complaints(_train, 4, "replicate", ["1f1b", "zb_h1"], "found", given, timeout=500)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh_kw", ["mesh", "get_mesh"])
+def test_the_receiving_mesh_may_be_given(mesh_kw):
+    no_complaints(_train, 4, "sequence", ["1f1b"], mesh_kw, timeout=500)
+
+
+# -- refused: what the receiving stage cannot rebuild, named on every rank ----------------------------------
+def _mismatch(rank: int, world: int, kind: str) -> str:
+    import pipeline_ext as pe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fresh_dtensor_caches()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "tp"))["tp"]  # a "tp" of shape (1,)
+    tp, pp = mesh["tp"], mesh["pp"]
+    index = pp.get_local_rank()
+    torch.manual_seed(0)
+    if index == 0:
+        module, extra = _parallelize(Stage(), 0, 2, "replicate", tp), {}
+    elif kind == "mesh_shape":
+        module, extra = Stage(), {"mesh": other}
+    else:  # a plain tensor declared where a Replicate DTensor arrives
+        module, extra = _parallelize(Stage(), 1, 2, "replicate", tp), {"input_args": torch.empty(ROWS // M, SEQ, D)}
+    stage = pe.PipelineStage(module, index, 2, "cpu", group=pp, **extra)
+    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=60.0)
+    x, y = torch.randn(ROWS, SEQ, D), torch.randn(ROWS, SEQ, D)
+    try:
+        sched.step(x) if index == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["mesh_shape", "declared_plain"])
+def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kind):
+    said = {r: v for r, (_, v) in run_ranks(_mismatch, 4, kind, timeout=240).items()}
+    want = ("stage 1's input 0, microbatch 0 is a DTensor from stage 0 on mesh ('tp',) of shape (2,) with placements "
+            "(Replicate(),), but stage 1 has no such mesh (its meshes: mesh ('tp',) of shape (1,))"
+            if kind == "mesh_shape" else
+            "stage 1, microbatch 0: input 0 is a DTensor with placements (Replicate(),) on mesh ('tp',) of shape (2,), "
+            "input_args has a plain tensor")
+    for r in range(4):
+        assert want in said[r], f"rank {r}: {said[r]}"
+
+
+@pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
+# reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
+    no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
+
+
+@pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
+# reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_torch_pipeline_stage_on_the_same_case_for_reference(case):
+    """torch 2.13's PipelineStage (with get_mesh=) and 1F1B on the same model and data: exact too."""
+    no_complaints(_train, 4, case, ["1f1b", "interleaved_1f1b"], "torch", timeout=500)
