@@ -57,24 +57,73 @@ MAY_HANDLE = {
 }
 
 
-def _run_child(kind: str, *entries: str) -> dict[str, dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    proc = subprocess.run([sys.executable, CHILD, kind, *entries], capture_output=True, text=True, timeout=240,
-                          env=env)
-    started = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ENTRY ")]
-    assert proc.returncode == 0, (
-        f"{kind}: the child process ended with code {proc.returncode} (negative: killed by signal "
-        f"{-proc.returncode}) in entry {started[-1] if started else None}\n{proc.stderr[-3000:]}"
+def _results(kind: str, code: int, output: str, stderr: str = "") -> dict[str, dict]:
+    """What a child reported per entry; the child must have ended by itself (a negative code: a signal)."""
+    started = [line.split()[1] for line in output.splitlines() if line.startswith("ENTRY ")]
+    assert code == 0, (
+        f"{kind}: the child process ended with code {code} (negative: killed by signal "
+        f"{-code}) in entry {started[-1] if started else None}\n{(stderr or output)[-3000:]}"
     )
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     return {r["entry"]: r for r in results}
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+
+
+def _run_child(kind: str, *entries: str) -> dict[str, dict]:
+    proc = subprocess.run([sys.executable, CHILD, kind, *entries], capture_output=True, text=True, timeout=240,
+                          env=_env())
+    return _results(kind, proc.returncode, proc.stdout, proc.stderr)
+
+
+#: imports torch and the child's module once, then forks one process per kind (its own process: a crash in one
+#: kind is that child's signal, seen by waitpid) that runs every entry, its output to a file of its own
+_ZYGOTE = """
+import json, os, sys, tempfile, traceback
+import torch  # noqa: F401
+import tensor_kinds_child as child
+out = {}
+for kind in json.loads(sys.argv[1]):
+    fd, path = tempfile.mkstemp(prefix="pe-tensor-kinds-")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.argv = [child.__file__, kind]
+        code = 0
+        try:
+            child.main()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    with open(path) as f:
+        out[kind] = {"code": os.waitstatus_to_exitcode(status), "output": f.read()}
+    os.unlink(path)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def every_kind() -> dict[str, dict]:
+    """Each kind's child, forked from one process that imported torch once (a fresh process per kind)."""
+    proc = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(list(KINDS))], capture_output=True,
+                          text=True, timeout=600, env=_env(), cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read(kind):
-    results = _run_child(kind)
+def test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read(kind, every_kind):
+    results = _results(kind, every_kind[kind]["code"], every_kind[kind]["output"])
     word = KINDS[kind]
     wrong = []
     for entry, r in results.items():
