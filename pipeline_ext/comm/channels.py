@@ -17,7 +17,7 @@ import torch
 
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError, ChannelHandle
-from pipeline_ext.runtime.ops import explain_unmovable
+from pipeline_ext.runtime.ops import explain_unmovable, raise_named
 from pipeline_ext.runtime.tags import describe_tag
 
 __all__ = ["DistChannel"]
@@ -114,11 +114,8 @@ class DistChannel:
                 f"rank {self.rank}: {describe_tag(tag, self.num_stages)} to rank {peer}: {exc}"
             ) from None
         except TypeError as exc:  # the core refuses what it cannot read (check_readable): name it
-            err = explain_unmovable(f"rank {self.rank}: {describe_tag(tag, self.num_stages)} to rank {peer}",
-                                    tensors)
-            if err is None:
-                raise
-            raise err from exc
+            raise_named(exc, explain_unmovable(f"rank {self.rank}: {describe_tag(tag, self.num_stages)} to rank "
+                                               f"{peer}", tensors))
         return ChannelHandle(request), layout
 
     def recv(self, layout: "_C.PackLayout", peer: int, tag: int) -> ChannelHandle:

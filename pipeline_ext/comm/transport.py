@@ -366,11 +366,14 @@ def hosts_note(group: Any) -> str:
     by_host: dict[str, list[int]] = {}
     for rank, host in sorted(settled[0].hosts.items()):
         by_host.setdefault(host, []).append(rank)
-    names = [h.split("|")[0] for h in by_host]
-    said = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on host {h.split('|')[0]}"
-        + (f" ({h.split('|', 1)[-1]})" if names.count(h.split("|")[0]) > 1 else "")  # one name, two hosts: say which
-        for h, ranks in by_host.items())
+    names = [h.partition("|")[0] for h in by_host]
+
+    def where(host: str) -> str:
+        name, _, rest = host.partition("|")  # (_host_id: hostname|boot id|/dev/shm|pid namespace)
+        return name + (f" ({rest})" if names.count(name) > 1 else "")  # one name, two hosts: say which
+
+    said = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on host {where(h)}"
+                     for h, ranks in by_host.items())
     return f"pipeline_ext: the ranks' hosts: {said}"
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = ["MAGIC", "META_ENTRY", "to_wire", "is_wire", "from_wire", "MeshFinder", "dtensor_type", "scalar_grad",
-           "is_async_collective", "waited"]
+           "is_async_collective", "settled", "waited"]
 
 #: first word of a layout tensor (an int64 no activation carries by chance in that place, size and dtype)
 MAGIC = 0x5044_5445_4E53_4F52  # "PDTENSOR"
@@ -58,6 +58,12 @@ def dtensor_type() -> type:
 def is_async_collective(t: torch.Tensor) -> bool:
     """A functional collective's result not yet waited on (``AsyncCollectiveTensor``): plain once waited."""
     return type(t).__name__ == "AsyncCollectiveTensor" and type(t).__module__.startswith("torch.distributed")
+
+
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it is an ``AsyncCollectiveTensor``: the clone waits for the collective and is a plain
+    tensor in the autograd graph (``waited`` is for gradients, outside it)."""
+    return t.clone() if is_async_collective(t) else t
 
 
 def waited(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -128,8 +134,7 @@ def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]
     for i, t in enumerate(items):
         if isinstance(t, DTensor):
             key.append((i, id(t.device_mesh), tuple(t.placements), tuple(t.shape), t.stride()))
-            local = t.to_local()
-            out.append(local.clone() if is_async_collective(local) else local.contiguous())
+            out.append(settled(t.to_local()).contiguous())
         else:
             out.append(t)
     device = next((t.device for t in out if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -316,9 +321,7 @@ def split_dtensor(t: Any, sizes: Sequence[int], dim: int, split_local: Callable[
     dim = dim % t.dim()
     mesh, placements = t.device_mesh, tuple(t.placements)
     sharded = _sharding_of(t, dim)
-    local = t.to_local()
-    if is_async_collective(local):
-        local = local.clone()
+    local = settled(t.to_local())
     if not sharded:
         local_sizes = list(sizes)
     else:
@@ -356,8 +359,7 @@ def concat_dtensors(tensors: Sequence[Any], dim: int, concat_local: Callable[...
                             f"{_describe(_names(t.device_mesh), t.device_mesh.shape)}, tensor 0 has "
                             f"{tuple(first.placements)} on {_describe(_names(first.device_mesh), first.device_mesh.shape)}")
     dim = dim % first.dim()
-    locals_ = [waited(t.to_local()) for t in tensors]
-    locals_ = [x.clone() if is_async_collective(x) else x for x in locals_]
+    locals_ = [settled(t.to_local()) for t in tensors]
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
     return DTensor.from_local(concat_local(locals_, dim), first.device_mesh, tuple(first.placements),

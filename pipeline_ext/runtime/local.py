@@ -14,7 +14,7 @@ import torch
 
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelHandle, _ms
-from pipeline_ext.runtime.ops import explain_unmovable
+from pipeline_ext.runtime.ops import explain_unmovable, raise_named
 from pipeline_ext.runtime.tags import describe_tag
 
 __all__ = ["LocalHub", "LocalChannel", "LocalStep"]
@@ -36,11 +36,8 @@ class LocalChannel:
         try:
             return ChannelHandle(self._channel.send(list(tensors), peer, tag, owned))
         except TypeError as exc:  # the core refuses what it cannot read (check_readable): name it
-            err = explain_unmovable(f"rank {self.rank}: {describe_tag(tag, self.hub.num_stages)} to rank {peer}",
-                                    tensors)
-            if err is None:
-                raise
-            raise err from exc
+            raise_named(exc, explain_unmovable(f"rank {self.rank}: {describe_tag(tag, self.hub.num_stages)} to "
+                                               f"rank {peer}", tensors))
 
     def recv(self, peer: int, tag: int) -> ChannelHandle:
         """A handle whose ``wait`` blocks (GIL released) until ``peer``'s message arrives."""

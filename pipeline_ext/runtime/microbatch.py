@@ -163,15 +163,15 @@ def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: Any) -> int:
     try:
         shape = t.shape
     except RuntimeError as exc:  # a strided nested tensor has no shape
-        raise _unsplittable(t, where, exc) from exc
+        ops.raise_named(exc, _unsplittable(t, where))
     if not 0 <= dim < t.dim():
         raise ValueError(f"chunk dim {spec.dim} is out of range for {where} with shape {tuple(shape)}")
     return shape[dim]
 
 
-def _unsplittable(t: torch.Tensor, where: Any, exc: Exception) -> Exception:
-    """The error to raise when splitting ``t`` (``where``) failed with ``exc``: named when the core cannot read it."""
-    return ops.explain_unmovable(f"cannot split {where} into microbatches", [t], lambda i: "it") or exc
+def _unsplittable(t: torch.Tensor, where: Any) -> Optional[Exception]:
+    """After splitting ``t`` (``where``) failed: the error naming it when the core cannot read it (else None)."""
+    return ops.explain_unmovable(f"cannot split {where} into microbatches", [t], lambda i: "it")
 
 
 def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: Any) -> list[Any]:
@@ -191,10 +191,7 @@ def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, wher
     try:
         return list(ops.split(x, ops.even_sizes(rows, n), dim=spec.dim))
     except Exception as exc:
-        err = _unsplittable(x, where, exc)
-        if err is exc:
-            raise
-        raise err from exc
+        ops.raise_named(exc, _unsplittable(x, where))
 
 
 def split_args_kwargs(
@@ -376,10 +373,7 @@ def _merge_leaf(values: list[Any], spec: TensorChunkSpec | Replicate | Reduce, n
                 return torch.stack(values)
             return ops.concat(values, dim=spec.dim)
         except Exception as exc:
-            err = _merge_error(values, name(), exc)
-            if err is exc:
-                raise
-            raise err from exc
+            ops.raise_named(exc, _merge_error(values, name(), exc))
     if all(v == first for v in values[1:]):
         return first
     return list(values)

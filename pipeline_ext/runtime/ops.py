@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +46,7 @@ from pipeline_ext.runtime._ext import _C
 _ops = torch.ops.pipeline_ext
 
 __all__ = ["split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT", "movable",
-           "unmovable_reason", "check_movable", "explain_unmovable"]
+           "unmovable_reason", "check_movable", "explain_unmovable", "raise_named"]
 
 #: Where each tensor lives in a :func:`pack` buffer: ``nbytes``, ``dtypes``,
 #: ``shapes``, ``offsets``; ``encode()`` / ``PackLayout.decode(words)`` and
@@ -154,6 +154,16 @@ def explain_unmovable(op: str, tensors: Sequence[object],
     return None
 
 
+def raise_named(exc: BaseException, err: Optional[BaseException]) -> NoReturn:
+    """Raise ``err`` (caused by ``exc``) where it names what failed (``explain_unmovable``); else ``exc`` as it was.
+
+    What every failure path that names an argument ends with, inside its ``except`` clause.
+    """
+    if err is None or err is exc:
+        raise exc
+    raise err from exc
+
+
 def _unmovable_in(op: str, tensors: object, out: Optional[torch.Tensor]) -> Optional[TypeError]:
     """``explain_unmovable`` for an op's tensor list (whatever the caller passed) and its ``out``."""
     items = list(tensors) if isinstance(tensors, (list, tuple)) else []
@@ -252,10 +262,7 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
             return list(torch.split_with_sizes(tensor, sizes, dim))
         return _ops.split_copy.default(tensor, sizes, dim)
     except Exception as exc:
-        err = explain_unmovable("split", [tensor], lambda i: "the tensor")
-        if err is None:
-            raise
-        raise err from exc
+        raise_named(exc, explain_unmovable("split", [tensor], lambda i: "the tensor"))
 
 
 def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -290,10 +297,7 @@ def concat(tensors: Sequence[torch.Tensor], dim: int = 0, out: Optional[torch.Te
         _ops.concat_out.default(tensors, dim, out)
         return out
     except Exception as exc:
-        err = _unmovable_in("concat", tensors, out)
-        if err is None:
-            raise
-        raise err from exc
+        raise_named(exc, _unmovable_in("concat", tensors, out))
 
 
 def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, PackLayout]:
@@ -316,10 +320,7 @@ def pack(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) ->
     except Exception as exc:
         if isinstance(exc, TypeError):
             _as_tensors("pack", tensors)  # a clear message instead of pybind11's
-        err = _unmovable_in("pack", tensors, out)
-        if err is None:
-            raise
-        raise err from exc
+        raise_named(exc, _unmovable_in("pack", tensors, out))
 
 
 def unpack(buffer: torch.Tensor, layout: PackLayout) -> List[torch.Tensor]:

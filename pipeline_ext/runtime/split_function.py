@@ -143,14 +143,18 @@ class SplitFunction(torch.autograd.Function):
 def _whole(cls: Any, ctx: Any, grad_outputs: tuple) -> tuple:
     """Both halves, merged (the caller shares one unpack of the saved tensors between them)."""
     gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
-    gw = _as_tuple(cls.backward_weight(ctx, *grad_outputs))
+    return tuple(_merged(cls, gi, _as_tuple(cls.backward_weight(ctx, *grad_outputs))))
+
+
+def _merged(cls: Any, gi: tuple, gw: tuple) -> list:
+    """One gradient per forward input from the halves' ``gi`` and ``gw``; an input given one by both is refused."""
     if len(gi) != len(gw):
         raise RuntimeError(f"{cls.__name__}: backward_input returned {len(gi)} gradients, backward_weight "
                            f"{len(gw)}; each returns one per forward input")
     for i, (a, b) in enumerate(zip(gi, gw)):
         if a is not None and b is not None:
             raise RuntimeError(_both(cls, i))
-    return tuple(a if a is not None else b for a, b in zip(gi, gw))
+    return [a if a is not None else b for a, b in zip(gi, gw)]
 
 
 def _both(cls: Any, i: int) -> str:
@@ -172,15 +176,7 @@ def _input_half(cls: Any, ctx: Any, grad_outputs: tuple) -> Any:
         extra = [i for i, g in enumerate(gi) if g is not None and i not in owed and i < len(edges) and edges[i]]
         if not missing and not extra:
             return gi
-        gw = _as_tuple(cls.backward_weight(ctx, *grad_outputs))
-        if len(gi) != len(gw):
-            raise RuntimeError(f"{cls.__name__}: backward_input returned {len(gi)} gradients, backward_weight "
-                               f"{len(gw)}; each returns one per forward input")
-        merged = []
-        for i, (a, b) in enumerate(zip(gi, gw)):
-            if a is not None and b is not None:
-                raise RuntimeError(_both(cls, i))
-            merged.append(a if a is not None else b)
+        merged = _merged(cls, gi, _as_tuple(cls.backward_weight(ctx, *grad_outputs)))
     finally:
         delattr(ctx, _SAVED_ATTR)
     if hasattr(ctx, STASH_ATTR):  # what backward_input stashed and backward_weight did not take

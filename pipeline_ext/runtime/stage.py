@@ -131,7 +131,7 @@ def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None,
             # a plain tensor whose collective has not been waited on (TP's ``use_local_output=True``): the
             # clone waits and is a plain tensor in the graph (a copy, for this kind of output only)
             items = list(items)
-            items[i] = t.clone()
+            items[i] = dtensor_wire.settled(t)
             continue
         if dtensors and isinstance(t, dtensor_wire.dtensor_type()):
             if not dtensor_wire.is_async_collective(t._local_tensor):
