@@ -222,7 +222,8 @@ class Widen(nn.Module):
         return h @ self.w[: h.shape[1]]
 
 
-def _object_kwarg(rank: int, world: int, kind: str, per_microbatch: bool) -> list:
+def _narrow_widen(rank: int, world: int) -> tuple:
+    """The two stages (this rank's under 1F1B over 2 microbatches, with its SGD) and the unsplit reference."""
     import pipeline_ext as pe
 
     torch.manual_seed(0)
@@ -232,6 +233,11 @@ def _object_kwarg(rank: int, world: int, kind: str, per_microbatch: bool) -> lis
     stage = pe.PipelineStage(model[rank], rank, world, "cpu")
     sched = pe.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss, timeout=30.0)
     opt = torch.optim.SGD(model[rank].parameters(), lr=0.1)
+    return model, ref, ref_opt, sched, opt
+
+
+def _object_kwarg(rank: int, world: int, kind: str, per_microbatch: bool) -> list:
+    model, ref, ref_opt, sched, opt = _narrow_widen(rank, world)
     make, in_place = WIDTHS[kind]
     cfg = make(8)
     problems = []
@@ -335,15 +341,7 @@ def _masked_loop(rank: int, world: int, steps: int) -> list:
     import gc
     import weakref
 
-    import pipeline_ext as pe
-
-    torch.manual_seed(0)
-    model = [Narrow(), Widen()]
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
-    stage = pe.PipelineStage(model[rank], rank, world, "cpu")
-    sched = pe.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss, timeout=30.0)
-    opt = torch.optim.SGD(model[rank].parameters(), lr=0.1)
+    model, ref, ref_opt, sched, opt = _narrow_widen(rank, world)
     problems, masks = [], []
     for i in range(steps):
         cfg = Masked(8 if i % 3 else 12, i, torch.zeros(256 * 1024))
