@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["build", "versions", "pytest_multiprocess_cuda", "ipc_suites", "bench_pipeline_nccl", "bench_transport_cuda",
+ORDER = ["build", "versions", "pytest_multiprocess_cuda", "pytest_tp_cuda", "ipc_suites", "bench_pipeline_nccl",
+         "bench_zb_cuda", "bench_transport_cuda",
          "sync_count_multiprocess", "pytest_cuda", "sync_count", "bench_kernels", "bench_overlap",
          "sanitizer_memcheck", "sanitizer_racecheck", "pytest_all"]
 
@@ -36,9 +37,10 @@ def test_a_budgeted_plan_runs_the_never_run_paths_first_and_fits_the_budget(tmp_
     assert rc == 0 and "dry run: nothing was built or run" in out, out
     assert [name for name, _ in steps] == ORDER, out
     started = [(name, t) for name, t in steps if t]
-    assert [name for name, _ in started][:5] == ORDER[:5], out  # build, versions, NCCL tests, IPC, the NCCL bench
+    assert [name for name, _ in started][:5] == ORDER[:5], out  # build, versions, NCCL tests, pp x tp, IPC
     assert all(0 < t <= 480 - 15 for _, t in started), out
     assert dict(steps)["pytest_multiprocess_cuda"] <= 480 * 2 // 5 and dict(steps)["ipc_suites"] <= 480 // 4, out
+    assert dict(steps)["pytest_tp_cuda"] <= 480 // 5, out
     assert dict(steps)["pytest_all"] == 0, out  # nothing left for it in 8 minutes
     assert not (tmp_path / "report" / "report.md").exists()  # nothing ran, so nothing was reported
     assert not list((tmp_path / "report" / "logs").iterdir())

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_utils import no_complaints, run_ranks
+from mp_utils import TEST_DEVICE_ENV, device_under_test, no_complaints, run_ranks
+from pipeline_ext.comm.transport import TRANSPORT_ENV
 
 D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
 
@@ -96,11 +97,13 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     from torch.distributed.device_mesh import init_device_mesh
 
     _fresh_dtensor_caches()
+    dev = device_under_test()  # cuda: every rank on cuda:0 over NCCL, tp = world // 2 (1 on one GPU)
+    tol = dict(rtol=1e-5, atol=1e-6) if dev.type == "cpu" else dict(rtol=1e-4, atol=1e-5)
     fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
     if fsdp:
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        mesh = init_device_mesh(dev.type, (2, 1, world // 2), mesh_dim_names=("pp", "dp_shard", "tp"))
     else:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("pp", "tp"))
     tp, pp = mesh["tp"], mesh["pp"]
     bad: list[str] = []
     for name in names:
@@ -108,9 +111,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
         ns = plan.num_stages
         mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
         torch.manual_seed(0)
-        ref = [Stage() for _ in range(ns)]
+        ref = [Stage().to(dev) for _ in range(ns)]
         torch.manual_seed(0)
-        modules = {s: m for s, m in enumerate(Stage() for _ in range(ns)) if s in mine}
+        modules = {s: m.to(dev) for s, m in enumerate(Stage() for _ in range(ns)) if s in mine}
         for s in mine:
             modules[s] = _parallelize(modules[s], s, ns, case, tp, given)
             if fsdp:
@@ -125,20 +128,20 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             from torch.distributed import pipelining as tp_lib
 
             lookup = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
-            stages = [tp_lib.PipelineStage(modules[s], s, ns, torch.device("cpu"), group=pp.get_group(),
+            stages = [tp_lib.PipelineStage(modules[s], s, ns, dev, group=pp.get_group(),
                                            get_mesh=lambda names, layout: mesh[names]) for s in mine]
             cls = tp_lib.schedules.get_schedule_class(lookup[name])
             sched = cls(stages if issubclass(cls, tp_lib.schedules.PipelineScheduleMulti) else stages[0], M,
                         loss_fn=_loss, scale_grads=True)
         else:
-            stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp, **extra) for s in mine]
+            stages = [pe.PipelineStage(modules[s], s, ns, dev, group=pp, **extra) for s in mine]
             sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
                                                 timeout=120.0)
         opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
         ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(ROWS, SEQ, D, generator=g), torch.randn(ROWS, SEQ, D, generator=g)
+            x, y = (torch.randn(ROWS, SEQ, D, generator=g).to(dev) for _ in range(2))
             opt.zero_grad()
             losses: list = []
             xs, ys = x, y
@@ -156,14 +159,14 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             ref_loss.backward()
             where = f"{case} {name} rank {rank} step {step}"
             if ns - 1 in mine:
-                if given and not torch.allclose(_full(merged), out.detach(), rtol=1e-5, atol=1e-6):
+                if given and not torch.allclose(_full(merged), out.detach(), **tol):
                     bad.append(f"{where}: the merged output differs from the unsplit model's")
                 got = torch.stack([_full(v) for v in losses]).mean()
-                if not torch.allclose(got, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+                if not torch.allclose(got, ref_loss.detach(), **tol):
                     bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
             for s in mine:
                 for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, rtol=1e-5, atol=1e-6):
+                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **tol):
                         err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
                         bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})"
                                    + ("" if p.grad is None else f" ratio {(_full(p.grad) / q.grad).flatten()[:3].tolist()}"))
@@ -181,6 +184,20 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
 @pytest.mark.parametrize("case", ["local", "replicate", "sequence"])
 def test_pp_x_tp_matches_the_unsplit_model(case):
     no_complaints(_train, 4, case, ["1f1b", "zb_h1", "interleaved_1f1b"], "found", timeout=500)
+
+
+@pytest.mark.cuda
+@pytest.mark.isolated  # fresh ranks: NCCL communicators of their own
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["local", "replicate", "sequence"])
+def test_pp_x_tp_on_one_gpu_matches_the_unsplit_model(case, monkeypatch):
+    """pp=2 x tp=1 on cuda:0 over NCCL (two ranks sharing one GPU, each its own NCCL host): DTensor activations
+    (the local shard and its layout) cross stages on the GPU path; tools/gpu_check.sh runs it. pp=1 x tp=2 is not
+    a pipeline, and pp=2 x tp=2 needs 4 GPUs."""
+    monkeypatch.setenv(TEST_DEVICE_ENV, "cuda")
+    monkeypatch.setenv(TRANSPORT_ENV, "process_group")
+    no_complaints(_train, 2, case, ["1f1b", "zb_h1", "interleaved_1f1b"], "found", timeout=500)
 
 
 @pytest.mark.slow

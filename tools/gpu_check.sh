@@ -13,9 +13,13 @@
 # still leaves everything done so far):
 #   1. build of the CUDA extension (MAX_JOBS=nproc, its seconds in the table); torch, CUDA and device versions
 #   2. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
+#   2b. pipeline x tensor parallel on cuda ranks: pp=2 x tp=1 (DTensor activations cross stages over NCCL;
+#      pp=2 x tp=2 needs 4 GPUs, pp=1 x tp=2 is no pipeline): tests/test_tensor_parallel.py -m cuda
 #   3. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/test_ipc_gpu.py,
 #      tests/test_ipc_transport.py
 #   4. benchmarks/bench_pipeline.py --device cuda: 2-rank 1F1B, ours vs torch over NCCL
+#   4b. benchmarks/bench_zb_sac.py --device cuda: the zero-bubble gain over 1F1B, measured and simulated,
+#      with SAC and without (2 ranks sharing cuda:0)
 #   5. benchmarks/bench_transport.py --device cuda: IPC vs NCCL round trips, 4 B .. 64 MiB
 #   6. tools/gpu_sync_count.py --ranks 2: host-device synchronisations in a known multi-process step
 #   7. pytest -m cuda (single process: Pipe on cuda:0, every schedule x checkpoint mode x fp32/bf16)
@@ -180,6 +184,17 @@ write_report() {
     tail -n 8 "$LOGS/bench_pipeline_nccl.log" 2>/dev/null || echo "(not run)"
     echo '```'
     echo
+    echo "## Pipeline x tensor parallel on cuda:0 (pp=2 x tp=1, tests/test_tensor_parallel.py -m cuda)"
+    echo
+    echo "- $(verdict "$LOGS/pytest_tp_cuda.log")"
+    grep -E '(PASSED|FAILED|ERROR|SKIPPED)' "$LOGS/pytest_tp_cuda.log" 2>/dev/null | grep -v '^(FAILED|ERROR) ' | sed 's/^/  - /' | head -n 10
+    echo
+    echo "## Zero bubble on cuda:0 (benchmarks/bench_zb_sac.py --device cuda)"
+    echo
+    echo '```'
+    grep -E '^(gain over|select|== |[0-9]+ transformer)' "$LOGS/bench_zb_cuda.log" 2>/dev/null || echo "(not run)"
+    echo '```'
+    echo
     section "Host-device synchronisations in a known multi-process step (tools/gpu_sync_count.py --ranks 2)" \
       syncs_multiprocess.md sync_count_multiprocess
     section "Host-device synchronisations in one Pipe.step (tools/gpu_sync_count.py)" syncs.md sync_count
@@ -244,6 +259,9 @@ EOF
   write_report
 fi
 
+# 2b. pipeline x tensor parallel: pp=2 x tp=1 on cuda:0, DTensor activations between stages over NCCL
+step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -p no:cacheprovider tests/test_tensor_parallel.py
+
 # 3. the CUDA IPC transport: its multi-process suites on cuda:0
 step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider \
   --junitxml="$LOGS/ipc_suites.xml"
@@ -252,6 +270,11 @@ step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/te
 pipeline_args=(--device cuda --schedules 1f1b --dims 4096 --repeats 3 --steps 3)
 [ "$QUICK" = 1 ] && pipeline_args=(--device cuda --schedules 1f1b --dims 1024 --repeats 2 --steps 2)
 step bench_pipeline_nccl 600 60 "$PY" benchmarks/bench_pipeline.py "${pipeline_args[@]}"
+
+# 4b. the zero-bubble gain table on the GPU (2 ranks on cuda:0 over NCCL), with SAC and without
+zb_args=(--device cuda --ranks 2 --d 1024 --heads 8 --seq 256 --rows 4 --blocks 8 --microbatches 8 --both --repeats 3 --steps 2)
+[ "$QUICK" = 1 ] && zb_args=(--device cuda --ranks 2 --d 256 --seq 64 --blocks 4 --microbatches 4 --both --repeats 1 --steps 1)
+step bench_zb_cuda 300 60 "$PY" benchmarks/bench_zb_sac.py "${zb_args[@]}"
 
 # 5. IPC vs NCCL round trips
 transport_args=(--device cuda)
