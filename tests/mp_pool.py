@@ -34,6 +34,7 @@ that pool is killed and the next test gets a new pool.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import itertools
 import os
@@ -55,6 +56,8 @@ _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signa
 
 #: the packages whose module attributes a worker puts back after each task
 _OURS = {"pipeline_ext", "models", "mp_utils"}
+#: seconds after which a pool rank still in its task prints every thread's stack to stderr (unset: never)
+STACKS_ENV = "PIPELINE_EXT_TEST_STACKS_AFTER"
 _MISSING = object()
 
 
@@ -145,12 +148,16 @@ def _worker(rank: int, world: int, conn: Any) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if threads is not None:
             torch.set_num_threads(threads)
+        stacks_after = float(os.environ.get(STACKS_ENV, "0"))
+        if stacks_after > 0:  # a hang's whereabouts: every thread's Python stack on stderr once, if still running
+            faulthandler.dump_traceback_later(stacks_after)
         try:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
             reply = ("ok", fn(rank, world, *args))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             reply = ("error", traceback.format_exc())
+        faulthandler.cancel_dump_traceback_later()
         try:  # before the group goes: its end may wait for a peer that failed (and the pool is replaced then)
             conn.send(reply)
         except Exception:  # noqa: BLE001 - a value that does not pickle

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["build", "versions", "pytest_multiprocess_cuda", "pytest_tp_cuda", "ipc_suites", "bench_pipeline_nccl",
+ORDER = ["build", "versions", "nccl_probe", "pytest_multiprocess_cuda", "pytest_tp_cuda", "ipc_suites", "bench_pipeline_nccl",
          "bench_zb_cuda", "bench_transport_cuda",
          "sync_count_multiprocess", "pytest_cuda", "sync_count", "bench_kernels", "bench_overlap",
          "sanitizer_memcheck", "sanitizer_racecheck", "pytest_all"]
@@ -37,7 +37,7 @@ def test_a_budgeted_plan_runs_the_never_run_paths_first_and_fits_the_budget(tmp_
     assert rc == 0 and "dry run: nothing was built or run" in out, out
     assert [name for name, _ in steps] == ORDER, out
     started = [(name, t) for name, t in steps if t]
-    assert [name for name, _ in started][:5] == ORDER[:5], out  # build, versions, NCCL tests, pp x tp, IPC
+    assert [name for name, _ in started][:6] == ORDER[:6], out  # build, versions, NCCL probe, NCCL tests, pp x tp, IPC
     assert all(0 < t <= 480 - 15 for _, t in started), out
     assert dict(steps)["pytest_multiprocess_cuda"] <= 480 * 2 // 5 and dict(steps)["ipc_suites"] <= 480 // 4, out
     assert dict(steps)["pytest_tp_cuda"] <= 480 // 5, out

@@ -96,6 +96,16 @@ def test_the_probe_round_fails_for_every_rank_when_one_rank_could_not_open_a_pee
     assert probe_verdict(reports) == "rank 1 cannot open x; rank 2 cannot open rank 0's memory: invalid device context"
 
 
+def test_the_acknowledgement_rings_of_an_ipc_channel_are_rings_shared_memory_takes():
+    """An IPC channel sends each message's block id back on a shared-memory ring of ACK_RING_BYTES: a size the
+    ring refuses would fail every IPC channel at its setup, which only a GPU run reaches."""
+    from pipeline_ext.comm.transport import ACK_RING_BYTES, DEFAULT_SPIN_US
+
+    assert _C.ShmChannel(0, 2, ACK_RING_BYTES, DEFAULT_SPIN_US) is not None
+    with pytest.raises(ValueError, match="ring_bytes must be a multiple of 4096 and at least"):
+        _C.ShmChannel(0, 2, ACK_RING_BYTES // 2, DEFAULT_SPIN_US)
+
+
 def test_rings_of_different_sizes_are_an_error_on_both_transports():
     with pytest.raises(ChannelError, match=r"PIPELINE_EXT_SHM_RING_BYTES differs between the ranks \(\[1024, 8388608\]\)"):
         decide_transport("cuda", 0, _me(), {1: _me(ring_bytes=1024)})

@@ -152,9 +152,23 @@ def _ring_through_direction_groups(rank: int, world: int) -> list[str]:
     sched = pe.ScheduleInterleaved1F1B([pe.PipelineStage(modules[s], s, num_stages, "cpu") for s in mine], world,
                                        loss_fn=loss_fn, transport="gloo")
     groups = DirectionGroups(None, torch.device("cpu"))
-    groups.route(sched._session.channel, sched.schedule.stage_to_rank)
-    groups.route(sched._session.channel, sched.schedule.stage_to_rank)  # a schedule set again makes no new groups
+    batches, batch = [], dist.batch_isend_irecv  # each new direction is connected by one message, in its direction
+
+    def counted(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return batch(ops)
+
+    dist.batch_isend_irecv = counted
+    try:
+        groups.route(sched._session.channel, sched.schedule.stage_to_rank)
+        groups.route(sched._session.channel, sched.schedule.stage_to_rank)  # set again: no new groups
+    finally:
+        dist.batch_isend_irecv = batch
     bad = [] if len(groups) == 4 else [f"rank {rank}: {len(groups)} direction groups, expected 4"]
+    before, after = (rank - 1) % world, (rank + 1) % world
+    want = sorted([[("isend", after)], [("irecv", after)], [("isend", before)], [("irecv", before)]])
+    if sorted(batches) != want:
+        bad.append(f"rank {rank}: the direction groups were connected by {batches}, expected {want}")
     opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
     ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
     for step in range(2):

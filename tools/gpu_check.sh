@@ -12,6 +12,8 @@
 # REPORT_DIR/report.md, which is rewritten after every step (a run cut short
 # still leaves everything done so far):
 #   1. build of the CUDA extension (MAX_JOBS=nproc, its seconds in the table); torch, CUDA and device versions
+#   1b. tools/nccl_probe.py: two plain ranks sharing cuda:0 over NCCL (init, all_reduce, send/recv, barrier),
+#      each NCCL setting in turn until one gets through (NCCL's own logs under logs/nccl_probe/)
 #   2. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
 #   2b. pipeline x tensor parallel on cuda ranks: pp=2 x tp=1 (DTensor activations cross stages over NCCL;
 #      pp=2 x tp=2 needs 4 GPUs, pp=1 x tp=2 is no pipeline): tests/test_tensor_parallel.py -m cuda
@@ -187,7 +189,7 @@ write_report() {
     echo "## Pipeline x tensor parallel on cuda:0 (pp=2 x tp=1, tests/test_tensor_parallel.py -m cuda)"
     echo
     echo "- $(verdict "$LOGS/pytest_tp_cuda.log")"
-    grep -E '(PASSED|FAILED|ERROR|SKIPPED)' "$LOGS/pytest_tp_cuda.log" 2>/dev/null | grep -v '^(FAILED|ERROR) ' | sed 's/^/  - /' | head -n 10
+    grep -E '::.* (PASSED|FAILED|ERROR|SKIPPED)' "$LOGS/pytest_tp_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 10
     echo
     echo "## Zero bubble on cuda:0 (benchmarks/bench_zb_sac.py --device cuda)"
     echo
@@ -237,14 +239,20 @@ if [ "$DRY" != 1 ]; then
   write_report
 fi
 
+# 1b. NCCL itself between two ranks sharing cuda:0: where it stops, if it does
+step nccl_probe 120 10 "$PY" tools/nccl_probe.py --timeout 25 "$LOGS/nccl_probe"
+
 # 2. multi-process pipelines on the GPU: the multi-process equivalence, agreement and PP x DP tests,
 # parametrised by device (tests/conftest.py: rank_device, stage_device), every rank's stages on cuda:0,
 # the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, comm.launch.spawn), the
 # reference model on the same GPU.
 MP_TESTS=(tests/test_distributed.py tests/test_step_agreement.py tests/test_data_parallel.py)
-# under a budget the two test steps get at most 2/5 and 1/4 of it, so the benchmarks after them get a turn
+# under a budget the two test steps get at most 2/5 and 1/4 of it, so the benchmarks after them get a turn;
+# a test that hangs is stopped after 120 s (the next one gets a turn), every pool rank still in its task after
+# 60 s prints its threads' stacks (-s: into the step's log)
+export PIPELINE_EXT_TEST_STACKS_AFTER=${PIPELINE_EXT_TEST_STACKS_AFTER:-60}
 share() { if [ -n "$BUDGET" ]; then echo $(( BUDGET * $1 / $2 )); else echo 900; fi; }
-step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-$(share 2 5)}" 150 "$PY" -m pytest -m "cuda and slow" -v -p no:cacheprovider \
+step pytest_multiprocess_cuda "${GPU_CHECK_MP_LIMIT:-$(share 2 5)}" 150 "$PY" -m pytest -m "cuda and slow" -v -s --timeout 120 -p no:cacheprovider \
   --junitxml="$LOGS/multiprocess_cuda.xml" "${MP_TESTS[@]}"
 if [ -f "$LOGS/multiprocess_cuda.xml" ]; then
   "$PY" - "$LOGS/multiprocess_cuda.xml" >"$OUT_DIR/multiprocess.md" 2>>"$LOGS/multiprocess_table.log" <<'EOF'
@@ -260,7 +268,7 @@ EOF
 fi
 
 # 2b. pipeline x tensor parallel: pp=2 x tp=1 on cuda:0, DTensor activations between stages over NCCL
-step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -p no:cacheprovider tests/test_tensor_parallel.py
+step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -s --timeout 120 -p no:cacheprovider tests/test_tensor_parallel.py
 
 # 3. the CUDA IPC transport: its multi-process suites on cuda:0
 step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider \

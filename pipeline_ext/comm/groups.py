@@ -24,11 +24,21 @@ the same peer, on both ranks at once: rank 0 waits for a gradient before its
 activation can leave, rank 1 waits for that activation before it can make the
 gradient. With one 2-rank group per direction, each stream carries one
 direction's messages, issued in the same order at both ends (the plan's
-ordering rule, ``comm/comm_plan.py``), so every stream drains. NCCL creates a
-communicator lazily, inside its first operation (collective too), which in a
-pipeline would happen in schedule order, different on every rank; so the two
-members of each direction group run one small all-reduce right after making
-it.
+ordering rule, ``comm/comm_plan.py``), so every stream drains.
+
+NCCL also makes things lazily, inside the first operation that needs them,
+and both members must take part: the communicator (inside the first
+operation on the group, collective too), and each pair's point-to-point
+connection (inside the first send or receive between them: a handshake
+with the peer, blocking, when the batch is issued). In a pipeline the first
+of those would come in schedule order, different on every rank: rank 0
+posts its first receive (a gradient, over the (1, 0) group) while rank 1
+posts its own (an activation, over the (0, 1) group), and each waits inside
+its post for the other to join a handshake it never starts. So the members
+of each direction group, right after making it, run one small all-reduce and
+one message in the group's direction (a batch, as the channel sends), every
+rank in the same sorted order of groups: a total order, so every handshake
+has both members.
 """
 from __future__ import annotations
 
@@ -76,10 +86,19 @@ class GroupMaker:
     ``warm_on``: a device on which the two members of each new group run one
     all-reduce right away, so its communicator exists before anything else
     uses it (NCCL makes communicators lazily, inside a first operation).
+    ``connect``: the groups are directions (sender, receiver), and the sender
+    also sends the receiver one message on ``warm_on`` (a batch, as the
+    channel sends), so their point-to-point connection exists too (see
+    [Note: why DirectionGroups]).
     """
 
-    def __init__(self, backend: Optional[str] = None, warm_on: Optional[torch.device] = None) -> None:
-        self.backend, self.warm_on = backend, warm_on
+    #: elements of the message that connects a direction (1 MiB of float32: NCCL may spread a message
+    #: over several channels by its size, and each channel's connection is made by its first message)
+    CONNECT_NUMEL = 1 << 18
+
+    def __init__(self, backend: Optional[str] = None, warm_on: Optional[torch.device] = None,
+                 connect: bool = False) -> None:
+        self.backend, self.warm_on, self.connect = backend, warm_on, connect
         self._made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # every group made, non-member handles too
 
     def make(self, mine: Sequence[Sequence[int]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
@@ -91,8 +110,20 @@ class GroupMaker:
             made = dist.new_group(sorted(set(key)), backend=self.backend)
             if me in key and self.warm_on is not None:
                 dist.all_reduce(torch.zeros(1, device=self.warm_on), group=made)
+                if self.connect:
+                    self._connect(key, made)
             self._made[key] = made
         return {key: self._made[key] for key in wanted}
+
+    def _connect(self, key: tuple[int, ...], group: dist.ProcessGroup) -> None:
+        """One message from ``key[0]`` to ``key[1]`` over ``group``, issued as a batch (the channel's way)."""
+        sender, receiver = key
+        me = dist.get_rank()
+        buf = torch.zeros(self.CONNECT_NUMEL, device=self.warm_on)
+        op = dist.P2POp(dist.isend, buf, receiver, group=group) if me == sender else \
+            dist.P2POp(dist.irecv, buf, sender, group=group)
+        for work in dist.batch_isend_irecv([op]):
+            work.wait()
 
     def __len__(self) -> int:
         """How many of the groups made so far hold this rank."""
@@ -117,7 +148,7 @@ class DirectionGroups:
             backend: Optional[str] = dist.get_backend(self.group)
         except (RuntimeError, ValueError):
             backend = None
-        self._maker = GroupMaker(backend, warm_on=torch.device(device))
+        self._maker = GroupMaker(backend, warm_on=torch.device(device), connect=True)
 
     def route(self, channel, stage_to_rank: Sequence[int]) -> None:
         """Make the groups ``stage_to_rank``'s messages need, then route ``channel`` (a DistChannel) through them."""

@@ -63,7 +63,7 @@ SPIN_US_ENV = "PIPELINE_EXT_SHM_SPIN_US"
 DEFAULT_RING_BYTES = 8 << 20
 DEFAULT_SPIN_US = 20
 #: the rings of a CUDA IPC channel's acknowledgements (one block id per message)
-ACK_RING_BYTES = 64 << 10
+ACK_RING_BYTES = 256 << 10  # the smallest ring ShmChannel takes (4 chunks of 64 KiB)
 
 
 def requested_transport(transport: Optional[str]) -> str:
