@@ -271,7 +271,7 @@ fi
 step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -s --timeout 120 -p no:cacheprovider tests/test_tensor_parallel.py
 
 # 3. the CUDA IPC transport: its multi-process suites on cuda:0
-step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -p no:cacheprovider \
+step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -s --timeout 60 -p no:cacheprovider \
   --junitxml="$LOGS/ipc_suites.xml"
 
 # 4. 2-rank 1F1B, ours vs torch over NCCL, in the same processes
