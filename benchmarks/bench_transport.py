@@ -60,6 +60,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s
     torch_name, pg_name, same_host_name = COLUMNS[device]
     if device == "cuda":
         os.environ["NCCL_HOSTID"] = f"pipeline_ext_bench_rank{rank}"  # two ranks on one GPU: NCCL sees two hosts
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # ... joined by its socket transport on the loopback
         torch.cuda.set_device(0)
         group = dist.new_group([0, 1], backend="nccl")
         pg = make_channel(group, "cuda:0", 2, "process_group")
