@@ -18,9 +18,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from mp_utils import no_complaints
-from test_tensor_parallel import D, M, ROWS, SEQ, Stage, _fresh_dtensor_caches, _full, _loss, _parallelize
+from mp_utils import no_complaints, rank_values
+from test_tensor_parallel import D, M, ROWS, SEQ, Stage, _fresh_dtensor_caches, _full, _loss, _parallelize, _placement
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CLIP = 0.05  # below every step's total norm here: the clip scales every gradient
@@ -57,6 +58,13 @@ def _pipeline(mesh, name: str, case: str, seed: int = 0, last_out: str = ""):
     return mine, modules, ref, sched, opt, ref_opt
 
 
+def _put(mesh, given: str):
+    """The caller's tensors as DTensors of placement ``given`` on the tp mesh (as they are when ``given`` is "")."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return (lambda t: distribute_tensor(t, mesh["tp"], [_placement(given)])) if given else (lambda t: t)
+
+
 def _unsplit(ref, x: torch.Tensor) -> torch.Tensor:
     for m in ref:
         x = m(x)
@@ -90,19 +98,22 @@ def _compare_params(where: str, mine, modules, ref, exact: bool = False) -> list
 
 
 # -- 1. eval between training steps ------------------------------------------------------------------------
-def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
+def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[str]:
     """A validate-then-train loop: eval (with a target: losses, no gradients), step, eval, step; DTensor
-    activations cross the stages in both the forward-only and the training schedule."""
+    activations cross the stages in both the forward-only and the training schedule. ``given``: the batch's
+    inputs, targets and the last stage's outputs are DTensors of that placement (else plain tensors)."""
     mesh = _mesh()
     bad: list[str] = []
-    for name, case in cases:
-        mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case)
+    for name, case, given in cases:
+        mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case, last_out=given)
+        put = _put(mesh, given)
         last = sched.has_last_stage
         for step in range(2):
-            where = f"{case} {name} rank {rank} step {step}"
+            where = f"{case} {name} given={given} rank {rank} step {step}"
             x, y = _batch(10 + step)
             losses: list = []
-            out = sched.eval(*((x,) if sched.has_first_stage else ()), target=y if last else None, losses=losses)
+            out = sched.eval(*((put(x),) if sched.has_first_stage else ()), target=put(y) if last else None,
+                             losses=losses)
             with torch.no_grad():
                 want = _unsplit(ref, x)
             if last:
@@ -115,7 +126,7 @@ def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str]]) -> 
                 bad.append(f"{where}: eval produced gradients")
             x, y = _batch(step)
             losses = []
-            sched.step(*((x,) if sched.has_first_stage else ()), target=y if last else None, losses=losses)
+            sched.step(*((put(x),) if sched.has_first_stage else ()), target=put(y) if last else None, losses=losses)
             ref_loss = _loss(_unsplit(ref, x), y)
             ref_loss.backward()
             if last and not torch.allclose(torch.stack([_full(v) for v in losses]).mean(), ref_loss.detach(), **TOL):
@@ -129,8 +140,8 @@ def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str]]) -> 
 
 @pytest.mark.timeout(300)
 def test_eval_with_dtensor_activations_between_training_steps_matches_the_unsplit_model():
-    no_complaints(_eval_between_steps, 4, [("1f1b", "replicate"), ("interleaved_1f1b", "sequence"),
-                                           ("zb_h1", "sequence")], timeout=280)
+    no_complaints(_eval_between_steps, 4, [("1f1b", "replicate", ""), ("interleaved_1f1b", "sequence", ""),
+                                           ("zb_h1", "sequence", "shard0")], timeout=280)
 
 
 # -- 2. step_microbatches: DTensors of a different sequence length per microbatch --------------------------
@@ -140,19 +151,18 @@ LENGTHS = [[4, 6, 5, 3], [5, 3, 6, 4], [2, 7, 4, 8]]
 
 
 def _microbatches_of_lengths(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[str]:
-    """``given``: each microbatch's input, target and output are Replicate DTensors (else plain tensors)."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
+    """``given``: each microbatch's input, target and output are DTensors of that placement (else plain
+    tensors)."""
     mesh = _mesh()
     bad: list[str] = []
     for name, case, given in cases:
-        mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case, last_out="replicate" if given else "")
+        mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case, last_out=given)
+        put = _put(mesh, given)
         first, last = sched.has_first_stage, sched.has_last_stage
         for step, lengths in enumerate(LENGTHS):
             where = f"{case} {name} given={given} rank {rank} step {step}"
             pairs = [_batch(100 * step + k, seq) for k, seq in enumerate(lengths)]
             xs, ys = [p[0][: ROWS // M] for p in pairs], [p[1][: ROWS // M] for p in pairs]
-            put = (lambda t: distribute_tensor(t, mesh["tp"], [Replicate()])) if given else (lambda t: t)
             losses: list = []
             outs = sched.step_microbatches([(put(x),) for x in xs] if first else None,
                                            target_mbs=[put(y) for y in ys] if last else None, losses=losses)
@@ -177,8 +187,8 @@ def _microbatches_of_lengths(rank: int, world: int, cases: list[tuple[str, str, 
 
 @pytest.mark.timeout(300)
 def test_step_microbatches_with_dtensors_of_different_sequence_lengths_matches_the_unsplit_model():
-    no_complaints(_microbatches_of_lengths, 4, [("1f1b", "sequence", False), ("zb_h1", "replicate", True),
-                                                ("interleaved_1f1b", "sequence", True)], timeout=280)
+    no_complaints(_microbatches_of_lengths, 4, [("1f1b", "sequence", ""), ("zb_h1", "replicate", "replicate"),
+                                                ("interleaved_1f1b", "sequence", "shard1")], timeout=280)
 
 
 # -- 3. clip_grad_norm_ over PP x TP -----------------------------------------------------------------------
@@ -194,6 +204,11 @@ def _clip(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
             x, y = _batch(step)
             sched.step(*((x,) if sched.has_first_stage else ()), target=y if sched.has_last_stage else None)
             _loss(_unsplit(ref, x), y).backward()
+            ref_grads = [p.grad for m in ref for p in m.parameters()]
+            for order in (1.0, float("inf")):  # a sum and a max over the TP shards and the stages
+                got, want = _full(pe.training.total_grad_norm(sched, order)), torch.nn.utils.get_total_norm(ref_grads, order)
+                if not torch.allclose(got, want, **TOL):
+                    bad.append(f"{where}: total norm of order {order} {got.item()} != the unsplit model's {want.item()}")
             total = pe.clip_grad_norm_(sched, CLIP)
             ref_total = torch.nn.utils.clip_grad_norm_([p for m in ref for p in m.parameters()], CLIP)
             if not torch.allclose(_full(total), ref_total, **TOL):
@@ -212,13 +227,15 @@ def test_clip_grad_norm_over_pp_x_tp_matches_the_unsplit_model():
 
 
 # -- 4. DCP save and load of a PP x TP model ---------------------------------------------------------------
-def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]]) -> list[str]:
+def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]]) -> tuple[list[str], dict]:
     """Train 2 steps, save, train 2 more; fresh stages (other weights, no optimizer state) load the checkpoint
-    and train the same 2: every parameter ends bitwise where the first stages did."""
+    and train the same 2: every parameter ends bitwise where the first stages did. Returns the complaints and,
+    per case, the full tensors saved (unsplit names, numpy: no shared memory)."""
     import pipeline_ext as pe
 
     mesh = _mesh()
     bad: list[str] = []
+    full_saved: dict[str, dict] = {}
     for name, case in cases:
         where = f"{case} {name} rank {rank}"
         ckpt = os.path.join(path, f"{name}-{case}")
@@ -236,6 +253,7 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
         train(sched, opt, range(2))
         saved = {s: {k: _full(v).clone() for k, v in modules[s].state_dict().items()} for s in mine}
         pe.save_checkpoint(ckpt, sched, opt, fqn_maps=fqn_maps)
+        full_saved[ckpt] = {f"{s}.{k}": v.numpy() for s in mine for k, v in saved[s].items()}
         train(sched, opt, range(2, 4))
         _, fresh, _, sched2, _, _ = _pipeline(mesh, name, case, seed=1)
         opt2 = torch.optim.AdamW([p for s in mine for p in fresh[s].parameters()], lr=0.05)
@@ -252,10 +270,26 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
                     bad.append(f"{where}: stage {s} {k} after resuming differs from not stopping "
                                f"(max err {(_full(p) - _full(q)).abs().max():.3g})")
         dist.barrier()
-    return bad
+    return bad, full_saved
 
 
 @pytest.mark.timeout(300)
-def test_dcp_save_and_load_of_pp_x_tp_stages_resumes_bitwise():
+def test_dcp_save_and_load_of_pp_x_tp_stages_resumes_bitwise_and_the_unsplit_model_loads_it():
+    import pipeline_ext as pe
+
+    cases = [("1f1b", "replicate"), ("interleaved_1f1b", "sequence")]
     with tempfile.TemporaryDirectory() as tmp:
-        no_complaints(_save_resume, 4, tmp, [("1f1b", "replicate"), ("interleaved_1f1b", "sequence")], timeout=280)
+        said = rank_values(_save_resume, 4, tmp, cases, timeout=280)
+        assert not [c for bad, _ in said.values() for c in bad], said
+        # the checkpoint is the unsplit model's: full tensors under its names (the TP shards put together), and
+        # its optimizer state; it loads in a process without torch.distributed
+        for name, case in cases:
+            ckpt = os.path.join(tmp, f"{name}-{case}")
+            saved = {k: torch.from_numpy(v) for _, per_case in said.values() for k, v in per_case[ckpt].items()}
+            unsplit = nn.Sequential(*(Stage() for _ in range(len(saved) // len(Stage().state_dict()))))
+            opt = torch.optim.AdamW(unsplit.parameters(), lr=0.05)
+            pe.load_checkpoint(ckpt, unsplit, opt)
+            assert unsplit.state_dict().keys() == saved.keys(), (name, case)
+            for k, v in unsplit.state_dict().items():
+                assert torch.equal(v, saved[k]), (name, case, k)
+            assert len(opt.state) == len(saved) and all(float(st["step"]) == 2 for st in opt.state.values())
