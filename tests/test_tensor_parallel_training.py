@@ -202,6 +202,13 @@ def _microbatches_of_lengths(rank: int, world: int, cases: list[tuple[str, str, 
             bad += _compare_grads(where, mine, modules, ref)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+            if step == 0:  # validation between the steps, on the microbatches in another order
+                evals = sched.eval_microbatches([(put(x),) for x in xs[::-1]] if first else None)
+                if last:
+                    with torch.no_grad():
+                        want = [_unsplit(ref, x) for x in xs[::-1]]
+                    if not all(torch.allclose(_full(o), w, **TOL) for o, w in zip(evals, want)):
+                        bad.append(f"{where}: eval_microbatches' outputs differ")
         bad += _compare_params(f"{case} {name} given={given} rank {rank}", mine, modules, ref)
         dist.barrier()
     return bad
@@ -228,9 +235,11 @@ def _clip(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
             _loss(_unsplit(ref, x), y).backward()
             ref_grads = [p.grad for m in ref for p in m.parameters()]
             for order in (1.0, float("inf")):  # a sum and a max over the TP shards and the stages
-                got, want = _full(pe.training.total_grad_norm(sched, order)), torch.nn.utils.get_total_norm(ref_grads, order)
+                got = _full(pe.training.total_grad_norm(sched, order))
+                want = torch.nn.utils.get_total_norm(ref_grads, order)
                 if not torch.allclose(got, want, **TOL):
-                    bad.append(f"{where}: total norm of order {order} {got.item()} != the unsplit model's {want.item()}")
+                    bad.append(f"{where}: total norm of order {order} {got.item()} != the unsplit model's "
+                               f"{want.item()}")
             total = pe.clip_grad_norm_(sched, CLIP)
             ref_total = torch.nn.utils.clip_grad_norm_([p for m in ref for p in m.parameters()], CLIP)
             if not torch.allclose(_full(total), ref_total, **TOL):
