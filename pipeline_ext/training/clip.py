@@ -15,8 +15,11 @@ What is counted once:
 - one Parameter used by two local stages: counted once (deduplicated);
 - data-parallel replicas (DDP, or a manual all-reduce): every replica holds
   the same gradients, so nothing is reduced over the DP axis;
-- FSDP2 shards (DTensor gradients): their norm is a partial over the DP mesh
-  and ``full_tensor()`` completes it (the same recipe torchtitan uses).
+- DTensor gradients (FSDP2 shards, tensor-parallel shards, replicas over a
+  TP mesh): torch's norm of a DTensor knows its placements (a shard's norm is
+  a partial over its mesh, a Replicate one is counted once), and
+  ``full_tensor()`` completes it over that mesh (the same recipe torchtitan
+  uses); only then is it combined over the pipeline group.
 """
 from __future__ import annotations
 
