@@ -247,3 +247,14 @@ def test_a_two_by_two_job_shares_memory_inside_each_host_and_is_exact():
                                              for n in SCHEDULES}), res[0]["said"]
     assert all(not res[r]["said"] for r in (1, 2, 3))
     assert _dev_shm() == found
+
+
+def test_the_trace_report_says_which_edge_uses_what():
+    from pipeline_ext import schedules as S
+    from pipeline_ext.runtime.trace import TraceReport
+
+    sch = S.build("1f1b", 4, 4)
+    edges = {"0<->1": "shm", "1<->2": "process_group (hosts a|b)", "2<->3": "shm"}
+    report = TraceReport(sch, [S.simulate(sch).timeline], transport=edges)
+    assert "transport per edge: 0<->1 shm, 1<->2 process_group (hosts a|b), 2<->3 shm" in report.summary()
+    assert report.chrome_trace()["traceEvents"][0]["args"]["transport"] == edges
