@@ -258,3 +258,46 @@ def test_the_trace_report_says_which_edge_uses_what():
     report = TraceReport(sch, [S.simulate(sch).timeline], transport=edges)
     assert "transport per edge: 0<->1 shm, 1<->2 process_group (hosts a|b), 2<->3 shm" in report.summary()
     assert report.chrome_trace()["traceEvents"][0]["args"]["transport"] == edges
+
+
+def _error_mid_step(rank: int, world: int) -> str:
+    """2 x 2 job: rank 1's module raises in step 1 (microbatch 2's forward); what each rank's step raises."""
+    import pipeline_ext as pe
+
+    os.environ[HOST_ENV] = "hostB" if rank >= 2 else "hostA"  # a fresh process (isolated): nothing to put back
+    modules = build("mlp", world)
+    forwards = [0]
+
+    def flaky(module, args):
+        forwards[0] += 1
+        if forwards[0] == 4 + 3:  # step 0 ran 4 forwards
+            raise ValueError("boom in the user's module")
+
+    if rank == 1:
+        modules[1].register_forward_pre_hook(flaky)
+    sched = pe.Schedule1F1B(pe.PipelineStage(modules[rank], rank, world, "cpu"), 4, loss_fn=loss_fn, timeout=8.0)
+    for i in range(2):
+        x, y = make_batch("mlp", 8, seed=i)
+        try:
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            return f"{i}:{type(exc).__name__}: {exc}" + "".join(f"\n{n}" for n in getattr(exc, "__notes__", ()))
+    return "no error"
+
+
+@pytest.mark.isolated
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_failed_step_is_told_at_once_over_shared_memory_edges_and_at_the_timeout_across_hosts():
+    """Rank 1 fails mid-step: rank 0 (its host) hears why at once; rank 2 (the other host, over Gloo) cannot be
+    woken, its wait ends at its timeout or when rank 1's process ends, naming rank 1 and the hosts; rank 3 then
+    hears rank 2's failure at once over their shared memory."""
+    said = {r: v for r, (_, v) in run_ranks(_error_mid_step, 4, timeout=80).items()}
+    assert said[1].startswith("1:ValueError: boom in the user's module"), said
+    assert "failed on rank 1 in F of stage 1, microbatch 2: ValueError: boom" in said[0], said
+    assert "timed out" not in said[0] and said[0].startswith("1:ChannelError"), said
+    assert said[2].startswith("1:ChannelTimeout" if "timed out" in said[2] else "1:ChannelError"), said
+    assert "with peer rank 1 in step 1" in said[2], said
+    assert "pipeline_ext: the ranks' hosts: ranks 0, 1 on host" in said[2], said
+    assert said[3].startswith("1:ChannelError: rank 3 waiting on RECV_F of stage 3 microbatch 2 with peer rank 2 in "
+                              "step 1: step 1 failed on rank 2"), said
