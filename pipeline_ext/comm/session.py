@@ -237,6 +237,7 @@ class Session:
         self._plans: dict[int, PlanCache] = {}
         self._schedule: Optional[S.Schedule] = None
         self.edges: list[tuple[int, int]] = []
+        self._table_digest = 0
 
     def set_schedule(self, schedule: S.Schedule) -> None:
         """Run ``schedule`` (lowered, validated) from the next step on; its communication plans start empty."""
@@ -283,7 +284,7 @@ class Session:
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
                             layouts=plans.digest, skips=self._skips.digest,
                             transport=TRANSPORT_CODES[self.channel.requested],
-                            autocast=autocast_digest(self.device), edges=edges_digest(self.channel.edges))
+                            autocast=autocast_digest(self.device), edges=self._edges_digest())
         inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
         weights: list = []
         error: Optional[Exception] = None
@@ -329,6 +330,13 @@ class Session:
             raise error
         return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
                     self.agreement.counted_by_value if self._has_first else None, self.edges)
+
+    def _edges_digest(self) -> int:
+        """The settled transport table's digest for the step record (0 until the first step settles it; kept then:
+        the table never changes)."""
+        if not self._table_digest:
+            self._table_digest = edges_digest(self.channel.edges)
+        return self._table_digest
 
     def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
         """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""
