@@ -460,7 +460,7 @@ class _Setup:
         reasons = list(dict.fromkeys(r for _, r in edges.values() if r))
         reason = ("hosts: " + _hosts(self.mine, peers)) if len(set(hosts.values())) > 1 else "; ".join(reasons)
         near = {b if a == self.rank else a for (a, b), (k, _) in edges.items() if k == "shm" and self.rank in (a, b)}
-        if not near:
+        if not near and peers:  # (a group of one rank keeps its inbox, as on one host: nothing moves)
             settled = self._fallback(reason)
             settled.kind, settled.hosts, settled.edges = kind, hosts, edges
             return settled
@@ -568,8 +568,8 @@ class UnsettledTransport:
 
     ``owner`` is that ``AutoChannel`` (or ``IpcChannel``, comm/shm.py). It takes the C++ channel's place until the first message (or ``begin_step``)
     settles the group's transport (collective over the group, see ``_Setup``);
-    then the ``AutoChannel`` holds the settled ``_C.ShmChannel`` or
-    ``_C.ProcessGroupChannel`` itself, and this object is dropped.
+    then the ``AutoChannel`` holds the settled ``_C.ShmChannel``,
+    ``_C.ProcessGroupChannel`` (or a ``PerEdgeChannel`` of both) itself, and this object is dropped.
     """
 
     def __init__(self, owner: Any, group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
