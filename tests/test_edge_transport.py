@@ -21,8 +21,7 @@ import torch
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import run_ranks
 from pipeline_ext.comm import transport as T
-from pipeline_ext.comm.agreement import StepRecord, agree
-from pipeline_ext.comm.agreement import StepAgreementError
+from pipeline_ext.comm.agreement import StepAgreementError, StepRecord, agree
 from pipeline_ext.comm.transport import (HOST_ENV, PerEdgeChannel, decide_edges, edges_digest, edges_kind,
                                          edges_summary)
 from pipeline_ext.runtime.channel import ChannelError
