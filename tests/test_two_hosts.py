@@ -12,8 +12,9 @@ veth (``GLOO_SOCKET_IFNAME``).
 What the library's same-host detection (``comm/transport._host_id``) sees:
 the hostnames differ, the boot id is the same (one kernel), the /dev/shm
 directories differ and so do the PID namespaces. Two ranks are on one host
-only when all four agree, so these are two hosts, and every edge between
-them goes through the process group (``exact`` checks what was chosen).
+only when all four agree, so these are two hosts: every edge between them
+goes through the process group, and the edges inside each host through shared
+memory (``exact`` checks what was chosen, and the line that says it).
 
 Each rank writes what it saw to a JSON file (``two_hosts_job.py``); the test
 reads them. Where namespaces cannot be made (not root, no ``ip`` or
@@ -199,7 +200,18 @@ def test_every_schedule_exact_across_two_hosts(hosts):
     for r, rep in reports.items():
         assert rep["ran"] == SCHEDULES, rep
         assert not rep["bad"], "\n".join(rep["bad"][:20])
-        assert rep["transport"] == "process_group", rep  # ranks on two hosts: the process group carries it
+        # shared memory inside each host, the process group between them; every rank took the same table
+        assert rep["transport"] == "per_edge", rep
+        assert rep["edges"] == {"0<->1": "shm", "0<->2": "process_group", "0<->3": "process_group",
+                                "1<->2": "process_group", "1<->3": "process_group", "2<->3": "shm"}, rep
+    # said once per distinct set of pipeline edges, by rank 0 alone: with the interleaved schedules' 3<->0 edge, and
+    # without it
+    assert sorted(reports[0]["said"]) == [
+        "pipeline_ext: transport per edge: 0<->1 shm, 0<->3 process_group (hosts hostA|hostB), "
+        "1<->2 process_group (hosts hostA|hostB), 2<->3 shm",
+        "pipeline_ext: transport per edge: 0<->1 shm, 1<->2 process_group (hosts hostA|hostB), 2<->3 shm",
+    ], reports[0]["said"]
+    assert not any(reports[r]["said"] for r in (1, 2, 3)), reports
 
 
 def test_ranks_killed_on_one_host(hosts):

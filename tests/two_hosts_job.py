@@ -5,7 +5,8 @@ at once) and exits non-zero where it raised; the test reads the files. The
 mode (``$JOB_MODE``):
 
 - ``exact``: every schedule's step against the unsplit model
-  (``test_distributed._check_step``), on this rank's stages;
+  (``test_distributed._check_step``), on this rank's stages, with the
+  transport per edge settled and the summary lines this rank said;
 - ``kill``: 1F1B training; at step ``$JOB_STEP`` the second host's ranks kill
   themselves (SIGKILL) in their first forward: the first host's ranks must
   raise naming a peer on the second host;
@@ -59,13 +60,20 @@ def seen(rank: int) -> dict:
 def exact(rank: int, world: int) -> dict:
     from test_distributed import SCHEDULES, _check_step
 
+    import warnings
+
     bad, ran = [], []
-    for name in SCHEDULES:
-        bad += _check_step(rank, world, name, "blocks", 2 * world, 8 * world + 3)
-        ran.append(name)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for name in SCHEDULES:
+            bad += _check_step(rank, world, name, "blocks", 2 * world, 8 * world + 3)
+            ran.append(name)
     from pipeline_ext.comm.transport import _setups
 
-    return dict(ran=ran, bad=bad, transport=getattr(_setups.get(dist.group.WORLD), "kind", None))
+    settled = _setups.get(dist.group.WORLD)
+    return dict(ran=ran, bad=bad, transport=getattr(settled, "kind", None),
+                edges={f"{a}<->{b}": kind for (a, b), (kind, _) in getattr(settled, "edges", {}).items()},
+                said=[str(w.message) for w in said if "transport per edge" in str(w.message)])
 
 
 def _die_in_forward(stage: nn.Module, how) -> None:

@@ -38,6 +38,9 @@ word   meaning
 69-100 which of them each microbatch has, one byte per microbatch (at most 256)
 101    this rank's autocast state (``autocast_digest``; 0: off): it salts the
        signatures the layouts are cached by
+102    digest of the transport per edge this rank settled (``transport.edges_digest``;
+       0: not settled yet): every rank computes the table from the same
+       descriptions, and the records check that they did
 =====  ==================================================================
 
 Every rank then runs the same pure decision (:func:`agree`) over the same
@@ -77,11 +80,11 @@ __all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "MAX_SIGNATURES", 
 # Outside the executor's message tags (< 2^30) and their layout bit (2^30): see identity.py.
 AGREEMENT_TAG = 2**31 - 1
 
-_MAGIC = 0x7065_5F73_7465_7033  # "pe_step3"
-_WORDS = 102
+_MAGIC = 0x7065_5F73_7465_7034  # "pe_step4"
+_WORDS = 103
 _NAME_WORDS, _REASON_WORDS = (16, 20), (20, 36)
 _COUNT_WORD, _SIGS, _INDEX = 36, (37, 69), (69, 101)
-_AUTOCAST_WORD = 101
+_AUTOCAST_WORD, _EDGES_WORD = 101, 102
 #: distinct microbatch signatures, and microbatches, one record describes (beyond them a step is not cached)
 MAX_SIGNATURES, MAX_MICROBATCHES = _SIGS[1] - _SIGS[0], 8 * (_INDEX[1] - _INDEX[0])
 _CACHE_LIMIT = 1024
@@ -129,6 +132,7 @@ class StepRecord:
     skips: int = 0  # digest of this rank's skip declarations (0: none)
     transport: int = 0  # TRANSPORT_CODES of the transport this rank asked for
     autocast: int = 0  # autocast_digest of this rank: what its stages compute in (0: autocast off)
+    edges: int = 0  # edges_digest of the transport per edge this rank settled (0: not yet)
 
     def encode(self) -> list[int]:
         words = [0] * _WORDS
@@ -139,6 +143,7 @@ class StepRecord:
         words[slice(*_REASON_WORDS)] = _text_words(self.rejected, _REASON_WORDS)
         words[_COUNT_WORD:_AUTOCAST_WORD] = _microbatch_words(self.microbatches)
         words[_AUTOCAST_WORD] = self.autocast
+        words[_EDGES_WORD] = self.edges
         return words
 
     @classmethod
@@ -154,7 +159,7 @@ class StepRecord:
                    rejected=_words_text(w[slice(*_REASON_WORDS)]) or ("rejected" if w[6] else ""),
                    microbatches=_words_microbatches(w[_COUNT_WORD:_AUTOCAST_WORD], w[4]), sizes=w[8], rows=w[9],
                    target_rows=w[10], target_sizes=w[15], layouts=w[11], skips=w[13], transport=w[14],
-                   autocast=w[_AUTOCAST_WORD])
+                   autocast=w[_AUTOCAST_WORD], edges=w[_EDGES_WORD])
 
 
 def sizes_digest(sizes: Sequence[int]) -> int:
@@ -237,6 +242,12 @@ def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
                          for r in records)
         return (f"the ranks ask for different transports: {said}. Pass the same transport= (or set the same "
                 "$PIPELINE_EXT_TRANSPORT) on every rank")
+    settled = [r for r in records if r.edges]  # a rank whose transport is not settled yet has nothing to compare
+    if len({r.edges for r in settled}) > 1:
+        said = ", ".join(f"rank {r.rank}: {r.edges:016x}" for r in settled)
+        return (f"the ranks settled different transports per edge (digests {said}): their descriptions of "
+                "themselves differed (comm/transport.py decide_edges); report it with every rank's "
+                "PipelineSchedule.transport_per_edge")
     if differ(lambda r: (r.schedule_key, r.n_microbatches, r.num_stages)):
         # Two schedules of one name and size (hand-written ones) differ in their actions: say which is whose.
         same_words = not differ(lambda r: (r.schedule, r.n_microbatches, r.num_stages))

@@ -38,8 +38,8 @@ class DistChannel:
 
     #: the transport asked for (``PipelineSchedule(transport=)``): the process group itself
     requested = "process_group"
-    #: a message of one tensor is packed too (into the plan's reused buffer when given)
-    packs_single = True
+    #: what the same-host channels settled (``comm/transport._GroupTransport``: per-edge table, hosts); None here
+    settled = None
 
     def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, device: Device = "cpu",
                  num_stages: Optional[int] = None) -> None:
@@ -57,6 +57,16 @@ class DistChannel:
         if not dist.is_initialized():
             raise RuntimeError(f"{cls.__name__}: torch.distributed is not initialised (call init_process_group)")
         return dist.group.WORLD
+
+    def packs_single(self, peer: int) -> bool:
+        """A message of one tensor to ``peer`` is packed too (into the plan's reused buffer when given)."""
+        return True
+
+    @property
+    def edges(self) -> dict[tuple[int, int], tuple[str, str]]:
+        """Every pair of ranks' transport and why (``comm/transport.decide_edges``); empty until settled, and on a
+        transport settled without an exchange (``"process_group"``)."""
+        return self.settled.edges if self.settled is not None else {}
 
     @property
     def rank(self) -> int:

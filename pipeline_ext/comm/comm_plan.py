@@ -209,7 +209,7 @@ class StepMessages:
             return handle
         layout = self._layout(key)
         out = None
-        if len(tensors) > 1 or (tensors and self.channel.packs_single):
+        if len(tensors) > 1 or (tensors and self.channel.packs_single(peer)):
             out = self.cache.send_buffer(key, layout.nbytes, tensors[0].device)
         try:
             return self.channel.send(tensors, peer, tag, expected=layout, out=out, owned=owned)[0]

@@ -51,7 +51,7 @@ from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.comm.identity import GroupSteps, stable_hash
 from pipeline_ext.comm.shm import make_channel
-from pipeline_ext.comm.transport import hosts_note
+from pipeline_ext.comm.transport import announce_edges, edges_digest, hosts_note
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
@@ -142,12 +142,14 @@ class Step:
 
     def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
                  decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
-                 plans: PlanCache, explain: Optional[Callable[[Any], str]] = None) -> None:
+                 plans: PlanCache, explain: Optional[Callable[[Any], str]] = None,
+                 edges: Sequence[tuple[int, int]] = ()) -> None:
         self.number = number
         self.inputs = inputs
         self.skip_stages = skips.stages
         self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
         self._channel, self._plans, self._explain = channel, plans, explain
+        self._edges = edges
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
 
@@ -160,6 +162,8 @@ class Step:
             agreement = self._decide(self._pending.records())
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.number)
+            # the transport is settled now: which edge uses what, said once (transport.py [Note: transport per edge])
+            announce_edges(self._channel.group, self._channel.settled, self._edges)
             self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover,
                                               self._explain)
         return self._messages
@@ -232,6 +236,8 @@ class Session:
                                      by_tag=self.channel.matches_by_tag)
         self._plans: dict[int, PlanCache] = {}
         self._schedule: Optional[S.Schedule] = None
+        self.edges: list[tuple[int, int]] = []
+        self._table_digest = 0
 
     def set_schedule(self, schedule: S.Schedule) -> None:
         """Run ``schedule`` (lowered, validated) from the next step on; its communication plans start empty."""
@@ -239,6 +245,9 @@ class Session:
             self._directions.route(self.channel, schedule.stage_to_rank)
         self._schedule = schedule
         self._first_rank, self._last_rank = schedule.stage_to_rank[0], schedule.stage_to_rank[-1]
+        placement = schedule.stage_to_rank
+        #: the pairs of ranks that hold consecutive stages: the pipeline's edges
+        self.edges = sorted({(min(a, b), max(a, b)) for a, b in zip(placement, placement[1:]) if a != b})
         self._schedule_key = stable_hash(repr((
             schedule.name, tuple(schedule.stage_to_rank), self.n_microbatches,
             [[str(a) for a in acts] for acts in schedule.actions],
@@ -275,7 +284,7 @@ class Session:
                             num_stages=self.num_stages, has_loss=self.loss_fn is not None,
                             layouts=plans.digest, skips=self._skips.digest,
                             transport=TRANSPORT_CODES[self.channel.requested],
-                            autocast=autocast_digest(self.device))
+                            autocast=autocast_digest(self.device), edges=self._edges_digest())
         inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
         weights: list = []
         error: Optional[Exception] = None
@@ -320,7 +329,14 @@ class Session:
                                "that calls it after this process ended is told the rank is gone instead)")
             raise error
         return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
-                    self.agreement.counted_by_value if self._has_first else None)
+                    self.agreement.counted_by_value if self._has_first else None, self.edges)
+
+    def _edges_digest(self) -> int:
+        """The settled transport table's digest for the step record (0 until the first step settles it; kept then:
+        the table never changes)."""
+        if not self._table_digest:
+            self._table_digest = edges_digest(self.channel.edges)
+        return self._table_digest
 
     def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
         """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""

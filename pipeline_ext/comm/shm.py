@@ -8,8 +8,8 @@ the bytes into the receiver's inbox (a ring in POSIX shared memory) and wakes
 it through a futex after a short spin.
 
 :class:`AutoChannel` is a :class:`DistChannel` whose transport is decided at its
-first message: shared memory when every rank of the group is on this host
-(same hostname, boot, /dev/shm and pid namespace), Gloo otherwise. Which one,
+first message, per pair of ranks: shared memory between two ranks of one host
+(same hostname, boot, /dev/shm and pid namespace), Gloo between hosts. Which one,
 and the setup over the group that decides it, is ``transport.py``'s (its
 module doc also says how a transport is asked for); until then the channel
 holds an ``UnsettledTransport``. The channel stays stateless and matches by
@@ -64,11 +64,13 @@ def make_channel(group: Optional[dist.ProcessGroup], device: Union[str, torch.de
 
 
 class AutoChannel(DistChannel):
-    """A ``DistChannel`` over same-host shared memory (CPU stages); falls back to Gloo across hosts.
+    """A ``DistChannel`` over same-host shared memory (CPU stages); Gloo across hosts, per pair of ranks.
 
     ``required``: shared memory or an error (``transport="shm"``), instead of
     Gloo when the ranks are not all on this host. ``timeout`` bounds the wait
-    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm" or "process_group".
+    for the peers' descriptions at the first message. ``transport`` is ``None`` until then, then "shm",
+    "process_group", or "per_edge" (shared memory to this host's peers, the process group to other hosts':
+    ``edges`` says which, transport.py [Note: transport per edge]).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_stages: Optional[int] = None,
@@ -76,14 +78,17 @@ class AutoChannel(DistChannel):
         self.group = self.resolve_group(group)
         self.num_stages = num_stages
         self.transport: Optional[str] = None
+        self.settled = None
         self.requested = "shm" if required else "auto"
         self._pg = UnsettledTransport(self, self.group, required, timeout)
 
-    @property
-    def packs_single(self) -> bool:  # type: ignore[override]
+    def packs_single(self, peer: int) -> bool:
         """On shared memory (or CUDA IPC) one tensor is copied into the ring (an exported block) as it is: no
         pack buffer for it."""
-        return self.transport not in ("shm", "ipc")
+        kind = self.transport
+        if kind == "per_edge":
+            kind = self.edges[(min(self.rank, peer), max(self.rank, peer))][0]
+        return kind not in ("shm", "ipc")
 
     def matches_by_tag(self) -> bool:
         """Settles the transport (collective over the group), then says whether it matches by tag."""
@@ -127,6 +132,7 @@ class IpcChannel(AutoChannel):
         self.group = self.resolve_group(group)
         self.num_stages = num_stages
         self.transport: Optional[str] = None
+        self.settled = None
         self.requested = "ipc" if required else "auto"
         self._routes: dict[int, tuple] = {}
         self._pg = UnsettledTransport(self, self.group, "ipc" if required else False, timeout,

@@ -18,6 +18,26 @@ channel on that group is built (see ``_Setup``); the transport is decided at
 the first message. All channels of one process on one group share one
 transport, as they share the group's Gloo pairs.
 
+[Note: transport per edge]
+CPU stages choose per pair of ranks (``decide_edges``): shared memory between
+two ranks of one host, the process group between hosts, so a job of two hosts
+with several ranks each keeps its same-host edges off the network. Every rank
+computes the whole table from the same descriptions, so every rank takes the
+same choice for every edge; its digest travels in the step records
+(``agreement.py``, ``edges_digest``), which checks it. A rank with peers of
+both kinds holds a ``PerEdgeChannel`` (both C++ channels, each message on its
+peer's); the group's ``kind`` is then "per_edge". When a group spans hosts, or
+an edge of one host fell back, group rank 0 says once which edge uses what
+(``announce_edges``: a ``UserWarning`` starting ``pipeline_ext: transport per
+edge:``), and ``PipelineSchedule.transport_per_edge`` and the trace report
+hold the table.
+
+Same host means same hostname, boot id, /dev/shm (device and inode) and PID
+namespace (``_host_id``), never the hostname alone. ``$PIPELINE_EXT_TEST_HOST``
+is for tests and benchmarks only: when set, it is added to this process's
+host identity, so that ranks of one machine given different values act as
+ranks of different hosts (it can only split a host, never join two).
+
 Choosing: ``PipelineSchedule(transport=...)`` or the environment variable
 ``PIPELINE_EXT_TRANSPORT``: ``"auto"`` (default), ``"process_group"`` (the
 process group's own backend, Gloo on CPU and NCCL on GPU, whatever the hosts;
@@ -32,7 +52,9 @@ not yet run on a GPU, so it is used only when asked for (``"ipc"``). Once it
 has, ``"auto"`` is to pick it when every rank is on this host and every rank
 can use it (a CUDA build of ``pipeline_ext._C``, a CUDA device), which is what
 :func:`decide_transport` already decides: a function of every rank's
-description alone, so every rank takes the same branch.
+description alone, so every rank takes the same branch. GPU stages decide for
+the whole group (CUDA IPC everywhere or the process group everywhere); the
+per-edge choice is CPU stages'.
 ``PIPELINE_EXT_SHM_RING_BYTES`` sizes each ring (default 8 MiB; larger
 messages go in chunks) and must be equal on every rank.
 """
@@ -42,17 +64,20 @@ import json
 import os
 import socket
 import threading
+import warnings
 import weakref
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from pipeline_ext.comm.identity import stable_hash
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "UnsettledTransport", "check_request", "decide_transport",
-           "ipc_unavailable", "probe_verdict", "requested_transport"]
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "HOST_ENV", "PerEdgeChannel", "UnsettledTransport", "check_request",
+           "decide_edges", "decide_transport", "edges_digest", "edges_kind", "edges_summary", "ipc_unavailable",
+           "probe_verdict", "requested_transport"]
 
 TRANSPORTS = ("auto", "process_group", "shm", "ipc")
 #: other names accepted for a transport
@@ -60,6 +85,8 @@ TRANSPORT_ALIASES = {"gloo": "process_group", "nccl": "process_group"}
 TRANSPORT_ENV = "PIPELINE_EXT_TRANSPORT"
 RING_BYTES_ENV = "PIPELINE_EXT_SHM_RING_BYTES"
 SPIN_US_ENV = "PIPELINE_EXT_SHM_SPIN_US"
+#: tests and benchmarks only: added to this process's host identity (``_host_id``), to simulate several hosts
+HOST_ENV = "PIPELINE_EXT_TEST_HOST"
 DEFAULT_RING_BYTES = 8 << 20
 DEFAULT_SPIN_US = 20
 #: the rings of a CUDA IPC channel's acknowledgements (one block id per message)
@@ -144,6 +171,70 @@ def decide_transport(device_type: str, rank: int, me: dict, peers: dict[int, dic
     return ("ipc" if device_type == "cuda" else "shm"), ""
 
 
+Edge = tuple[int, int]
+
+
+def _name(host: str) -> str:
+    return host.split("|")[0]
+
+
+def decide_edges(rank: int, me: dict, peers: dict[int, dict]) -> dict[Edge, tuple[str, str]]:
+    """CPU stages' transport per pair of ranks ``(a, b)``, ``a < b``: ``{edge: (kind, reason)}``.
+
+    ``kind`` is "shm" when both ranks are on one host (``_host_id``) and both
+    made their inbox, else "process_group", with ``reason`` saying why not
+    shared memory: ``hosts a|b`` (the hostnames; "other boot or namespace"
+    when they are equal) or the rank whose inbox could not be made. A pure
+    function of the descriptions (``decide_transport`` says what they hold),
+    which every rank has alike, so every rank computes the same table. Rings of
+    different sizes on a shared-memory edge are an error.
+    """
+    everyone = {rank: me, **peers}
+    table: dict[Edge, tuple[str, str]] = {}
+    ranks = sorted(everyone)
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1:]:
+            ea, eb = everyone[a], everyone[b]
+            if ea["host"] != eb["host"]:
+                same_name = _name(ea["host"]) == _name(eb["host"])
+                table[(a, b)] = ("process_group", f"hosts {_name(ea['host'])}|{_name(eb['host'])}"
+                                 + (" (other boot or namespace)" if same_name else ""))
+                continue
+            unmade = [f"rank {p}: {e.get('error', '')}" for p, e in ((a, ea), (b, eb)) if not e["segment"]]
+            if unmade:
+                table[(a, b)] = ("process_group", f"no shared-memory inbox ({'; '.join(unmade)})")
+                continue
+            if ea["ring_bytes"] != eb["ring_bytes"]:
+                raise ChannelError(f"${RING_BYTES_ENV} differs between the ranks ({sorted({ea['ring_bytes'], eb['ring_bytes']})});"
+                                   " set the same value everywhere")
+            table[(a, b)] = ("shm", "")
+    return table
+
+
+def edges_kind(table: dict[Edge, tuple[str, str]]) -> str:
+    """The group's transport from its table: one kind on every edge ("shm", "ipc", "process_group"), else "per_edge"."""
+    kinds = {kind for kind, _ in table.values()}
+    return kinds.pop() if len(kinds) == 1 else ("per_edge" if kinds else "shm")
+
+
+def edges_summary(table: dict[Edge, tuple[str, str]], edges: Optional[Any] = None) -> str:
+    """``0<->1 shm, 1<->2 process_group (hosts a|b)``: the table's ``edges`` (pairs in any order; default all)."""
+    pairs = sorted({tuple(sorted(e)) for e in edges} if edges is not None else table)
+    said = []
+    for a, b in pairs:
+        if (a, b) in table:
+            kind, reason = table[(a, b)]
+            said.append(f"{a}<->{b} {kind}" + (f" ({reason})" if reason else ""))
+    return ", ".join(said)
+
+
+def edges_digest(table: Optional[dict[Edge, tuple[str, str]]]) -> int:
+    """What the step records carry of the table (0: not settled yet), so that the ranks check they took the same."""
+    if not table:
+        return 0
+    return stable_hash(repr(sorted((edge, kind) for edge, (kind, _) in table.items()))) or 1
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     try:
@@ -153,7 +244,7 @@ def _int_env(name: str, default: int) -> int:
 
 
 def _host_id() -> str:
-    """Equal on two processes that can share /dev/shm and see each other's pids."""
+    """Equal on two processes that can share /dev/shm and see each other's pids (``hostname|boot|shm|pidns``)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -161,16 +252,62 @@ def _host_id() -> str:
         boot = "?"
     shm = os.stat("/dev/shm") if os.path.isdir("/dev/shm") else None
     pidns = os.stat("/proc/self/ns/pid").st_ino if os.path.exists("/proc/self/ns/pid") else 0
-    return f"{socket.gethostname()}|{boot}|{shm and (shm.st_dev, shm.st_ino)}|{pidns}"
+    simulated = os.environ.get(HOST_ENV, "")  # tests only (module doc): splits a host, never joins two
+    name = socket.gethostname() + (f"~{simulated}" if simulated else "")
+    return f"{name}|{boot}|{shm and (shm.st_dev, shm.st_ino)}|{pidns}"
 
 
 class _GroupTransport:
-    """What one process uses on one group: ``kind`` ("shm" or "process_group"), the C++ channel, and why."""
+    """What one process uses on one group: ``kind`` ("shm", "ipc", "process_group" or "per_edge"), the C++
+    channel (or ``PerEdgeChannel``), and why not the same-host transport."""
 
-    def __init__(self, kind: str, channel: Any, reason: str = "", hosts: Optional[dict[int, str]] = None) -> None:
+    def __init__(self, kind: str, channel: Any, reason: str = "", hosts: Optional[dict[int, str]] = None,
+                 edges: Optional[dict[Edge, tuple[str, str]]] = None) -> None:
         self.kind, self.channel, self.reason = kind, channel, reason
         #: every rank's host (``_host_id``), as the setup exchanged them: what a failed step names
         self.hosts = hosts or {}
+        #: every pair of ranks' transport and why (``decide_edges``), the same on every rank
+        self.edges = edges or {}
+
+
+class PerEdgeChannel:
+    """The C++ channel of a group whose ranks have peers on this host and on others: shared memory to the first,
+    the process group to the second (``decide_edges``). Each message goes on its peer's channel; both keep the
+    ``_C.Channel`` contract, so the executor cannot tell."""
+
+    def __init__(self, shm: Any, pg: Any, shm_peers: set[int]) -> None:
+        self._shm, self._pg, self._shm_peers = shm, pg, frozenset(shm_peers)
+
+    def on(self, peer: int) -> Any:
+        """The C++ channel messages to and from ``peer`` go on."""
+        return self._shm if peer in self._shm_peers else self._pg
+
+    rank = property(lambda self: self._pg.rank)
+    size = property(lambda self: self._pg.size)
+    device = property(lambda self: self._pg.device)
+
+    def send(self, tensors: Any, peer: int, *args: Any) -> Any:
+        return self.on(peer).send(tensors, peer, *args)
+
+    def recv(self, layout: Any, peer: int, tag: int) -> Any:
+        return self.on(peer).recv(layout, peer, tag)
+
+    def recv_layout(self, peer: int, tag: int) -> Any:
+        return self.on(peer).recv_layout(peer, tag)
+
+    def begin_step(self, step: int) -> None:
+        self._shm.begin_step(step)
+        self._pg.begin_step(step)
+
+    def notify_failure(self, step: int, text: str) -> None:
+        """Same-host peers' waits end now; the other hosts' wait out their timeout (a process group cannot be woken)."""
+        self._shm.notify_failure(step, text)
+
+    def unexpected(self) -> int:
+        return self._shm.unexpected()
+
+    def discarded(self) -> int:
+        return self._shm.discarded()
 
 
 #: Tag of the setup messages on the group (the step records use 2**31 - 1; data tags are below 2**31).
@@ -222,7 +359,9 @@ class _Setup:
                     self.probe_handle = bytes(_C.ipc_export_probe(self.probe)).hex()
                 except (ChannelError, RuntimeError) as exc:
                     self.error = str(exc)[:400]
-        self._post(SETUP_TAG, self._describe())
+        #: this rank's description as its peers got it (what the decision reads on every rank)
+        self.mine = self._describe()
+        self._post(SETUP_TAG, self.mine)
 
     def _post(self, tag: int, info: dict) -> None:
         """Sends ``info`` to every peer over the wire and posts the receives of theirs (``_gather`` waits)."""
@@ -285,8 +424,11 @@ class _Setup:
 
     def finish(self, timeout: float) -> _GroupTransport:
         peers = self._gather(timeout, "description")
+        hosts = {p: e["host"] for p, e in [(self.rank, self.mine), *peers.items()]}
+        if self.device.type != "cuda":
+            return self._finish_per_edge(peers, hosts)
         try:
-            kind, reason = decide_transport(self.device.type, self.rank, self._describe(), peers)
+            kind, reason = decide_transport(self.device.type, self.rank, self.mine, peers)
         except ChannelError:
             self.drop()
             raise
@@ -294,17 +436,40 @@ class _Setup:
             failed = self._probe(peers, timeout)
             if failed:
                 kind, reason = "process_group", f"CUDA IPC between the ranks failed ({failed})"
+        ranks = sorted(hosts)
+        edges = {(a, b): (kind, reason) for i, a in enumerate(ranks) for b in ranks[i + 1:]}
         if kind == "process_group":
             settled = self._fallback(reason)
-            settled.hosts = {p: e["host"] for p, e in [(self.rank, self._describe()), *peers.items()]}
+            settled.hosts, settled.edges = hosts, edges
             return settled
         for peer, e in peers.items():
             self.shm.attach(peer, e["segment"])
             if self.acks is not None:
                 self.acks.attach(peer, e["acks"])
-        if kind == "ipc":
-            return _GroupTransport("ipc", _C.IpcChannel(self.shm, self.acks, self.device))
-        return _GroupTransport("shm", self.shm)
+        return _GroupTransport("ipc", _C.IpcChannel(self.shm, self.acks, self.device), hosts=hosts, edges=edges)
+
+    def _finish_per_edge(self, peers: dict[int, dict], hosts: dict[int, str]) -> _GroupTransport:
+        """CPU stages: shared memory to this host's peers, the process group to the others' ([Note: transport per edge])."""
+        try:
+            edges = decide_edges(self.rank, self.mine, peers)
+        except ChannelError:
+            self.drop()
+            raise
+        kind = edges_kind(edges)
+        # why not shared memory everywhere: the hosts first (as a forced "shm" names them), else the inboxes
+        reasons = list(dict.fromkeys(r for _, r in edges.values() if r))
+        reason = ("hosts: " + _hosts(self.mine, peers)) if len(set(hosts.values())) > 1 else "; ".join(reasons)
+        near = {b if a == self.rank else a for (a, b), (k, _) in edges.items() if k == "shm" and self.rank in (a, b)}
+        if not near and peers:  # (a group of one rank keeps its inbox, as on one host: nothing moves)
+            settled = self._fallback(reason)
+            settled.kind, settled.hosts, settled.edges = kind, hosts, edges
+            return settled
+        for peer in sorted(near):
+            self.shm.attach(peer, peers[peer]["segment"])
+        if len(near) == len(peers):
+            return _GroupTransport(kind, self.shm, reason, hosts, edges)
+        channel = PerEdgeChannel(self.shm, _C.ProcessGroupChannel(self.group, self.device), near)
+        return _GroupTransport(kind, channel, reason, hosts, edges)
 
     def drop(self) -> None:
         """Withdraw this rank's inbox (the transport is not shared memory after all, or setup failed)."""
@@ -354,6 +519,27 @@ def _connect(group: dist.ProcessGroup, required: Union[bool, str], timeout: floa
     return known
 
 
+# Summaries said, by group (weakly): each once per process
+_announced: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def announce_edges(group: Any, settled: Optional[_GroupTransport], edges: Any) -> str:
+    """Group rank 0 says once which of ``edges`` (pairs of group ranks) uses what, when not every edge is on one
+    host's transport (the group spans hosts, or an edge fell back); returns the line ("" when none is said).
+
+    A ``UserWarning``, so that it shows once by default and filters like the library's other notices.
+    """
+    if settled is None or not settled.edges or settled.kind in ("shm", "ipc"):
+        return ""
+    line = f"pipeline_ext: transport per edge: {edges_summary(settled.edges, edges)}"
+    said = _announced.setdefault(group, set())
+    if line in said or group.rank() != 0:
+        return ""
+    said.add(line)
+    warnings.warn(line, UserWarning, stacklevel=2)
+    return line
+
+
 def hosts_note(group: Any) -> str:
     """Which ranks of ``group`` run on which host, when they are on more than one (else ""): what a failed step adds
     to its error, so that "peer rank 2" also says where to look. Known once the group's transport is settled by an
@@ -382,8 +568,8 @@ class UnsettledTransport:
 
     ``owner`` is that ``AutoChannel`` (or ``IpcChannel``, comm/shm.py). It takes the C++ channel's place until the first message (or ``begin_step``)
     settles the group's transport (collective over the group, see ``_Setup``);
-    then the ``AutoChannel`` holds the settled ``_C.ShmChannel`` or
-    ``_C.ProcessGroupChannel`` itself, and this object is dropped.
+    then the ``AutoChannel`` holds the settled ``_C.ShmChannel``,
+    ``_C.ProcessGroupChannel`` (or a ``PerEdgeChannel`` of both) itself, and this object is dropped.
     """
 
     def __init__(self, owner: Any, group: dist.ProcessGroup, required: Union[bool, str], timeout: float,
@@ -396,6 +582,7 @@ class UnsettledTransport:
     def _resolve(self) -> Any:
         transport = _connect(self._group, self._required, self._timeout, self.device)
         self._owner.transport = transport.kind
+        self._owner.settled = transport
         self._owner._pg = transport.channel
         self._owner._settled(transport)
         return transport.channel

@@ -276,7 +276,7 @@ class PipelineSchedule:
         if self._tracer is None:
             raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
         got = gather_trace(self._tracer, self.group, dst)
-        return None if got is None else TraceReport(self.schedule, *got)
+        return None if got is None else TraceReport(self.schedule, *got, transport=self.transport_per_edge)
 
     def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
         """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
@@ -284,6 +284,25 @@ class PipelineSchedule:
         if report is not None:
             report.write_chrome_trace(path)
         return report
+
+    @property
+    def transport_per_edge(self) -> dict[str, str]:
+        """Which transport each of the pipeline's edges (pairs of ranks holding consecutive stages) uses, once the
+        first step settled it: ``{"0<->1": "shm", "1<->2": "process_group (hosts a|b)"}``; the same on every rank
+        (comm/transport.py, [Note: transport per edge]). Empty before the first step; on
+        ``transport="process_group"`` every edge is the process group."""
+        session = self._session
+        if session is None or not session.edges:
+            return {}
+        channel = session.channel
+        if channel.settled is None and channel.requested != "process_group":
+            return {}
+        table = channel.edges
+        said = {}
+        for a, b in session.edges:
+            kind, reason = table.get((a, b), ("process_group", ""))
+            said[f"{a}<->{b}"] = kind + (f" ({reason})" if reason else "")
+        return said
 
     @property
     def split_report(self) -> dict[int, Optional[str]]:

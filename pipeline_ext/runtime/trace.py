@@ -272,6 +272,8 @@ class TraceReport:
     steps: list[list[Span]]
     #: per stage whose I ran: None where the I/W split held, else why it fell back (``Tracer.split``, merged)
     split: dict[int, Optional[str]] = field(default_factory=dict)
+    #: the transport of each pipeline edge, ``{"0<->1": "shm", ...}`` (``PipelineSchedule.transport_per_edge``)
+    transport: dict[str, str] = field(default_factory=dict)
     costs: Costs = field(init=False)
     simulated: SimResult = field(init=False)
     bubble_per_step: list[float] = field(init=False)
@@ -304,6 +306,8 @@ class TraceReport:
             f"  measured costs per stage (ms): F {ms(c.f)}  B/I {ms(c.b)}  W {ms(c.w)}  comm {ms(c.comm)}\n"
             f"  bubble: measured {self.measured_bubble:.3f}, simulated at these costs {self.simulated_bubble:.3f}"
         )
+        if self.transport:
+            text += "\n  transport per edge: " + ", ".join(f"{e} {kind}" for e, kind in self.transport.items())
         return text + "".join(f"\n  {line}" for line in self.split_lines())
 
     def split_lines(self) -> list[str]:
@@ -323,7 +327,8 @@ class TraceReport:
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
                                "args": {"name": f"{self.schedule.name} (measured)",
                                         **({"split": {str(s): why or "held" for s, why in self.split.items()}}
-                                           if self.split else {})}}]
+                                           if self.split else {}),
+                                        **({"transport": dict(self.transport)} if self.transport else {})}}]
         for r in range(self.schedule.num_ranks):
             events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
