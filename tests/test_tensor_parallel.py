@@ -89,9 +89,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "") -> list[str]:
+def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1) -> list[str]:
     """``given``: the step's inputs, targets and last outputs are DTensors of that placement (split into
-    microbatches and merged back by the schedule); else plain tensors."""
+    microbatches and merged back by the schedule); else plain tensors. ``dp`` (with ``mesh_kw="fsdp"``): FSDP
+    replicas, each stepping on its own rows of the batch as torchtitan feeds them; the full gradients after
+    FSDP's reduce-scatter and the loss averaged over the replicas are compared with the unsplit model on the
+    whole batch."""
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
     from torch.distributed.device_mesh import init_device_mesh
@@ -101,7 +104,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     tol = dict(rtol=1e-5, atol=1e-6) if dev.type == "cpu" else dict(rtol=1e-4, atol=1e-5)
     fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
     if fsdp:
-        mesh = init_device_mesh(dev.type, (2, 1, world // 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        mesh = init_device_mesh(dev.type, (2, dp, world // (2 * dp)), mesh_dim_names=("pp", "dp_shard", "tp"))
     else:
         mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("pp", "tp"))
     tp, pp = mesh["tp"], mesh["pp"]
@@ -145,6 +148,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             opt.zero_grad()
             losses: list = []
             xs, ys = x, y
+            if fsdp:  # this replica's rows
+                lo = mesh["dp_shard"].get_local_rank() * (ROWS // dp)
+                xs, ys = x[lo:lo + ROWS // dp], y[lo:lo + ROWS // dp]
             if given:
                 from torch.distributed.tensor import distribute_tensor
 
@@ -162,6 +168,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
                 if given and not torch.allclose(_full(merged), out.detach(), **tol):
                     bad.append(f"{where}: the merged output differs from the unsplit model's")
                 got = torch.stack([_full(v) for v in losses]).mean()
+                if fsdp and dp > 1:  # equal rows per replica: the whole batch's mean is the replicas' mean
+                    dist.all_reduce(got, group=mesh["dp_shard"].get_group())
+                    got /= dp
                 if not torch.allclose(got, ref_loss.detach(), **tol):
                     bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
             for s in mine:
@@ -265,6 +274,15 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kin
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
 def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
     no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
+
+
+@pytest.mark.slow
+@pytest.mark.isolated  # fresh ranks, as the 2 x 1 x 2 run
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_pp_x_fsdp_x_tp_2x2x2_matches_the_unsplit_model(case):
+    """8 ranks: two FSDP replicas, each on half the batch; FSDP's reduce-scatter over dp_shard averages them."""
+    no_complaints(_train, 8, case, ["1f1b", "zb_h1"], "fsdp", "", 2, timeout=800)
 
 
 @pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
