@@ -281,8 +281,10 @@ def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
 def test_pp_x_fsdp_x_tp_2x2x2_matches_the_unsplit_model(case):
-    """8 ranks: two FSDP replicas, each on half the batch; FSDP's reduce-scatter over dp_shard averages them."""
-    no_complaints(_train, 8, case, ["1f1b", "zb_h1"], "fsdp", "", 2, timeout=800)
+    """8 ranks: two FSDP replicas, each on half the batch; FSDP's reduce-scatter over dp_shard averages them. The
+    zero-bubble schedules' W and the V schedules' two stages per rank under FSDP included."""
+    no_complaints(_train, 8, case, ["1f1b", "zb_h1", "interleaved_1f1b", "zbv", "dualpipev"], "fsdp", "", 2,
+                  timeout=800)
 
 
 @pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
@@ -394,15 +396,46 @@ def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
 
 @pytest.mark.isolated  # fresh ranks, as the FSDP runs above
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dp", [0, 1])
-def test_tied_embedding_and_head_sharded_over_tp_match_the_unsplit_model(dp):
-    """pp=2 x tp=2 (dp=0), and with FSDP2 over a dp_shard of 1 (dp=1); 1F1B, ZB-H1 and ZBV (both ends on one rank:
-    the copies summed in memory)."""
-    no_complaints(_train_tied, 4, ["1f1b", "zb_h1", "zbv"], dp, timeout=500)
+def test_tied_embedding_and_head_sharded_over_tp_match_the_unsplit_model():
+    """pp=2 x tp=2; 1F1B, ZB-H1 and ZBV (both ends on one rank: the copies summed in memory). Without FSDP the
+    embedding's gradient is Replicate, the head's Shard(0): the tie lays both out as their parameters first."""
+    no_complaints(_train_tied, 4, ["1f1b", "zb_h1", "zbv"], 0, timeout=500)
 
 
 @pytest.mark.slow
 @pytest.mark.isolated
 @pytest.mark.timeout(900)
 def test_tied_embedding_and_head_over_pp_x_fsdp_x_tp_2x2x2_match_the_unsplit_model():
-    no_complaints(_train_tied, 8, ["1f1b", "zb_h1"], 2, timeout=800)
+    """With FSDP the tie sums the reduce-scattered shards ((_StridedShard(0), Shard(0)) on (dp_shard, tp))."""
+    no_complaints(_train_tied, 8, ["1f1b", "zb_h1", "zbv"], 2, timeout=800)
+
+
+def _tie_mismatched_placements(rank: int, world: int) -> str:
+    import pipeline_ext as pe
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    _fresh_dtensor_caches()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    index = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    if index == 0:  # a TP embedding: Shard(0), local (V/2, D)
+        module = parallelize_module(TiedStage(True, False), mesh["tp"], {"embed": RowwiseParallel(input_layouts=Replicate())})
+    else:  # a plain head whose weight happens to have the shard's shape
+        module = TiedStage(False, False)
+        module.head = nn.Linear(D, V // 2, bias=False)
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, index, 2, "cpu", group=mesh["pp"]), M, loss_fn=_loss)
+    try:
+        pe.tie_parameters(sched, {"embed": {0: "embed.weight", 1: "head.weight"}})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+def test_tied_copies_sharded_differently_are_refused_on_every_rank():
+    said = {r: v for r, (_, v) in run_ranks(_tie_mismatched_placements, 4, timeout=240).items()}
+    for r in range(4):
+        assert "differ in (local shape, dtype, placements)" in said[r] and "(Shard(dim=0),)" in said[r] \
+            and "'plain'" in said[r], f"rank {r}: {said[r]}"

@@ -151,7 +151,8 @@ class TiedParameters:
     def _check_alike(self) -> None:
         """Every copy of a tie has one shape and dtype (else a clear error, not a wrong broadcast)."""
         for tie in self._members():
-            mine = {(tuple(_local(p).shape), str(p.dtype), str(_placements(p))) for p in tie.params}
+            mine = {(tuple(_local(p).shape), str(p.dtype), "plain" if _placements(p) is None else str(_placements(p)))
+                    for p in tie.params}
             if tie.group is not None:
                 gathered: list[Any] = [None] * dist.get_world_size(tie.group)
                 dist.all_gather_object(gathered, sorted(mine), group=tie.group)
