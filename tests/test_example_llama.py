@@ -139,6 +139,13 @@ def test_llama_example_layout_names_each_ranks_stages():
         "rank 0: stage 0 (dp replica 0), rank 1: stage 1 (dp replica 0)")
 
 
+def test_llama_example_balance_refuses_tp(capsys):
+    with pytest.raises(SystemExit) as exc:
+        llama_pipeline.main(["--balance", "--spawn", "4", "--pp", "2", "--tp", "2"])
+    assert exc.value.code == 2
+    assert "--balance times layers on one rank: it does not combine with --tp" in capsys.readouterr().err
+
+
 def test_llama_example_layout_with_tp_names_each_ranks_stages_and_tp_rank():
     assert llama_pipeline.describe_layout(4, 2, "1f1b", tp=2) == (
         "layout: pp=2 x dp=1 x tp=2, schedule 1f1b, 1 stage per rank; "
