@@ -421,7 +421,8 @@ def _tie_mismatched_placements(rank: int, world: int) -> str:
     index = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
     if index == 0:  # a TP embedding: Shard(0), local (V/2, D)
-        module = parallelize_module(TiedStage(True, False), mesh["tp"], {"embed": RowwiseParallel(input_layouts=Replicate())})
+        module = parallelize_module(TiedStage(True, False), mesh["tp"],
+                                    {"embed": RowwiseParallel(input_layouts=Replicate())})
     else:  # a plain head whose weight happens to have the shard's shape
         module = TiedStage(False, False)
         module.head = nn.Linear(D, V // 2, bias=False)
