@@ -29,13 +29,22 @@ one file:
 - **PP x DP** from torch's ``DeviceMesh`` (``pe.pipeline_mesh``, dims "dp" and
   "pp"; ``pe.pipeline_layout`` says which stages this rank holds): each stage
   is wrapped in ``DistributedDataParallel`` over its replicas, and the schedule
-  synchronises it once per step (``fully_shard`` works the same way).
+  synchronises it once per step (``fully_shard`` works the same way);
+- **PP x TP x DP** (``--tp``), composed as torchtitan does: a mesh with dims
+  ("dp", "pp", "tp"), each stage made tensor-parallel with torch's
+  ``parallelize_module`` (``tensor_parallel``: attention heads and MLP
+  column/row-wise, the embedding row-wise and the head column-wise, so the
+  tied weight is ``Shard(0)`` on both ends), then ``fully_shard`` over "dp",
+  then a ``PipelineStage`` on "pp". The blocks return local (replicated)
+  activations, so plain tensors cross stages; a stage whose outputs are
+  DTensors sends the local shard and its layout the same way.
 
 Run it (random weights, no downloads; ``pip install "pipeline_ext[llama]"``)::
 
     torchrun --nproc-per-node 4 examples/llama_pipeline.py --pp 2        # 2 stages x 2 replicas
     python examples/llama_pipeline.py --spawn 4 --pp 2 --check           # no torchrun; compare with unsplit
     python examples/llama_pipeline.py --spawn 4 --pp 4 --balance --check # stages cut by measured cost
+    python examples/llama_pipeline.py --spawn 8 --pp 2 --tp 2 --check    # 2 stages x 2 TP ranks x 2 FSDP replicas
 
 At start it prints the layout it runs (``layout: pp=2 x dp=2, schedule 1f1b,
 1 stage per rank; rank 0: stage 0 (dp replica 0), ...``); with ``--balance``
@@ -190,50 +199,93 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
 
 
-def planned_layout(world: int, pp: int, schedule: str) -> list[tuple[int, tuple[int, ...]]]:
+def planned_layout(world: int, pp: int, schedule: str, tp: int = 1) -> list[tuple[int, tuple[int, ...]]]:
     """``[(dp replica, stages held)]`` per global rank, without a process group.
 
-    Follows ``pe.pipeline_mesh`` (rank r is pipeline rank ``r % pp`` of replica
-    ``r // pp``) and the schedule's stage placement, so the launcher can print
-    the layout before any rank starts; ``train`` checks each rank against it.
+    Follows the mesh ``train`` builds (dims ("dp", "pp", "tp"), row-major: rank
+    r is TP rank ``r % tp`` of pipeline rank ``r // tp % pp`` of replica
+    ``r // (tp * pp)``; with ``tp == 1`` that is ``pe.pipeline_mesh``) and the
+    schedule's stage placement, so the launcher can print the layout before any
+    rank starts; ``train`` checks each rank against it.
     """
-    if pp < 1 or world % pp:
-        raise ValueError(f"world size {world} is not a multiple of --pp {pp}")
+    if pp < 1 or tp < 1 or world % (pp * tp):
+        raise ValueError(f"world size {world} is not a multiple of --pp {pp}" + (f" x --tp {tp}" if tp > 1 else ""))
     placement = pe.schedules.build(schedule, pp, 2 * pp, stages_per_rank=stages_per_rank(schedule)).stage_to_rank
-    return [(r // pp, tuple(s for s, owner in enumerate(placement) if owner == r % pp)) for r in range(world)]
+    return [(r // (tp * pp), tuple(s for s, owner in enumerate(placement) if owner == r // tp % pp))
+            for r in range(world)]
 
 
-def describe_layout(world: int, pp: int, schedule: str, split: Optional[Sequence[int]] = None) -> str:
+def describe_layout(world: int, pp: int, schedule: str, split: Optional[Sequence[int]] = None, tp: int = 1) -> str:
     """One line: ``layout: pp=2 x dp=2, schedule 1f1b, 1 stage per rank; rank 0: stage 0 (dp replica 0), ...``.
 
     ``split`` (a ``--balance`` split of ``llama_layers``) goes after the stages
     per rank: ``..., split [2, 3, 3, 2] of [embedding, 8 decoder layers, head]; rank 0: ...``.
+    With ``tp > 1``: ``layout: pp=2 x dp=2 x tp=2, ...; rank 0: stage 0 (dp replica 0, tp rank 0), ...``.
     """
     v = stages_per_rank(schedule)
-    ranks = ", ".join(f"rank {r}: stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))} (dp replica {dp})"
-                      for r, (dp, held) in enumerate(planned_layout(world, pp, schedule)))
+    ranks = ", ".join(f"rank {r}: stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))} (dp replica {dp}"
+                      + (f", tp rank {r % tp})" if tp > 1 else ")")
+                      for r, (dp, held) in enumerate(planned_layout(world, pp, schedule, tp)))
     cut = "" if split is None else f", split {list(split)} of [embedding, {sum(split) - 2} decoder layers, head]"
     per_rank = f"{v} stage{'s' if v > 1 else ''} per rank"
-    return f"layout: pp={pp} x dp={world // pp}, schedule {schedule}, {per_rank}{cut}; {ranks}"
+    dims = f"pp={pp} x dp={world // (pp * tp)}" + (f" x tp={tp}" if tp > 1 else "")
+    return f"layout: {dims}, schedule {schedule}, {per_rank}{cut}; {ranks}"
+
+
+def tensor_parallel(stage: LlamaStage, tp_mesh: Any) -> nn.Module:
+    """``stage`` made tensor-parallel over ``tp_mesh`` with torch's ``parallelize_module``, in place.
+
+    Each decoder layer's q/k/v and gate/up projections are column-wise (each TP
+    rank holds some attention heads and part of the MLP), o and down row-wise
+    (their outputs are summed over TP, back to whole hidden states). The
+    embedding is row-wise and the head column-wise: both ``Shard(0)`` of the
+    (vocab, hidden) weight, so ``pe.tie_parameters`` sums like shards. The norms
+    stay plain, replicated parameters (every TP rank computes the same values
+    and gradients). Every output is a local tensor: plain hidden states cross
+    stages, and the head returns whole logits for the loss.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    heads, kv = stage.config.num_attention_heads, stage.config.num_key_value_heads
+    if heads % tp_mesh.size() or kv % tp_mesh.size():
+        raise ValueError(f"--tp {tp_mesh.size()} must divide the attention heads ({heads}) and kv heads ({kv})")
+    plan: dict[str, Any] = {}
+    for i in stage.model.layers:
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    if stage.first:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    if stage.last:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return parallelize_module(stage, tp_mesh, plan)
 
 
 def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of the run; returns what it measured (losses on the last stage, checks with ``check``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    pp = cfg["pp"]
-    if world % pp:
-        raise ValueError(f"world size {world} is not a multiple of --pp {pp}")
-    dp = world // pp
+    pp, tp = cfg["pp"], cfg.get("tp", 1)
+    if world % (pp * tp):
+        raise ValueError(f"world size {world} is not a multiple of --pp {pp} x --tp {tp}")
+    dp = world // (pp * tp)
     device = torch.device(cfg.get("device", "cpu"))
     name = cfg["schedule"]
     v = stages_per_rank(name)
-    mesh = pe.pipeline_mesh(pp=pp, dp=dp, device_type=device.type)  # torch's DeviceMesh, dims ("dp", "pp")
+    if tp > 1:  # torch's DeviceMesh with a third dim, innermost (TP's collectives run on every layer)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = pe.pipeline_mesh(pp=pp, dp=dp, device_type=device.type)  # torch's DeviceMesh, dims ("dp", "pp")
     layout = pe.pipeline_layout(mesh, name, stages_per_rank=v)  # which stages this rank holds
     mine, n, dp_rank = layout.stages, layout.num_stages, layout.dp_rank
-    if (dp_rank, mine) != planned_layout(world, pp, name)[rank]:  # the printed layout must be the one that runs
+    tp_rank = mesh["tp"].get_local_rank() if tp > 1 else 0
+    if (dp_rank, mine) != planned_layout(world, pp, name, tp)[rank]:  # the printed layout must be the one that runs
         raise RuntimeError(f"rank {rank} holds stages {mine} of dp replica {dp_rank}, the printed layout says "
-                           f"{planned_layout(world, pp, name)[rank]}")
+                           f"{planned_layout(world, pp, name, tp)[rank]}")
     dp_group = layout.dp_group if dp > 1 else None
     rows = cfg["batch"] // dp
 
@@ -253,16 +305,28 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ranges = split_layers(config.num_hidden_layers, n)
     modules = {s: LlamaStage(full, *ranges[s], first=s == 0, last=s == n - 1) for s in mine}
     del full  # the stages hold what this rank needs
-    # data parallel: each stage in DDP over its replicas (synchronised once per step by the schedule)
-    wrapped = {s: DistributedDataParallel(m, process_group=dp_group) if dp_group is not None else m
-               for s, m in modules.items()}
+    if tp > 1:  # torchtitan's order: TP, then FSDP over "dp" (each decoder layer, then the stage)
+        from torch.distributed.fsdp import fully_shard
+
+        for m in modules.values():
+            tensor_parallel(m, mesh["tp"])
+            if dp > 1:
+                for layer in m.model.layers.values():
+                    fully_shard(layer, mesh=mesh["dp"])
+                fully_shard(m, mesh=mesh["dp"])
+        wrapped = dict(modules)
+    else:  # data parallel: each stage in DDP over its replicas (synchronised once per step by the schedule)
+        wrapped = {s: DistributedDataParallel(m, process_group=dp_group) if dp_group is not None else m
+                   for s, m in modules.items()}
     stages = [pe.PipelineStage(wrapped[s], s, n, device, group=mesh["pp"]) for s in mine]
     loss_fn = pe.TokenMeanLoss(dp_group=dp_group)
     sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn)
     # names as in the stage module (the DDP wrapper's "module." prefix is not needed)
     pe.tie_parameters(sched, {"embed": {0: "model.embed_tokens.weight", n - 1: "lm_head.weight"}})
     params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
+    # with TP, DTensor parameters (sharded) and plain ones (the norms, without FSDP) are mixed: torch's foreach
+    # kernels refuse the mix
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0, foreach=False if tp > 1 else None)
 
     out: dict[str, Any] = {"losses": [], "tokens_per_s": []}
     for step in range(cfg["steps"]):
@@ -277,7 +341,7 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if reference is not None and step == 0:
             out.update(_compare_first_step(reference, modules, sched, loss_fn, losses, ids, mask, labels, dp_group,
                                            cfg["clip"], device))
-        norm = pe.clip_grad_norm_(sched, cfg["clip"])
+        norm = pe.clip_grad_norm_(sched, cfg["clip"])  # DTensor and plain gradients: each kind clipped on its own
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
@@ -288,7 +352,7 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 dist.all_reduce(loss, group=dp_group)
                 loss /= dp
             out["losses"].append(float(loss))
-            if dp_rank == 0 and cfg.get("verbose", True):
+            if dp_rank == 0 and tp_rank == 0 and cfg.get("verbose", True):
                 print(f"step {step:3d}  loss {float(loss):.4f}  grad norm {float(norm):.3f}  "
                       f"{out['tokens_per_s'][-1]:,.0f} tokens/s", flush=True)
     return out
@@ -307,7 +371,8 @@ def _compare_first_step(reference: LlamaForCausalLM, modules: dict[int, LlamaSta
     for module in modules.values():
         for fqn, p in module.named_parameters():  # the stage's names are the unsplit model's
             q = reference.get_parameter(fqn)
-            grad_err = max(grad_err, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)))
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # TP/FSDP: a collective
+            grad_err = max(grad_err, float((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)))
     total = pe.training.total_grad_norm(sched)
     ref_total = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     res = {"grad_rel_err": grad_err, "norm_err": abs(float(total) - float(ref_total)) / float(ref_total)}
@@ -355,6 +420,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the example; the exit status is 1 when ``--check`` fails, else 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (the rest of the world is data parallel)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks per stage (then the data-parallel replicas are FSDP2, not DDP)")
     ap.add_argument("--schedule", default="1f1b", help="1f1b, interleaved_1f1b, zb_h1, zbv, ...")
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--batch", type=int, default=16, help="global batch (rows), split over the DP replicas")
@@ -368,8 +435,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="cut the stages by measured cost (rank 0 times each layer) instead of equal layer counts")
     ap.add_argument("--spawn", type=int, default=0, help="start this many local ranks (Gloo) instead of torchrun")
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("pp", "schedule", "size", "batch", "seq", "microbatches", "steps", "lr",
-                                         "clip", "check", "balance")}
+    cfg = {k: getattr(args, k) for k in ("pp", "tp", "schedule", "size", "batch", "seq", "microbatches", "steps",
+                                         "lr", "clip", "check", "balance")}
+    if args.balance and args.tp > 1:
+        ap.error("--balance times layers on one rank: it does not combine with --tp")
     if args.balance:
         try:
             check_balance_fits(SIZES[args.size][1], args.pp, args.schedule)
@@ -379,7 +448,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pipeline_ext.comm.launch import spawn
 
         try:
-            layout = describe_layout(args.spawn, args.pp, args.schedule)
+            layout = describe_layout(args.spawn, args.pp, args.schedule, tp=args.tp)
         except ValueError as exc:
             ap.error(str(exc))
         if not args.balance:  # with --balance, rank 0 prints it with the measured split
@@ -396,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if rank == 0 and not args.balance:  # with --balance, train prints it with the measured split
-            print(describe_layout(world, args.pp, args.schedule), flush=True)
+            print(describe_layout(world, args.pp, args.schedule, tp=args.tp), flush=True)
         res = train(rank, world, cfg)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, res)

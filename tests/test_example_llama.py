@@ -1,4 +1,5 @@
-"""examples/llama_pipeline.py runs (2 stages x 2 data-parallel replicas, tied embeddings, clipping, token mean).
+"""examples/llama_pipeline.py runs (2 stages x 2 data-parallel replicas, tied embeddings, clipping, token mean;
+with ``--tp 2`` on 8 ranks: 2 stages x 2 TP ranks x 2 FSDP replicas).
 
 Run as a user runs it (``python examples/llama_pipeline.py --spawn 4 --pp 2
 --check`` in a subprocess, at tiny settings): it prints its layout, its
@@ -60,6 +61,25 @@ def test_llama_example_pp2_dp2_prints_layout_passes_check_and_trains():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_llama_example_pp2_tp2_dp2_on_8_ranks_passes_check_and_trains():
+    """pp x tp x FSDP as torchtitan composes it (TP, then fully_shard over dp, then the stage on pp), tied embedding
+    and head sharded over TP: the first step matches the unsplit model on the global batch, the loss goes down."""
+    proc = _run_example("--spawn", "8", "--pp", "2", "--tp", "2", "--check", "--batch", "8", "--seq", "16",
+                        "--microbatches", "2", "--steps", "3", timeout=280)
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert out.count("layout: ") == 1 and out.startswith(
+        "layout: pp=2 x dp=2 x tp=2, schedule 1f1b, 1 stage per rank; rank 0: stage 0 (dp replica 0, tp rank 0), "
+        "rank 1: stage 0 (dp replica 0, tp rank 1), rank 2: stage 1 (dp replica 0, tp rank 0), "), out
+    m = re.search(r"^check: PASS \(max grad rel err (\S+), norm rel err (\S+), loss rel err (\S+)\)$", out, re.M)
+    assert m and out.count("check: ") == 1, out
+    assert all(float(x) < 1e-5 for x in m.groups()), m.group(0)
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)", out, re.M)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], out
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_llama_example_balance_on_4_stages_prints_a_valid_split_and_passes_check():
     proc = _run_example("--spawn", "4", "--pp", "4", "--balance", "--check", "--batch", "8", "--seq", "16",
@@ -117,6 +137,23 @@ def test_llama_example_layout_names_each_ranks_stages():
     assert llama_pipeline.describe_layout(2, 2, "1f1b", [1, 5]) == (
         "layout: pp=2 x dp=1, schedule 1f1b, 1 stage per rank, split [1, 5] of [embedding, 4 decoder layers, head]; "
         "rank 0: stage 0 (dp replica 0), rank 1: stage 1 (dp replica 0)")
+
+
+def test_llama_example_balance_refuses_tp(capsys):
+    with pytest.raises(SystemExit) as exc:
+        llama_pipeline.main(["--balance", "--spawn", "4", "--pp", "2", "--tp", "2"])
+    assert exc.value.code == 2
+    assert "--balance times layers on one rank: it does not combine with --tp" in capsys.readouterr().err
+
+
+def test_llama_example_layout_with_tp_names_each_ranks_stages_and_tp_rank():
+    assert llama_pipeline.describe_layout(4, 2, "1f1b", tp=2) == (
+        "layout: pp=2 x dp=1 x tp=2, schedule 1f1b, 1 stage per rank; "
+        "rank 0: stage 0 (dp replica 0, tp rank 0), rank 1: stage 0 (dp replica 0, tp rank 1), "
+        "rank 2: stage 1 (dp replica 0, tp rank 0), rank 3: stage 1 (dp replica 0, tp rank 1)")
+    assert llama_pipeline.planned_layout(8, 2, "zbv", tp=2)[5] == (1, (0, 3))  # replica 1, pipeline rank 0
+    with pytest.raises(ValueError, match="not a multiple of --pp 2 x --tp 4"):
+        llama_pipeline.describe_layout(4, 2, "1f1b", tp=4)
 
 
 def test_llama_example_check_verdict():

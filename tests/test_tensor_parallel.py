@@ -89,9 +89,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "") -> list[str]:
+def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1) -> list[str]:
     """``given``: the step's inputs, targets and last outputs are DTensors of that placement (split into
-    microbatches and merged back by the schedule); else plain tensors."""
+    microbatches and merged back by the schedule); else plain tensors. ``dp`` (with ``mesh_kw="fsdp"``): FSDP
+    replicas, each stepping on its own rows of the batch as torchtitan feeds them; the full gradients after
+    FSDP's reduce-scatter and the loss averaged over the replicas are compared with the unsplit model on the
+    whole batch."""
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
     from torch.distributed.device_mesh import init_device_mesh
@@ -101,7 +104,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     tol = dict(rtol=1e-5, atol=1e-6) if dev.type == "cpu" else dict(rtol=1e-4, atol=1e-5)
     fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
     if fsdp:
-        mesh = init_device_mesh(dev.type, (2, 1, world // 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        mesh = init_device_mesh(dev.type, (2, dp, world // (2 * dp)), mesh_dim_names=("pp", "dp_shard", "tp"))
     else:
         mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("pp", "tp"))
     tp, pp = mesh["tp"], mesh["pp"]
@@ -145,6 +148,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             opt.zero_grad()
             losses: list = []
             xs, ys = x, y
+            if fsdp:  # this replica's rows
+                lo = mesh["dp_shard"].get_local_rank() * (ROWS // dp)
+                xs, ys = x[lo:lo + ROWS // dp], y[lo:lo + ROWS // dp]
             if given:
                 from torch.distributed.tensor import distribute_tensor
 
@@ -162,6 +168,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
                 if given and not torch.allclose(_full(merged), out.detach(), **tol):
                     bad.append(f"{where}: the merged output differs from the unsplit model's")
                 got = torch.stack([_full(v) for v in losses]).mean()
+                if fsdp and dp > 1:  # equal rows per replica: the whole batch's mean is the replicas' mean
+                    dist.all_reduce(got, group=mesh["dp_shard"].get_group())
+                    got /= dp
                 if not torch.allclose(got, ref_loss.detach(), **tol):
                     bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
             for s in mine:
@@ -267,6 +276,17 @@ def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
     no_complaints(_train, 4, case, ["1f1b", "zb_h1"], "fsdp", timeout=500)
 
 
+@pytest.mark.slow
+@pytest.mark.isolated  # fresh ranks, as the 2 x 1 x 2 run
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["replicate", "sequence"])
+def test_pp_x_fsdp_x_tp_2x2x2_matches_the_unsplit_model(case):
+    """8 ranks: two FSDP replicas, each on half the batch; FSDP's reduce-scatter over dp_shard averages them. The
+    zero-bubble schedules' W and the V schedules' two stages per rank under FSDP included."""
+    no_complaints(_train, 8, case, ["1f1b", "zb_h1", "interleaved_1f1b", "zbv", "dualpipev"], "fsdp", "", 2,
+                  timeout=800)
+
+
 @pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
 # reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
 @pytest.mark.timeout(600)
@@ -274,3 +294,149 @@ def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
 def test_torch_pipeline_stage_on_the_same_case_for_reference(case):
     """torch 2.13's PipelineStage (with get_mesh=) and 1F1B on the same model and data: exact too."""
     no_complaints(_train, 4, case, ["1f1b", "interleaved_1f1b"], "torch", timeout=500)
+
+
+# -- tied weights sharded over TP: the embedding on the first stage, the head on the last -------------------
+V = 16  # vocabulary: the tied weight is (V, D), Shard(0) over tp on both ends (rowwise embedding, colwise head)
+
+
+class TiedStage(nn.Module):
+    def __init__(self, first: bool, last: bool) -> None:
+        super().__init__()
+        if first:
+            self.embed = nn.Embedding(V, D)
+        self.blocks = nn.Sequential(Block())
+        if last:
+            self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, x):
+        x = self.blocks(self.embed(x) if hasattr(self, "embed") else x)
+        return self.head(x) if hasattr(self, "head") else x
+
+
+def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
+    """The user's loop with ``pe.tie_parameters`` over a TP-sharded embedding and head (FSDP over ``dp`` replicas
+    when ``dp``): the tied gradient is the sum of both uses' DTensor gradients, the copies stay equal."""
+    import pipeline_ext as pe
+    from pipeline_ext import schedules as S
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _fresh_dtensor_caches()
+    mesh = init_device_mesh("cpu", (2, max(dp, 1), world // (2 * max(dp, 1))), mesh_dim_names=("pp", "dp_shard", "tp"))
+    tp, pp = mesh["tp"], mesh["pp"]
+    tol = dict(rtol=1e-5, atol=1e-6)
+    bad: list[str] = []
+    for name in names:
+        plan = S.build(name, 2, M)
+        ns = plan.num_stages
+        mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+        torch.manual_seed(0)
+        ref = [TiedStage(s == 0, s == ns - 1) for s in range(ns)]
+        ref[-1].head.weight = ref[0].embed.weight  # the unsplit model: one weight, both uses
+        torch.manual_seed(0)
+        modules = {s: m for s, m in enumerate(TiedStage(s == 0, s == ns - 1) for s in range(ns)) if s in mine}
+        for s, m in modules.items():  # the head starts as its own random weight: tie_parameters broadcasts stage 0's
+            tp_plan = {"blocks.0.w1": ColwiseParallel(), "blocks.0.w2": RowwiseParallel(use_local_output=False)}
+            if s == 0:
+                tp_plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+            if s == ns - 1:
+                tp_plan["blocks.0.w2"] = RowwiseParallel()
+                tp_plan["head"] = ColwiseParallel(output_layouts=Replicate())
+            modules[s] = parallelize_module(m, tp, tp_plan)
+            if dp:
+                fully_shard(modules[s], mesh=mesh["dp_shard"])
+        stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
+        sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss, timeout=120.0)
+        tied = pe.tie_parameters(sched, {"embed": {0: "embed.weight", ns - 1: "head.weight"}})
+        opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=0.1)
+        ref_opt = torch.optim.SGD(nn.ModuleList(ref).parameters(), lr=0.1)  # the tied weight once
+        rows = ROWS // max(dp, 1)
+        lo = mesh["dp_shard"].get_local_rank() * rows
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randint(0, V, (ROWS, SEQ), generator=g), torch.randn(ROWS, SEQ, V, generator=g)
+            opt.zero_grad()
+            losses: list = []
+            sched.step(*((x[lo:lo + rows],) if 0 in mine else ()), target=y[lo:lo + rows] if ns - 1 in mine else None,
+                       losses=losses)
+            ref_opt.zero_grad()
+            out = x
+            for m in ref:
+                out = m(out)
+            ref_loss = _loss(out, y)
+            ref_loss.backward()
+            where = f"tied {name} dp {dp} rank {rank} step {step}"
+            if ns - 1 in mine:
+                got = torch.stack([_full(v) for v in losses]).mean()
+                if dp > 1:
+                    dist.all_reduce(got, group=mesh["dp_shard"].get_group())
+                    got /= dp
+                if not torch.allclose(got, ref_loss.detach(), **tol):
+                    bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
+            for s in mine:
+                for pn, p in modules[s].named_parameters():
+                    q = ref[s].get_parameter(pn)
+                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **tol):
+                        err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
+                        bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})")
+            opt.step()
+            ref_opt.step()
+            if tied.max_difference() != 0.0:
+                bad.append(f"{where}: the tied copies differ by {tied.max_difference()} after the step")
+        for s in mine:  # the parameters after the steps, the tied ones on both ends
+            for pn, p in modules[s].named_parameters():
+                if not torch.allclose(_full(p), ref[s].get_parameter(pn).detach(), **tol):
+                    bad.append(f"tied {name} dp {dp} rank {rank}: stage {s} {pn} differs after {STEPS} steps")
+        dist.barrier()
+    return bad
+
+
+@pytest.mark.isolated  # fresh ranks, as the FSDP runs above
+@pytest.mark.timeout(600)
+def test_tied_embedding_and_head_sharded_over_tp_match_the_unsplit_model():
+    """pp=2 x tp=2; 1F1B, ZB-H1 and ZBV (both ends on one rank: the copies summed in memory). Without FSDP the
+    embedding's gradient is Replicate, the head's Shard(0): the tie lays both out as their parameters first."""
+    no_complaints(_train_tied, 4, ["1f1b", "zb_h1", "zbv"], 0, timeout=500)
+
+
+@pytest.mark.slow
+@pytest.mark.isolated
+@pytest.mark.timeout(900)
+def test_tied_embedding_and_head_over_pp_x_fsdp_x_tp_2x2x2_match_the_unsplit_model():
+    """With FSDP the tie sums the reduce-scattered shards ((_StridedShard(0), Shard(0)) on (dp_shard, tp))."""
+    no_complaints(_train_tied, 8, ["1f1b", "zb_h1", "zbv"], 2, timeout=800)
+
+
+def _tie_mismatched_placements(rank: int, world: int) -> str:
+    import pipeline_ext as pe
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    _fresh_dtensor_caches()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    index = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    if index == 0:  # a TP embedding: Shard(0), local (V/2, D)
+        module = parallelize_module(TiedStage(True, False), mesh["tp"],
+                                    {"embed": RowwiseParallel(input_layouts=Replicate())})
+    else:  # a plain head whose weight happens to have the shard's shape
+        module = TiedStage(False, False)
+        module.head = nn.Linear(D, V // 2, bias=False)
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, index, 2, "cpu", group=mesh["pp"]), M, loss_fn=_loss)
+    try:
+        pe.tie_parameters(sched, {"embed": {0: "embed.weight", 1: "head.weight"}})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+def test_tied_copies_sharded_differently_are_refused_on_every_rank():
+    said = {r: v for r, (_, v) in run_ranks(_tie_mismatched_placements, 4, timeout=240).items()}
+    for r in range(4):
+        assert "differ in (local shape, dtype, placements)" in said[r] and "(Shard(dim=0),)" in said[r] \
+            and "'plain'" in said[r], f"rank {r}: {said[r]}"

@@ -47,9 +47,10 @@ class NormStage(Stage):
 
 
 def _stages(num_stages: int, case: str) -> list[nn.Module]:
-    """The unsplit model's stages: with ``case`` "sequence_norm", every stage but the first (whose input is the
-    caller's, not sequence-sharded) has a norm."""
-    return [NormStage() if case == "sequence_norm" and s > 0 else Stage() for s in range(num_stages)]
+    """The unsplit model's stages: with ``case`` "sequence_norm" or "local_norm", every stage but the first (whose
+    input is the caller's, not sequence-sharded) has a norm (sequence-parallel, or a plain module whose plain
+    gradients sit beside the blocks' DTensor ones)."""
+    return [NormStage() if case.endswith("_norm") and s > 0 else Stage() for s in range(num_stages)]
 
 
 def _pipeline(mesh, name: str, case: str, seed: int = 0, last_out: str = ""):
@@ -71,7 +72,7 @@ def _pipeline(mesh, name: str, case: str, seed: int = 0, last_out: str = ""):
     for s in mine:
         modules[s].load_state_dict(ref[s].state_dict())
         modules[s] = _parallelize(modules[s], s, ns, case.replace("_norm", ""), tp, last_out)
-        if isinstance(modules[s], NormStage):
+        if isinstance(modules[s], NormStage) and case == "sequence_norm":
             parallelize_module(modules[s], tp, {"norm": SequenceParallel()})
     stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss, timeout=120.0)
@@ -254,7 +255,8 @@ def _clip(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_clip_grad_norm_over_pp_x_tp_matches_the_unsplit_model():
-    no_complaints(_clip, 4, [("1f1b", "replicate"), ("interleaved_1f1b", "sequence_norm")], timeout=280)
+    no_complaints(_clip, 4, [("1f1b", "replicate"), ("interleaved_1f1b", "sequence_norm"), ("1f1b", "local_norm")],
+                  timeout=280)
 
 
 # -- 4. DCP save and load of a PP x TP model ---------------------------------------------------------------

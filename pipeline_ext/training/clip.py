@@ -77,12 +77,8 @@ def _total(found: tuple[list[torch.Tensor], Optional[dist.ProcessGroup], list[Ti
     copies = set().union(*(t.copies() for t in [*registered, *ties]))
     grads = [p.grad for p in params if p.grad is not None and id(p) not in copies]
     device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
-    # torch's get_total_norm wants one kind of tensor: plain gradients, and DTensor gradients per mesh
-    kinds: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        kinds.setdefault(getattr(g, "device_mesh", None), []).append(g)
     norms = []
-    for gs in kinds.values():
+    for gs in _by_kind(grads).values():
         n = torch.nn.utils.get_total_norm(gs, norm_type, error_if_nonfinite, foreach)
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)  # FSDP shards: complete over DP
     if norms:
@@ -101,6 +97,16 @@ def _total(found: tuple[list[torch.Tensor], Optional[dist.ProcessGroup], list[Ti
     return total
 
 
+def _by_kind(tensors: Iterable[torch.Tensor], of: Any = lambda t: t) -> dict[Any, list[torch.Tensor]]:
+    """``tensors`` grouped by the kind of ``of(tensor)``: plain, or a DTensor of each mesh. torch's foreach
+    kernels (its norms and its clipping) refuse a list that mixes them, as a stage with tensor-parallel blocks
+    and a plain norm has."""
+    kinds: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault(getattr(of(t), "device_mesh", None), []).append(t)
+    return kinds
+
+
 def clip_grad_norm_(obj: Union[Any, Iterable[torch.Tensor]], max_norm: float, norm_type: float = 2.0,
                     group: Optional[dist.ProcessGroup] = None, ties: Iterable[TiedParameters] = (),
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
@@ -116,7 +122,6 @@ def clip_grad_norm_(obj: Union[Any, Iterable[torch.Tensor]], max_norm: float, no
     """
     found = _parameters(obj)
     total = _total(found, float(norm_type), group, list(ties), error_if_nonfinite, foreach)
-    grads = [p for p in found[0] if p.grad is not None]
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+    for params in _by_kind((p for p in found[0] if p.grad is not None), of=lambda p: p.grad).values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total

@@ -25,8 +25,13 @@ Order with data parallelism: the tie sum runs over the pipeline axis, the DP
 reduction (DDP's all-reduce, FSDP2's reduce-scatter, or a manual all-reduce
 over the DP group after ``step()``) over the DP axis. Both are sums of
 gradients over disjoint sets of ranks, so their order does not change the
-result; each happens exactly once per step. With FSDP2 both copies must be
-sharded alike (same DP mesh): the tie then sums the local shards.
+result; each happens exactly once per step. With FSDP2 or tensor parallelism
+both copies must be sharded alike (same placements on meshes of one shape,
+checked at construction: a TP embedding with ``RowwiseParallel`` and a head
+with ``ColwiseParallel`` are both ``Shard(0)`` of the (vocab, dim) weight): the
+tie then sums the local shards over the pipeline ranks of each shard's
+position, each gradient first laid out as its parameter is (see
+``_grad_as_param``).
 """
 from __future__ import annotations
 
@@ -146,13 +151,15 @@ class TiedParameters:
     def _check_alike(self) -> None:
         """Every copy of a tie has one shape and dtype (else a clear error, not a wrong broadcast)."""
         for tie in self._members():
-            mine = {(tuple(_local(p).shape), str(p.dtype)) for p in tie.params}
+            mine = {(tuple(_local(p).shape), str(p.dtype), "plain" if _placements(p) is None else str(_placements(p)))
+                    for p in tie.params}
             if tie.group is not None:
                 gathered: list[Any] = [None] * dist.get_world_size(tie.group)
                 dist.all_gather_object(gathered, sorted(mine), group=tie.group)
                 mine = {tuple(x) for g in gathered for x in g}
             if len(mine) != 1:
-                raise ValueError(f"tie {tie.name!r}: the tied parameters {tie.fqns} differ in (shape, dtype): "
+                raise ValueError(f"tie {tie.name!r}: the tied parameters {tie.fqns} differ in "
+                                 f"(local shape, dtype, placements): "
                                  f"{sorted(mine)}")
 
     def _owner_global_rank(self, tie: _Tie) -> int:
@@ -181,19 +188,19 @@ class TiedParameters:
     def reduce_grads(self) -> None:
         """Sum the copies' gradients into every copy. A collective over each tie's ranks."""
         for tie in self._members():
-            grads = [p.grad for p in tie.params]
             if tie.group is None and len(tie.params) == 1:
                 continue  # one Parameter, one rank: autograd already summed
             total: Optional[torch.Tensor] = None
-            for g in grads:
+            for p in tie.params:
+                g = _grad_as_param(p)
                 if g is not None:
-                    total = _local(g).clone() if total is None else total.add_(_local(g))
+                    total = g.clone(memory_format=torch.contiguous_format) if total is None else total.add_(g)
             if total is None:
-                total = torch.zeros_like(_local(tie.params[0]))
+                total = torch.zeros_like(_local(tie.params[0]), memory_format=torch.contiguous_format)
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)
             for p in tie.params:
-                if p.grad is None:
+                if p.grad is None or _placements(p.grad) != _placements(p):
                     p.grad = _grad_like(p, total)
                 else:
                     _local(p.grad).copy_(total)
@@ -218,6 +225,29 @@ class TiedParameters:
 
     def __repr__(self) -> str:
         return "TiedParameters(" + ", ".join(f"{t.name}: {t.fqns} on ranks {t.ranks}" for t in self.ties) + ")"
+
+
+def _placements(t: torch.Tensor) -> Optional[tuple]:
+    """A DTensor's placements (None for a plain tensor)."""
+    return tuple(t.placements) if hasattr(t, "placements") else None
+
+
+def _grad_as_param(p: nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's part of ``p.grad`` laid out as ``p`` is, so every copy of a tie contributes alike.
+
+    A DTensor gradient need not have its parameter's placements: a tensor-parallel embedding (``RowwiseParallel``,
+    weight ``Shard(0)``) gets a ``Replicate`` gradient from torch's embedding backward, whose local tensor is the
+    whole weight, while the head's (``ColwiseParallel``) is ``Shard(0)``. Summing the local tensors as they are
+    would add a whole weight to a shard; redistributing to the parameter's placements first (a local slice for
+    Replicate, a reduce-scatter over the mesh for Partial, which every rank of that mesh runs, tie by tie in
+    one order) makes the local parts match.
+    """
+    g = p.grad
+    if g is None:
+        return None
+    if _placements(g) is not None and _placements(p) is not None and _placements(g) != _placements(p):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
 
 
 def _grad_like(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
