@@ -61,6 +61,7 @@ def test_llama_example_pp2_dp2_prints_layout_passes_check_and_trains():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks8
 @pytest.mark.timeout(300)
 def test_llama_example_pp2_tp2_dp2_on_8_ranks_passes_check_and_trains():
     """pp x tp x FSDP as torchtitan composes it (TP, then fully_shard over dp, then the stage on pp), tied embedding

@@ -277,6 +277,7 @@ def test_pp_x_fsdp_x_tp_2x1x2_matches_the_unsplit_model(case):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks8
 @pytest.mark.isolated  # fresh ranks, as the 2 x 1 x 2 run
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["replicate", "sequence"])
@@ -403,6 +404,7 @@ def test_tied_embedding_and_head_sharded_over_tp_match_the_unsplit_model():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks8
 @pytest.mark.isolated
 @pytest.mark.timeout(900)
 def test_tied_embedding_and_head_over_pp_x_fsdp_x_tp_2x2x2_match_the_unsplit_model():
