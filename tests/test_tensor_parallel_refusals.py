@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_utils import run_ranks
+from mp_utils import no_complaints, run_ranks
 from test_tensor_parallel import D, M, ROWS, SEQ, Stage, _fresh_dtensor_caches, _loss, _parallelize
 
 _BEFORE = "refused on stage 0, before this activation was sent"
@@ -74,3 +74,38 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_its_sender_before_it_m
         assert sends == 0, f"rank {r} sent {sends} messages in the refused step: {text}"
     for r in (2, 3):  # the receivers were told by their sender (stage 0 on ranks 0 and 1)
         assert "failed on rank" in said[r][0], f"rank {r}: {said[r][0]}"
+
+
+def _checked_once_per_layout(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from pipeline_ext.runtime import dtensor_wire as W
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    asked, checks = [], []
+    ns = W.NextStage(1, lambda: asked.append(1) or W.receiving_side(1, W.MeshFinder(None, mesh), None))
+    check = ns.check
+    ns.check = lambda *a: (checks.append(a[2]), check(*a))[1]
+    bad: list[str] = []
+    for mb in range(3):
+        W.to_wire([DTensor.from_local(torch.ones(2, 4), mesh, [Replicate()], run_check=False)], 0, mb, ns)
+    if (len(asked), checks) != (1, [0]):
+        bad.append(f"a known layout was checked again: side asked {len(asked)} times, checks for microbatches {checks}")
+    W.to_wire([DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)], 0, 3, ns)
+    if checks != [0, 3]:
+        bad.append(f"a new placement was not checked: checks for microbatches {checks}")
+    elsewhere = W.NextStage(1, lambda: W.receiving_side(1, None, None))  # a receiver without any mesh
+    try:
+        W.to_wire([DTensor.from_local(torch.ones(2, 4), mesh, [Replicate()], run_check=False)], 0, 0, elsewhere)
+        bad.append("a DTensor for a receiver without its mesh was not refused")
+    except TypeError as exc:
+        if "but stage 1 has no such mesh (its meshes: none (no DTensor parameter, no mesh= given))" not in str(exc):
+            bad.append(f"unexpected refusal: {exc}")
+    return bad
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_is_checked_against_its_receiver_once_and_a_new_one_again():
+    """The sender's check runs where a layout is encoded for the first time: a known step pays nothing."""
+    no_complaints(_checked_once_per_layout, 1, timeout=100)
