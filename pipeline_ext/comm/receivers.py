@@ -3,11 +3,20 @@
 A stage's receiving side (``dtensor_wire.receiving_side``: the meshes it
 rebuilds DTensor inputs on, whether it has a ``get_mesh`` callback, its
 declared ``input_args``) is fixed when its schedule is built. Each rank posts
-its stages' sides to every peer then (Gloo point to point on the step records'
-host group, one fixed-size JSON message per peer, so every wait is bounded),
-and the first sender that needs the next stage's side waits for them, once
-(``side``). A rank that never sends a DTensor never waits. Nothing travels per
-step. See [Note: DTensors between stages] in runtime/dtensor_wire.py.
+its stages' sides to every peer at its schedule's first step (``post``, from
+``Session.begin``, before the step's inputs are checked: a rank that rejects
+its step has posted too), Gloo point to point on the step records' host group,
+one fixed-size JSON message per peer, so every wait is bounded. The first
+sender that needs the next stage's side waits for them, once (``side``); a
+rank that never sends a DTensor never waits. Nothing travels in later steps.
+
+Posted at the first step, not when the schedule is built: a schedule built on
+one rank only (to dump its order as CSV) never steps, so never posts. Each
+message carries the step number and schedule key it was posted in; sides
+posted for another step or schedule (ranks out of step, running different
+schedules: the step agreement names that) are not used, so they can never
+refuse a message by mistake. See [Note: DTensors between stages] in
+runtime/dtensor_wire.py.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ _BYTES = 8192
 
 
 class ReceiverSides:
-    """This rank's stages' receiving sides, posted to every peer; every stage's, once gathered.
+    """This rank's stages' receiving sides, posted to every peer at the first step; every stage's, once gathered.
 
     ``group``: the group the step records travel on (CPU tensors), ``rank``/``num_ranks``: this rank's place
     in it; ``mine``: ``{stage: receiving_side(...)}`` of this rank's stages. A side too large to post (an
@@ -38,18 +47,26 @@ class ReceiverSides:
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, mine: dict[int, dict],
                  timeout: float) -> None:
-        self.rank, self.timeout = rank, timeout
+        self.group, self.rank, self.num_ranks, self.timeout = group, rank, num_ranks, timeout
+        self._mine = mine
         self._sides: dict[int, Optional[dict]] = dict(mine)
+        self._posted: Optional[tuple[int, int]] = None  # (step, schedule key) of the post
         self._works: list[tuple[int, Any]] = []
         self._failed: Optional[tuple[int, Exception]] = None
         self._inbox: dict[int, torch.Tensor] = {}
-        if num_ranks == 1:
+
+    def post(self, step: int, schedule_key: int) -> None:
+        """Send this rank's sides to every peer and post the receives of theirs; once (later calls do nothing)."""
+        if self._posted is not None:
             return
-        data = _encoded(mine)
+        self._posted = (step, schedule_key)
+        if self.num_ranks == 1:
+            return
+        data = _encoded(step, schedule_key, self._mine)
         self._out = torch.zeros(_BYTES, dtype=torch.uint8)
         self._out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        wire = group if group is not None else dist.group.WORLD
-        self._inbox = {p: torch.zeros(_BYTES, dtype=torch.uint8) for p in range(num_ranks) if p != rank}
+        wire = self.group if self.group is not None else dist.group.WORLD
+        self._inbox = {p: torch.zeros(_BYTES, dtype=torch.uint8) for p in range(self.num_ranks) if p != self.rank}
         for peer, buf in self._inbox.items():
             try:
                 self._works += [(peer, wire.recv([buf], peer, RECEIVERS_TAG)),
@@ -75,19 +92,25 @@ class ReceiverSides:
                 self._failed = (peer, exc)
         if self._failed is not None:
             peer, exc = self._failed
-            raise ChannelTimeout(f"rank {self.rank}: rank {peer}'s description of its stages' inputs (posted when "
-                                 f"it builds its schedule) did not come within {self.timeout:g} s (has it built "
-                                 f"its schedule?): {exc}")
+            raise ChannelTimeout(f"rank {self.rank}: rank {peer}'s description of its stages' inputs (posted at its "
+                                 f"schedule's first step) did not come within {self.timeout:g} s (is it running "
+                                 f"the same step?): {exc}")
         for buf in self._inbox.values():
-            for stage, side in json.loads(bytes(buf.numpy()).rstrip(b"\0").decode()).items():
+            got = json.loads(bytes(buf.numpy()).rstrip(b"\0").decode())
+            if (got.get("step"), got.get("schedule")) != self._posted:
+                continue  # another step's or schedule's: not this one's to check against
+            for stage, side in got["sides"].items():
                 self._sides[int(stage)] = side
         self._inbox, self._works = {}, []
 
 
-def _encoded(mine: dict[int, dict]) -> bytes:
-    data = json.dumps({str(s): side for s, side in mine.items()}).encode()
+def _encoded(step: int, schedule_key: int, mine: dict[int, dict]) -> bytes:
+    def text(sides: dict) -> bytes:
+        return json.dumps({"step": step, "schedule": schedule_key, "sides": sides}).encode()
+
+    data = text({str(s): side for s, side in mine.items()})
     if len(data) > _BYTES:
-        data = json.dumps({str(s): {**side, "declared": None} for s, side in mine.items()}).encode()
+        data = text({str(s): {**side, "declared": None} for s, side in mine.items()})
     if len(data) > _BYTES:  # meshes too: the senders check nothing, the receivers refuse as before
-        data = json.dumps({str(s): None for s in mine}).encode()
+        data = text({str(s): None for s in mine})
     return data

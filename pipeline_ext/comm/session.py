@@ -17,7 +17,8 @@ moves skips runs, or before the last stage needs loss weights only the
 agreement knows), so the exchange travels while rank 0 runs its first forward.
 
 [Note: one step, in order]
-1. ``begin``: step number from the group (``GroupSteps``), inputs checked and
+1. ``begin``: step number from the group (``GroupSteps``), at the schedule's
+   first step the stages' receiving sides posted (``receivers``), inputs checked and
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
 2. The executor runs the step's compute; at its first message it calls
    ``Step.open()``, which settles the step: ``agree`` over every rank's record (every rank takes the same
@@ -242,8 +243,8 @@ class Session:
                                        ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
         self._skips = SkipSettlement(skips, num_stages, n_microbatches, self.agreement.group, device,
                                      by_tag=self.channel.matches_by_tag)
-        #: every stage's receiving side, posted now, gathered by the first sender of a DTensor that asks
-        #: (comm/receivers.py); None: the stages do not pass DTensors (the Pipe)
+        #: every stage's receiving side, posted at the first step, gathered by the first sender of a DTensor
+        #: that asks (comm/receivers.py); None: the stages do not pass DTensors
         self.receivers = (ReceiverSides(self.agreement.group, rank, num_ranks, receiving_sides, timeout)
                           if receiving_sides is not None else None)
         self._plans: dict[int, PlanCache] = {}
@@ -290,6 +291,8 @@ class Session:
         # The group numbers the steps, whatever schedule runs them (GroupSteps): a message is never taken by
         # another schedule's step, nor by a schedule built anew on the group.
         number = GroupSteps.next(self.channel.group)
+        if self.receivers is not None:  # the first step posts this rank's stages' receiving sides (once)
+            self.receivers.post(number, self._schedule_key)
         plans = self._plans[kind]
         record = StepRecord(rank=self.rank, step=number, kind=kind, schedule=self._schedule.name,
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,

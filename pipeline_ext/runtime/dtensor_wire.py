@@ -28,8 +28,8 @@ each stage's receiving side (``receiving_side``: its meshes' dim names and
 shapes as ``MeshFinder`` searches them, whether it has a ``get_mesh``, its
 declared ``input_args`` as ``Declared.inputs_described``) is known when its
 schedule is built, and the ranks exchange them once per schedule
-(comm/receivers.py, posted when the schedule is built, waited for by the first
-sender that needs one). ``to_wire`` checks a layout it has not encoded before
+(comm/receivers.py: posted at its first step, waited for by the first sender
+that needs one). ``to_wire`` checks a layout it has not encoded before
 against its receiver (``Receiver.check``): a mesh the receiver cannot find, or
 a DTensor where ``input_args`` declares a plain tensor or other placements or
 mesh, raises on the sender, after its forward and before anything is sent,
