@@ -20,7 +20,7 @@ from test_tensor_parallel import D, M, ROWS, SEQ, Stage, _fresh_dtensor_caches, 
 _BEFORE = "refused on stage 0, before this activation was sent"
 
 
-def _refused(rank: int, world: int, kind: str) -> tuple[str, int]:
+def _refused(rank: int, world: int, kind: str, timeout: float = 60.0) -> tuple[str, int]:
     """What this rank raised in the step, and how many messages it sent in it."""
     import pipeline_ext as pe
     from torch.distributed.device_mesh import init_device_mesh
@@ -42,7 +42,7 @@ def _refused(rank: int, world: int, kind: str) -> tuple[str, int]:
         declared = DTensor.from_local(torch.empty(ROWS // M, SEQ // 2, D), tp, [Shard(1)], run_check=False)
         module, extra = _parallelize(Stage(), 1, 2, "replicate", tp), {"input_args": declared}
     stage = pe.PipelineStage(module, index, 2, "cpu", group=pp, **extra)
-    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=60.0)
+    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=timeout)
     channel = sched._session.channel
     sent = []
     send = channel.send
@@ -74,6 +74,24 @@ def test_a_dtensor_the_receiver_cannot_take_is_refused_by_its_sender_before_it_m
         assert sends == 0, f"rank {r} sent {sends} messages in the refused step: {text}"
     for r in (2, 3):  # the receivers were told by their sender (stage 0 on ranks 0 and 1)
         assert "failed on rank" in said[r][0], f"rank {r}: {said[r][0]}"
+
+
+@pytest.mark.isolated  # fresh ranks: Gloo closes a group whose wait timed out
+@pytest.mark.timeout(300)
+def test_over_gloo_the_sender_refuses_and_the_receivers_wait_ends_naming_the_message(monkeypatch):
+    """A process group's posted receive cannot be woken: the receivers' wait for the activation that was never
+    sent ends at their timeout (or when the sender's connection closes), naming that message."""
+    from pipeline_ext.comm.transport import TRANSPORT_ENV
+
+    monkeypatch.setenv(TRANSPORT_ENV, "process_group")
+    said = {r: v for r, (_, v) in run_ranks(_refused, 4, "mesh_shape", 5.0, timeout=240).items()}
+    for r in range(4):
+        text, sends = said[r]
+        assert sends == 0, f"rank {r} sent {sends} messages in the refused step: {text}"
+        if r < 2:
+            assert "but stage 1 has no such mesh" in text and _BEFORE in text, f"rank {r}: {text}"
+        else:
+            assert "RECV_F of stage 1 microbatch 0 with peer rank 0" in text, f"rank {r}: {text}"
 
 
 def _checked_once_per_layout(rank: int, world: int) -> list[str]:
