@@ -228,6 +228,46 @@ def test_the_receiving_mesh_may_be_given(mesh_kw):
     no_complaints(_train, 4, "sequence", ["1f1b"], mesh_kw, timeout=500)
 
 
+# -- refused: what the receiving stage cannot rebuild, named on every rank ----------------------------------
+def _mismatch(rank: int, world: int, kind: str) -> str:
+    import pipeline_ext as pe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fresh_dtensor_caches()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "tp"))["tp"]  # a "tp" of shape (1,)
+    tp, pp = mesh["tp"], mesh["pp"]
+    index = pp.get_local_rank()
+    torch.manual_seed(0)
+    if index == 0:
+        module, extra = _parallelize(Stage(), 0, 2, "replicate", tp), {}
+    elif kind == "mesh_shape":
+        module, extra = Stage(), {"mesh": other}
+    else:  # a plain tensor declared where a Replicate DTensor arrives
+        module, extra = _parallelize(Stage(), 1, 2, "replicate", tp), {"input_args": torch.empty(ROWS // M, SEQ, D)}
+    stage = pe.PipelineStage(module, index, 2, "cpu", group=pp, **extra)
+    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=60.0)
+    x, y = torch.randn(ROWS, SEQ, D), torch.randn(ROWS, SEQ, D)
+    try:
+        sched.step(x) if index == 0 else sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["mesh_shape", "declared_plain"])
+def test_a_dtensor_the_receiver_cannot_take_is_refused_by_name_on_every_rank(kind):
+    said = {r: v for r, (_, v) in run_ranks(_mismatch, 4, kind, timeout=240).items()}
+    want = ("stage 1's input 0, microbatch 0 is a DTensor from stage 0 on mesh ('tp',) of shape (2,) with placements "
+            "(Replicate(),), but stage 1 has no such mesh (its meshes: mesh ('tp',) of shape (1,))"
+            if kind == "mesh_shape" else
+            "stage 1, microbatch 0: input 0 is a DTensor with placements (Replicate(),) on mesh ('tp',) of shape (2,), "
+            "input_args has a plain tensor")
+    for r in range(4):
+        assert want in said[r], f"rank {r}: {said[r]}"
+
+
 @pytest.mark.isolated  # fresh ranks: after another DTensor test in a pool worker, torch's DTensor dispatch
 # reaches a previous test's process group ("Could not resolve the process group registered under the name 4")
 @pytest.mark.timeout(600)
