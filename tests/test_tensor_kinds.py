@@ -252,17 +252,11 @@ def test_a_dtensor_between_stages_raises_by_name_and_kills_no_process(transport,
     results = run_ranks(_dtensor_stage, 2, through, timeout=120, expect_errors=True)
     died = {r: v for r, (status, v) in results.items() if status == "died"}
     assert not died, f"ranks died (exit codes; negative = signal): {died}"
-    if through == "stage":  # it would travel (its local shard), but the receiver has no mesh to rebuild it on:
-        # its sender refuses it before it moves ([Note: DTensors between stages])
-        said = "stage 1's input 0, microbatch 0 is a DTensor from stage 0 on mesh ('tp',) of shape (1,)"
-        status, message = results[0]
+    if through == "stage":  # it travels (its local shard); the receiver has no mesh to rebuild it on
+        status, message = results[1]
         assert status == "ok", message
-        assert message.startswith(f"TypeError: {said}") and "stage 1 has no such mesh" in message, message
-        status, message = results[1]  # the receiver's wait for it ends: told at once on shared memory, else
-        assert status == "ok", message  # when Gloo's wait ends (the sender's process ended, or the timeout)
-        assert "RECV_F of stage 1 microbatch 0 with peer rank 0" in message, message
-        assert transport == "gloo" or f"step 0 failed on rank 0 in F of stage 0, microbatch 0: TypeError: {said}" \
-            in message, message
+        assert message.startswith("TypeError: stage 1's input 0, microbatch 0 is a DTensor from stage 0 on mesh "
+                                  "('tp',) of shape (1,)") and "stage 1 has no such mesh" in message, message
         return
     status, message = results[0]
     assert status == "ok", message

@@ -17,8 +17,7 @@ moves skips runs, or before the last stage needs loss weights only the
 agreement knows), so the exchange travels while rank 0 runs its first forward.
 
 [Note: one step, in order]
-1. ``begin``: step number from the group (``GroupSteps``), at the schedule's
-   first step the stages' receiving sides posted (``receivers``), inputs checked and
+1. ``begin``: step number from the group (``GroupSteps``), inputs checked and
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
 2. The executor runs the step's compute; at its first message it calls
    ``Step.open()``, which settles the step: ``agree`` over every rank's record (every rank takes the same
@@ -53,7 +52,6 @@ from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_ord
 from pipeline_ext.comm.identity import GroupSteps, stable_hash
 from pipeline_ext.comm.shm import make_channel
 from pipeline_ext.comm.transport import announce_edges, edges_digest, hosts_note
-from pipeline_ext.comm.receivers import ReceiverSides
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
@@ -198,11 +196,6 @@ class Step:
         text = (f"step {self.number} failed on rank {rank}" + (f" {where}" if where and where.rank == rank else "")
                 + f": {exc_type.__name__}: {str(exc)[:600]}")
         with contextlib.suppress(Exception):  # best effort: the error to raise here is the step's own
-            if self._messages is None:
-                # failed before this rank's first message (a sender refusing its output before it moves): settle
-                # the transport as that message would have (bounded; the peers' descriptions left when they built
-                # their schedules), so that the peers waiting for it hear this failure now, not at their timeout
-                getattr(self._channel, "connect", lambda: None)()
             self._channel.notify_failure(self.number, text)
         hosts = hosts_note(getattr(self._channel, "group", None))
         if hosts and hasattr(exc, "add_note") and hosts not in getattr(exc, "__notes__", ()):
@@ -217,16 +210,14 @@ class Session:
     declares now (``runtime/declared.py``; a function, since a stage may learn
     its shapes on its first step; None when this rank does not hold it):
     each of its microbatches is checked against it before the step is posted. ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
-    (``comm/shm.make_channel``). ``receiving_sides``: this rank's stages' ``dtensor_wire.receiving_side``,
-    exchanged with every rank once (``receivers``), so a sender checks a DTensor output before it moves.
+    (``comm/shm.make_channel``).
     """
 
     def __init__(self, *, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, num_stages: int,
                  device: torch.device, local_stages: Sequence[int], skips: dict[int, StageSkips],
                  n_microbatches: int, loss_fn: Optional[LossFn], chunk_spec: Any, scale_grads: bool,
                  timeout: float, transport: Optional[str],
-                 declared_first: Optional[Callable[[], Optional[Declared]]] = None,
-                 receiving_sides: Optional[dict[int, dict]] = None) -> None:
+                 declared_first: Optional[Callable[[], Optional[Declared]]] = None) -> None:
         self.rank, self.num_ranks, self.num_stages, self.device = rank, num_ranks, num_stages, device
         self.n_microbatches, self.loss_fn, self.chunk_spec, self.scale_grads = (n_microbatches, loss_fn,
                                                                                 chunk_spec, scale_grads)
@@ -243,10 +234,6 @@ class Session:
                                        ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
         self._skips = SkipSettlement(skips, num_stages, n_microbatches, self.agreement.group, device,
                                      by_tag=self.channel.matches_by_tag)
-        #: every stage's receiving side, posted at the first step, gathered by the first sender of a DTensor
-        #: that asks (comm/receivers.py); None: the stages do not pass DTensors
-        self.receivers = (ReceiverSides(self.agreement.group, rank, num_ranks, receiving_sides, timeout)
-                          if receiving_sides is not None else None)
         self._plans: dict[int, PlanCache] = {}
         self._schedule: Optional[S.Schedule] = None
         self.edges: list[tuple[int, int]] = []
@@ -291,8 +278,6 @@ class Session:
         # The group numbers the steps, whatever schedule runs them (GroupSteps): a message is never taken by
         # another schedule's step, nor by a schedule built anew on the group.
         number = GroupSteps.next(self.channel.group)
-        if self.receivers is not None:  # the first step posts this rank's stages' receiving sides (once)
-            self.receivers.post(number, self._schedule_key)
         plans = self._plans[kind]
         record = StepRecord(rank=self.rank, step=number, kind=kind, schedule=self._schedule.name,
                             schedule_key=self._schedule_key, n_microbatches=self.n_microbatches,

@@ -29,7 +29,6 @@ comes in a later step.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
@@ -45,7 +44,6 @@ from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_fu
 from pipeline_ext.pipelining.model_split import as_stage
 from pipeline_ext.pipelining.stage import PipelineStage
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
-from pipeline_ext.runtime.dtensor_wire import NextStage
 from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
 from pipeline_ext.runtime.overlap import run_overlapped
@@ -129,12 +127,7 @@ class PipelineSchedule:
                 skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
                 n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
                 scale_grads=scale_grads, timeout=timeout, transport=transport,
-                declared_first=(lambda: first_stage._declared) if first_stage is not None else None,
-                receiving_sides={i: s._receiving_side() for i, s in self.stages.items()})
-            receivers = self._session.receivers
-            for i, runner in self._runners.items():  # DTensor outputs are checked against the next stage's side
-                if i + 1 < num_stages and receivers is not None:
-                    runner.receiver = NextStage(i + 1, functools.partial(receivers.side, i + 1))
+                declared_first=(lambda: first_stage._declared) if first_stage is not None else None)
         self.schedule: Optional[S.Schedule] = None
         #: one executor per step kind (a forward-only one is built at the first eval)
         self._executors: dict[int, Executor] = {}

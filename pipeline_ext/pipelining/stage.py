@@ -15,7 +15,7 @@ from torch import nn
 from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
 from pipeline_ext.runtime.declared import Declared, errors
-from pipeline_ext.runtime.dtensor_wire import MeshFinder, receiving_side
+from pipeline_ext.runtime.dtensor_wire import MeshFinder
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
 __all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError"]
@@ -102,13 +102,6 @@ class PipelineStage(StagePosition):
         if self.input_args is not None or self.output_args is not None:
             return Declared(self.stage_index, self.input_args, self.output_args)
         return self._first_shapes if self._runtime_validate else None
-
-    def _receiving_side(self) -> dict:
-        """What this stage's sender checks a DTensor output against before it moves (its meshes, its
-        ``get_mesh``, its declared ``input_args``): [Note: DTensors between stages] in runtime/dtensor_wire.py."""
-        declared = Declared(self.stage_index, self.input_args) if self.input_args is not None else None
-        meshes = self._runner.meshes if self._runner is not None else MeshFinder(self.submod, self.mesh, self.get_mesh)
-        return receiving_side(self.stage_index, meshes, declared.inputs_described() if declared else None)
 
     def _call(self, mb: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         """The stage's forward for the runner, checked against ``_declared`` (read at each call: the switch

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-__all__ = ["Declared", "errors", "described", "said"]
+__all__ = ["Declared", "errors"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,17 +54,6 @@ class Declared:
     #: where the shapes come from, as errors name it: the stage's arguments, or its first step
     #: (``PipelineStage._runtime_validate``)
     source: str = "declared"
-
-    def inputs_described(self) -> Optional[list]:
-        """Each leaf of the declared inputs as ``described`` data, in the order ``check`` compares them;
-        None when no inputs are declared. A stage's sender checks its DTensor outputs against them before
-        they move ([Note: DTensors between stages] in runtime/dtensor_wire.py)."""
-        from torch.utils import _pytree as pytree
-
-        if self.inputs is None:
-            return None
-        expected = self.inputs if isinstance(self.inputs, tuple) else (self.inputs,)
-        return [described(w) for w in pytree.tree_leaves(expected)]
 
     def check(self, what: str, mb: int, actual: Any) -> None:
         """Raise ``PipeliningShapeError`` unless ``actual`` (microbatch ``mb``'s "inputs" or "outputs") matches."""
@@ -100,22 +89,6 @@ class Declared:
                    "stage._runtime_validate holds every step to the first step's shapes; leave it unset to let "
                    "shapes change between steps")
             raise errors()["PipeliningShapeError"](f"stage {self.stage}, microbatch {mb}: {problem} ({why})")
-
-
-def described(t: Any) -> Any:
-    """A declared leaf as plain data (what a sender checks against; JSON-able): None for anything but a
-    tensor (not checked), ``[]`` for a plain tensor, else a DTensor's ``[placements, mesh dim names, mesh shape]``
-    (the placements as their repr: they are only compared and shown)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    d = _distribution(t)
-    return [] if d is None else [repr(d[0]), list(d[1]), list(d[2])]
-
-
-def said(desc: Any) -> str:
-    """``described``'s data in the words ``Declared.check`` uses (``_said``)."""
-    return "a plain tensor" if not desc else f"a DTensor with placements {desc[0]} on mesh {tuple(desc[1])} of " \
-        f"shape {tuple(desc[2])}"
 
 
 def _distribution(t: torch.Tensor) -> Any:

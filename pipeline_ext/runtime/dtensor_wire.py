@@ -23,22 +23,7 @@ run_check=False)`` on a mesh of its own (``MeshFinder``: the stage module's
 DTensor parameters and their sub-meshes, ``PipelineStage(mesh=)``, or
 torch's ``get_mesh=`` callback), after checking that the mesh's dim names and
 shape are the sender's; a mismatch raises a TypeError naming the stage, the
-input and both sides. The sender checks the same before its message moves:
-each stage's receiving side (``receiving_side``: its meshes' dim names and
-shapes as ``MeshFinder`` searches them, whether it has a ``get_mesh``, its
-declared ``input_args`` as ``Declared.inputs_described``) is known when its
-schedule is built, and the ranks exchange them once per schedule
-(comm/receivers.py: posted at its first step, waited for by the first sender
-that needs one). ``to_wire`` checks a layout it has not encoded before
-against its receiver (``Receiver.check``): a mesh the receiver cannot find, or
-a DTensor where ``input_args`` declares a plain tensor or other placements or
-mesh, raises on the sender, after its forward and before anything is sent,
-with the receiver's own words; the failed step then tells every rank. A known
-layout (the encode cache's hit) is not checked again, so a steady step pays
-nothing for this. What the sender cannot know stays the receiver's to refuse:
-the mesh a ``get_mesh`` callback returns, and a plain tensor sent where
-``input_args`` declares a DTensor in a message without any DTensor (the
-message never takes the DTensor path). The local shard it received is the leaf that collects
+input and both sides. The local shard it received is the leaf that collects
 the gradient: ``from_local``'s backward redistributes the DTensor gradient
 to the forward placements (a Partial gradient is reduced over its mesh dim
 there, on every rank of the mesh in the same order, as part of the same
@@ -53,8 +38,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MAGIC", "META_ENTRY", "to_wire", "is_wire", "from_wire", "MeshFinder", "Receiver", "NextStage",
-           "receiving_side", "dtensor_type", "scalar_grad", "is_async_collective", "settled", "waited"]
+__all__ = ["MAGIC", "META_ENTRY", "to_wire", "is_wire", "from_wire", "MeshFinder", "dtensor_type", "scalar_grad",
+           "is_async_collective", "settled", "waited"]
 
 #: first word of a layout tensor (an int64 no activation carries by chance in that place, size and dtype)
 MAGIC = 0x5044_5445_4E53_4F52  # "PDTENSOR"
@@ -141,12 +126,8 @@ def _remember(cache: dict, key: Any, value: Any) -> Any:
     return value
 
 
-def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int],
-            receiver: Optional["NextStage"] = None) -> tuple[torch.Tensor, ...]:
-    """A stage's outputs with each DTensor as its local shard (in the graph), then one layout tensor.
-
-    ``receiver``: the next stage, which a layout not encoded before is checked against (``NextStage.check``)
-    before anything is returned, so before anything moves."""
+def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]) -> tuple[torch.Tensor, ...]:
+    """A stage's outputs with each DTensor as its local shard (in the graph), then one layout tensor."""
     DTensor = dtensor_type()
     out: list[torch.Tensor] = []
     key: list[Any] = []
@@ -157,17 +138,13 @@ def to_wire(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]
         else:
             out.append(t)
     device = next((t.device for t in out if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    # the positions of the plain outputs and the receiver are part of what was checked
-    cache_key = (tuple(key), len(items), id(receiver), device)
+    cache_key = (tuple(key), device)
     hit = _ENCODED.get(cache_key)
-    if hit is None:  # the entry holds the meshes and the receiver, so their ids in the key stay theirs
-        words = _encode(items, stage, microbatch)
-        if receiver is not None:
-            receiver.check(items, stage, microbatch)
+    if hit is None:  # the entry holds the meshes, so their ids in the key stay theirs while it lives
         meshes = [t.device_mesh for t in items if isinstance(t, DTensor)]
-        hit = _remember(_ENCODED, cache_key, (meshes, receiver, torch.tensor(words, dtype=torch.int64,
-                                                                             device=device)))
-    out.append(hit[2])
+        hit = _remember(_ENCODED, cache_key, (meshes, torch.tensor(_encode(items, stage, microbatch),
+                                                                   dtype=torch.int64, device=device)))
+    out.append(hit[1])
     return tuple(out)
 
 
@@ -256,105 +233,8 @@ class MeshFinder:
         return None
 
     def known(self) -> str:
-        return _known([(_names(m), tuple(m.shape)) for m in self.candidates()])
-
-
-def _known(meshes: Sequence[tuple[Sequence[str], Sequence[int]]]) -> str:
-    said = [_describe(names, shape) for names, shape in meshes]
-    return ", ".join(said) if said else "none (no DTensor parameter, no mesh= given)"
-
-
-def _no_such_mesh(where: str, sender: int, receiver: int, names: Sequence[str], shape: Sequence[int],
-                  placements: Any, known: str) -> str:
-    return (f"{where} is a DTensor from stage {sender} on {_describe(names, shape)} with placements "
-            f"{tuple(placements)}, but stage {receiver} has no such mesh (its meshes: {known}); give the stage the "
-            "mesh (PipelineStage(..., mesh=) or get_mesh=) or make both stages' meshes agree")
-
-
-def _could_find(meshes: Sequence[tuple[Sequence[str], Sequence[int]]], names: tuple[str, ...],
-                shape: tuple[int, ...]) -> bool:
-    """Whether ``MeshFinder.find`` over meshes of these dim names and shapes could return one of ``names`` and
-    ``shape``: a mesh of those names, or a sub-mesh by name (whose shape is its parent's sizes of those dims).
-    False only where ``find`` finds none (its slicing may still fail where this says True: the receiver then
-    refuses, as without this check)."""
-    for cand_names, cand_shape in meshes:
-        cand_names, cand_shape = tuple(cand_names), tuple(cand_shape)
-        if cand_names == names:
-            if cand_shape == shape:
-                return True
-            continue
-        if names and set(names) <= set(cand_names) and \
-                tuple(cand_shape[cand_names.index(n)] for n in names) == shape:
-            return True
-    return False
-
-
-def receiving_side(stage: int, meshes: Optional[MeshFinder], declared_inputs: Optional[list]) -> dict:
-    """What stage ``stage``'s sender checks its DTensor outputs against, as plain data (JSON: the ranks exchange
-    it, comm/receivers.py): the meshes its ``MeshFinder`` searches (dim names, shape), whether it has a
-    ``get_mesh`` callback, and its declared inputs (``Declared.inputs_described``; None: not declared)."""
-    return {"stage": stage,
-            "meshes": [] if meshes is None else [[list(_names(m)), list(m.shape)] for m in meshes.candidates()],
-            "get_mesh": meshes is not None and meshes.get_mesh is not None,
-            "declared": declared_inputs}
-
-
-class Receiver:
-    """A stage's receiving side (``receiving_side``'s data), as its sender checks a new layout against it."""
-
-    def __init__(self, side: dict) -> None:
-        self.stage = int(side["stage"])
-        self.meshes = [(tuple(n), tuple(int(x) for x in sh)) for n, sh in side["meshes"]]
-        self.get_mesh = bool(side["get_mesh"])
-        self.declared = side["declared"]
-
-    def check(self, items: Sequence[Any], sender: int, microbatch: Optional[int]) -> None:
-        """Raise, with the words the receiver would use, what it would refuse in this message; the note
-        says it was refused on the sender before the message moved."""
-        from pipeline_ext.runtime.declared import described, errors, said
-
-        DTensor = dtensor_type()
-        mb = "" if microbatch is None else f", microbatch {microbatch}"
-        before = (f" (refused on stage {sender}, before this activation was sent: every stage's meshes and "
-                  "declared inputs are known to its sender)")
-        for i, t in enumerate(items):
-            if not isinstance(t, DTensor) or self.get_mesh:  # a callback's answer is the receiver's to check
-                continue
-            names, shape = _names(t.device_mesh), tuple(t.device_mesh.shape)
-            if not _could_find(self.meshes, names, shape):
-                raise TypeError(_no_such_mesh(f"stage {self.stage}'s input {i}{mb}", sender, self.stage, names,
-                                              shape, t.placements, _known(self.meshes)) + before)
-        if self.declared is None or len(self.declared) != len(items):
-            return  # a count that differs is the receiver's declared check's to say
-        for i, (t, want) in enumerate(zip(items, self.declared)):
-            got = described(t)
-            if want is None or got == want:
-                continue
-            raise errors()["PipeliningShapeError"](
-                f"stage {self.stage}{', microbatch ' + str(microbatch) if microbatch is not None else ''}: input "
-                f"{i} is {said(got)}, input_args has {said(want)} (input_args/output_args describe one "
-                f"microbatch; leave them out to let shapes be discovered){before}")
-
-
-class NextStage:
-    """The stage a runner's outputs go to, as ``to_wire`` checks a new layout against it.
-
-    ``side()`` gives the receiving stage's ``receiving_side`` data (None: unknown, nothing is checked); it
-    is asked once, at the first check, since it may wait (bounded) for the ranks' exchange of them
-    (comm/receivers.py), and then let go of.
-    """
-
-    def __init__(self, stage: int, side: Callable[[], Optional[dict]]) -> None:
-        self.stage = stage
-        self._side: Optional[Callable[[], Optional[dict]]] = side
-        self._receiver: Optional[Receiver] = None
-
-    def check(self, items: Sequence[Any], sender: int, microbatch: Optional[int]) -> None:
-        if self._side is not None:
-            info = self._side()
-            self._receiver, self._side = (Receiver(info) if info else None), None
-        if self._receiver is not None:
-            self._receiver.check(items, sender, microbatch)
+        said = [_describe(_names(m), m.shape) for m in self.candidates()]
+        return ", ".join(said) if said else "none (no DTensor parameter, no mesh= given)"
 
 
 def from_wire(args: Sequence[Any], meshes: MeshFinder, stage: int, microbatch: Optional[int]) -> tuple[Any, ...]:
@@ -386,10 +266,14 @@ def _decode(words: Sequence[int], meshes: MeshFinder, stage: int, microbatch: Op
         text = _words_text(e[o:o + _NAME_WORDS])
         names = tuple(text.split(",")) if text else ()
         mb = "" if microbatch is None else f", microbatch {microbatch}"
+        where = f"stage {stage}'s input {pos}{mb}"
         mesh = meshes.find(names, mshape)
         if mesh is None:
-            raise TypeError(_no_such_mesh(f"stage {stage}'s input {pos}{mb}", stage - 1, stage, names, mshape,
-                                          placements, meshes.known()))
+            raise TypeError(
+                f"{where} is a DTensor from stage {stage - 1} on {_describe(names, mshape)} with placements "
+                f"{tuple(placements)}, but stage {stage} has no such mesh (its meshes: {meshes.known()}); give the "
+                "stage the mesh (PipelineStage(..., mesh=) or get_mesh=) or make both stages' meshes agree"
+            )
         decoded.append((pos, mesh, tuple(placements), torch.Size(shape), stride))
     return decoded
 

@@ -103,8 +103,8 @@ def is_differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None, dtensors: bool = False,
-                    receiver: Optional[dtensor_wire.NextStage] = None) -> tuple[torch.Tensor, ...]:
+def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None,
+                    dtensors: bool = False) -> tuple[torch.Tensor, ...]:
     """A stage output as the flat tuple of tensors that travels to the next stage.
 
     Each must be a tensor the core can move (``ops.movable``: a plain dense
@@ -114,8 +114,7 @@ def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None, dten
     output is refused naming the stage, the output and the microbatch.
     With ``dtensors`` (a ``PipelineStage``'s runner) DTensor outputs travel
     in wire form instead (their local shards and one layout tensor;
-    [Note: DTensors between stages] in runtime/dtensor_wire.py), checked against ``receiver`` (the next
-    stage) before anything moves.
+    [Note: DTensors between stages] in runtime/dtensor_wire.py).
     """
     items = out if isinstance(out, (tuple, list)) else (out,)
     wire = False
@@ -140,7 +139,7 @@ def as_output_tuple(out: Any, stage: int, microbatch: Optional[int] = None, dten
             wire = True
             continue
         check_movable(t, f"stage {stage}'s output at position {i}{mb}")
-    return dtensor_wire.to_wire(items, stage, microbatch, receiver) if wire else tuple(items)
+    return dtensor_wire.to_wire(items, stage, microbatch) if wire else tuple(items)
 
 
 @dataclass(frozen=True)
@@ -278,8 +277,6 @@ class StageRunner(StagePosition):
         #: where DTensor inputs are rebuilt (a ``PipelineStage``'s runner); None: DTensors between stages are
         #: refused (the Pipe). [Note: DTensors between stages] in runtime/dtensor_wire.py
         self.meshes: Optional[dtensor_wire.MeshFinder] = None
-        #: the next stage, as DTensor outputs are checked against it before they move (None: not checked)
-        self.receiver: Optional[dtensor_wire.NextStage] = None
 
     @property
     def live_microbatches(self) -> int:
@@ -378,8 +375,7 @@ class StageRunner(StagePosition):
                 state.loss_weight = loss_weight
             sent: tuple[torch.Tensor, ...] = ()
         else:
-            outs = as_output_tuple(out, self.stage_index, mb, dtensors=self.meshes is not None,
-                                   receiver=self.receiver)
+            outs = as_output_tuple(out, self.stage_index, mb, dtensors=self.meshes is not None)
             state.outputs = [o for o in outs if is_differentiable(o)] if grad_on else []
             sent = tuple([o.detach() for o in outs])
             if state.outputs and self.release_outputs:
