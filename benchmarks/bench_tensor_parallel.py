@@ -11,7 +11,6 @@ Also timed on one rank: what the DTensor path adds per message (``to_wire`` of a
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -24,6 +23,7 @@ def worker(rank: int, world: int, case: str, steps: int, repeats: int, dim: int)
 
     import pipeline_ext as pe
     import test_tensor_parallel as T
+    from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
     from pipeline_ext.runtime import dtensor_wire
 
     T.D, T.H = dim, 4 * dim
@@ -45,18 +45,7 @@ def worker(rank: int, world: int, case: str, steps: int, repeats: int, dim: int)
         sched.step(x) if s == 0 else sched.step(target=y)
 
     fns = {"pipeline_ext": lambda: step(sched_pe), "torch": lambda: step(sched_t)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(2):
-            fn()
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            times[k].append((time.perf_counter() - t0) / steps)
-    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out = {k: t * 1e3 for k, t in interleaved_medians(fns, steps, repeats, warmup=2).items()}
     # the DTensor path's own cost per message, on this rank (stage 0 produces one DTensor per microbatch)
     if s == 0:
         with torch.no_grad():
