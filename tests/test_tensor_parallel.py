@@ -89,6 +89,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
+def _replicas_mean(losses: list, mesh, dp: int) -> torch.Tensor:
+    """The step's mean loss over its microbatches, and over the ``dp`` FSDP replicas (``mesh["dp_shard"]``):
+    with equal rows per replica, the whole batch's mean is the replicas' mean."""
+    got = torch.stack([_full(v) for v in losses]).mean()
+    if dp > 1:
+        dist.all_reduce(got, group=mesh["dp_shard"].get_group())
+        got /= dp
+    return got
+
+
 def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1) -> list[str]:
     """``given``: the step's inputs, targets and last outputs are DTensors of that placement (split into
     microbatches and merged back by the schedule); else plain tensors. ``dp`` (with ``mesh_kw="fsdp"``): FSDP
@@ -167,10 +177,7 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             if ns - 1 in mine:
                 if given and not torch.allclose(_full(merged), out.detach(), **tol):
                     bad.append(f"{where}: the merged output differs from the unsplit model's")
-                got = torch.stack([_full(v) for v in losses]).mean()
-                if fsdp and dp > 1:  # equal rows per replica: the whole batch's mean is the replicas' mean
-                    dist.all_reduce(got, group=mesh["dp_shard"].get_group())
-                    got /= dp
+                got = _replicas_mean(losses, mesh, dp if fsdp else 1)
                 if not torch.allclose(got, ref_loss.detach(), **tol):
                     bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
             for s in mine:
@@ -371,10 +378,7 @@ def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
             ref_loss.backward()
             where = f"tied {name} dp {dp} rank {rank} step {step}"
             if ns - 1 in mine:
-                got = torch.stack([_full(v) for v in losses]).mean()
-                if dp > 1:
-                    dist.all_reduce(got, group=mesh["dp_shard"].get_group())
-                    got /= dp
+                got = _replicas_mean(losses, mesh, dp)
                 if not torch.allclose(got, ref_loss.detach(), **tol):
                     bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
             for s in mine:
