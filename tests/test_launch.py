@@ -74,6 +74,9 @@ def test_a_script_that_raises_in_the_fork_server_still_runs_in_each_rank(tmp_pat
 
 
 def _die(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks through the group's connection set-up: rank 0's own start-up never sees the exit
     if rank == 1:
         os._exit(7)
 
