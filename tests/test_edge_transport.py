@@ -13,6 +13,7 @@ Gloo between them, the summary said once, nothing left in /dev/shm.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -298,5 +299,6 @@ def test_a_failed_step_is_told_at_once_over_shared_memory_edges_and_at_the_timeo
     assert said[2].startswith("1:ChannelTimeout" if "timed out" in said[2] else "1:ChannelError"), said
     assert "with peer rank 1 in step 1" in said[2], said
     assert "pipeline_ext: the ranks' hosts: ranks 0, 1 on host" in said[2], said
-    assert said[3].startswith("1:ChannelError: rank 3 waiting on RECV_F of stage 3 microbatch 2 with peer rank 2 in "
-                              "step 1: step 1 failed on rank 2"), said
+    # Which microbatch rank 3 waits on depends on how many of rank 1's sends crossed hosts before it failed.
+    assert re.match(r"1:ChannelError: rank 3 waiting on RECV_F of stage 3 microbatch [0-3] with peer rank 2 in "
+                    r"step 1: step 1 failed on rank 2", said[3]), said
