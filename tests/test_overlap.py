@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -222,23 +224,38 @@ def test_a_half_that_raises_fails_the_step_on_every_rank_naming_the_pair(half):
     assert named, errors
 
 
-class _Yield(nn.Module):
-    """Hands the turn to the other half of a pair mid-forward (``pe.overlap_point``): a declared wait."""
+class _YieldFn(torch.autograd.Function):
+    """Hands the turn to the other half of a pair (``pe.overlap_point``: a declared wait) in forward and backward."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         import pipeline_ext as pe
 
         pe.overlap_point()
-        return x
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        import pipeline_ext as pe
+
+        pe.overlap_point()
+        return grad
 
 
-def _traced(rank: int, world: int) -> dict:
+class _Yield(nn.Module):
+    """A stage's last module: whichever half of a pair runs first hands over once, so the two spans overlap."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _YieldFn.apply(x)
+
+
+def _traced(rank: int, world: int, yields: bool) -> dict:
     import pipeline_ext as pe
 
     from models import build, make_batch
 
     n = 2 * world
-    modules = [nn.Sequential(_Yield(), m) for m in build("mlp", n)]
+    modules = [nn.Sequential(m, _Yield()) if yields else m for m in build("mlp", n)]
     mine = [rank, n - 1 - rank]
     stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
     sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, trace=True, timeout=30.0)
@@ -248,19 +265,34 @@ def _traced(rank: int, world: int) -> dict:
     if report is None:
         return {}
     spans = {(s.rank, s.action): (s.start, s.end) for step in report.steps for s in step}
-    pairs = []
+    pairs, sent_first = [], []
     for a, b in sched.schedule.overlapped:
         r = sched.schedule.stage_to_rank[a.stage]
         (a0, a1), (b0, b1) = spans[(r, a)], spans[(r, b)]
         pairs.append((str(a), str(b), a0 < b1 and b0 < a1))  # the two spans overlap in the measured timeline
-    return {"pairs": pairs, "bubble": report.bubble_per_step[0]}
+        # the first's sends to another rank, each posted before the second began
+        kind = "SEND_F" if a.kind.value == "F" else "SEND_B"
+        sends = [v for (r2, x), v in spans.items() if r2 == r and x.kind.value == kind and x.stage == a.stage
+                 and x.microbatch == a.microbatch]
+        sent_first.append((str(a), str(b), len(sends), all(end <= b0 for _, end in sends)))
+    return {"pairs": pairs, "bubble": report.bubble_per_step[0], "sent_first": sent_first}
 
 
 @pytest.mark.timeout(120)
 def test_overlapped_pairs_overlap_in_the_measured_trace():
-    said = rank_values(_traced, 2, timeout=100)
+    said = rank_values(_traced, 2, True, timeout=100)
     assert said[0]["pairs"] and all(ok for _, _, ok in said[0]["pairs"]), said[0]
     assert 0.0 <= said[0]["bubble"] < 1.0  # busy time is the union of spans: never more than the wall clock
+
+
+@pytest.mark.timeout(120)
+def test_a_pair_that_never_hands_over_sends_its_first_output_before_its_second_runs():
+    """Without handovers a pair is its two actions one after the other, messages included (what the simulator
+    counts): the first's output leaves before the second starts, it is not held until the pair ends."""
+    said = rank_values(_traced, 2, False, timeout=100)
+    sent = said[0]["sent_first"]
+    assert sum(n for _, _, n, _ in sent) >= len(sent) // 2, sent  # the firsts (Bs) off stage 0 send a gradient
+    assert all(ok for _, _, _, ok in sent), sent
 
 
 class _DiesInPair(nn.Module):

@@ -241,8 +241,9 @@ class Executor:
         #: the most microbatches' activations this rank may hold at once: what the simulator counts on the
         #: schedule (an F adds one, a B or W drops one); ``_forward`` holds the runners to it
         pos = {a: i for i, a in enumerate(self.actions)}
-        #: overlapped pairs on this rank: lowered position of the first -> position of the second (the lowering put
-        #: both receives before the first and both sends after the second, so only the pair lies between)
+        #: overlapped pairs on this rank: lowered position of the first -> position of the second; only messages lie
+        #: between, the first's sends and receives due before the second ([Note: an overlapped pair lowers as two
+        #: actions] in schedules/lowering.py)
         self._pair_end = {pos[x]: pos[y] for x, y in schedule.overlapped if x in pos and y in pos}
         # a function registered for a pair may run its F first: the promise counts the pair so
         forward_first = list(self.actions)
@@ -302,52 +303,78 @@ class Executor:
                 continue
             group: tuple[Action, ...] = (action,)
             fn = custom.get(action.kind) if custom else None
+            between: tuple[Action, ...] = ()
             if i in self._pair_end and OVERLAP_F_B in custom:
                 skip_to = self._pair_end[i]
                 group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
+                between = tuple(self.actions[i + 1:skip_to])
             if not st.posting and action.kind in _MESSAGES:
-                st.posting = True  # from the first message on, receives are posted ahead
-                self._opened(st)
-                self._post(st)
+                self._start_posting(st)
             begin = clock() if on_action is not None else 0.0
             spans: dict[Action, tuple[float, float]] = {}
             try:
                 if self._send_run_starts[i]:
                     sends.enter_context(st.messages.batch())
                 if fn is None:
-                    self._dispatch[action.kind](action, st)
+                    self._message(action, st) if action.kind in _MESSAGES else self._dispatch[action.kind](action, st)
                 else:
-                    spans = self._custom(fn, group, st)
+                    spans = self._custom(fn, group, st, between)
                 if self._send_run_ends[i]:
                     sends.close()
             except BaseException as exc:
                 sends.close()
                 self._fail(action, exc)
                 raise
-            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                self._post(st)
             if st.sends:
                 self._reap(st, block=False)
             if on_action is not None:
                 end = clock()
-                for a in group:  # a function's actions each with its own span (an overlapped pair's overlap)
+                for a in group + between:  # a function's actions each with its own span (an overlapped pair's overlap)
                     on_action(a, *spans.get(a, (begin, end)))
         self._reap(st, block=True)
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
 
-    def _custom(self, fn: "CustomFunction", group: tuple[Action, ...],
-                st: _StepState) -> dict[Action, tuple[float, float]]:
+    def _start_posting(self, st: _StepState) -> None:
+        """From the step's first message on, receives are posted ahead."""
+        st.posting = True
+        self._opened(st)
+        self._post(st)
+
+    def _message(self, action: Action, st: _StepState) -> None:
+        """Run one SEND or RECV action (posting receives ahead from the step's first message on)."""
+        if not st.posting:
+            self._start_posting(st)
+        self._dispatch[action.kind](action, st)
+        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            self._post(st)
+
+    def _custom(self, fn: "CustomFunction", group: tuple[Action, ...], st: _StepState,
+                between: tuple[Action, ...] = ()) -> dict[Action, tuple[float, float]]:
         """Hand ``group`` to a registered function; each of its actions must have run when it returns.
 
-        Returns each action's measured (start, end), for the trace.
+        ``between``: the messages the lowering put between a pair's two actions (the first's sends, receives due
+        before the second). A function marked ``pair_messages`` (the overlap runner) has ``GroupRun`` run them
+        with the pair's actions: the first's sends right after it, the receives right before the second, so a
+        pair whose halves never hand over runs as the two actions one after the other. Any other function runs
+        the pair as one unit, as torch's runtime does: those receives are waited on before it, those sends go
+        after it. Returns each action's measured (start, end), for the trace.
         """
-        run = GroupRun(self, group, st)
+        in_halves = bool(between) and getattr(fn, "pair_messages", False)
+        run = GroupRun(self, group, st, between if in_halves else ())
+        if not in_halves:
+            for a in between:
+                if a.kind not in _SENDS:
+                    run.message(a)
         try:
             fn(group, run)
         finally:
             run.closed = True
+        if not in_halves:
+            for a in between:
+                if a.kind in _SENDS:
+                    run.message(a)
         missing = [str(a) for a in group if a not in run.done]
         if missing:
             raise StageError(f"rank {self.rank}: the function registered for {' '.join(map(str, group))} returned "

@@ -22,6 +22,8 @@ from pipeline_ext.schedules import Action, ActionKind
 
 __all__ = ["GroupRun", "CustomFunction"]
 
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+
 
 class GroupRun:
     """What a registered function gets to run the action(s) it was handed, in the executor's step.
@@ -44,12 +46,24 @@ class GroupRun:
     module, not the other way round.
     """
 
-    def __init__(self, executor: Any, group: tuple[Action, ...], st: Any) -> None:
+    def __init__(self, executor: Any, group: tuple[Action, ...], st: Any, between: tuple[Action, ...] = ()) -> None:
         self._executor, self._st = executor, st
         self.actions = group
         self.done: dict[Action, Any] = {}
         self.spans: dict[Action, tuple[float, float]] = {}
         self.closed = False
+        #: messages run with a pair's actions (``between``, see ``Executor._custom``): receives waited on right
+        #: before the second, the first's sends posted right after it, by whichever thread runs that action
+        self._before: dict[Action, list[Action]] = {a: [] for a in group}
+        self._after: dict[Action, list[Action]] = {a: [] for a in group}
+        for m in between:
+            (self._after[group[0]] if m.kind in _SENDS else self._before[group[-1]]).append(m)
+
+    def message(self, action: Action) -> None:
+        """Run one SEND or RECV action of the step, keeping its span for the trace."""
+        start = time.perf_counter()
+        self._executor._message(action, self._st)
+        self.spans[action] = (start, time.perf_counter())
 
     def ready(self, action: Action) -> bool:
         key = (action.stage, action.microbatch)
@@ -65,9 +79,13 @@ class GroupRun:
                              f"{' '.join(map(str, self.actions))}")
         if action in self.done:
             raise StageError(f"{action} ran twice in one step")
+        for m in self._before[action]:
+            self.message(m)
         start = time.perf_counter()
         self.done[action] = self._executor._dispatch[action.kind](action, self._st)
         self.spans[action] = (start, time.perf_counter())
+        for m in self._after[action]:
+            self.message(m)
         return self.done[action]
 
 

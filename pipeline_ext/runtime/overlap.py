@@ -14,7 +14,8 @@ The baton
 Exactly one half holds it at a time. A half gives it up only at a *handover
 point*, i.e. while it waits on communication, and takes it back when that
 communication is done and it is its turn. Turns strictly alternate (F, B, F,
-B, ...; once a half is finished the other has every turn), starting with F.
+B, ...; once a half is finished the other has every turn), starting with the
+pair's first action in the schedule (DualPipeV's pairs are B then F).
 Why strict turns and not "whoever is ready first": the order in which the two
 halves *issue* collectives on one process group must be the same on every rank
 of that group (collectives are matched by their order). With fixed turns the
@@ -70,7 +71,7 @@ Exactness
 ---------
 Only one half computes at a time and each half runs its own ops in its own
 order, so each floating-point result is that of running the pair one after
-the other (F then B). F runs in the caller's thread, B in a pooled thread
+the other, in the schedule's order (``overlap=False``). F runs in the caller's thread, B in a pooled thread
 (kept between pairs: starting a thread per pair costs milliseconds on a
 loaded host). F does not touch ``.grad``; B accumulates into its
 stage's ``.grad`` in its own order, as before. Torch's CPU autograd engine
@@ -86,10 +87,16 @@ collective) would see its draws in another order.
 No deadlock
 -----------
 [Note: the halves never wait on each other]
-The halves never wait on each other's messages: the lowering put both of the
-pair's receives before it and both sends after it (what the validator checks
-for every lowered schedule), so a half waits only on collectives that the
-same half on the other ranks issues in the same order, or on its own waits.
+The halves never wait on each other's messages. Each half waits on its own
+action's receives (holding the baton) and posts its own action's sends as
+soon as that action ran (``GroupRun`` runs the messages the lowering put
+between the two actions with them: ``pair_messages``), and the validator
+checks that a pair completes as one unit: neither action's input needs what
+the other completes, on this rank or any other. So a half waits only on
+messages that come without the other half, on collectives that the same half
+on the other ranks issues in the same order, or on its own waits. Run without
+handovers, a pair is the two actions one after the other, messages included:
+the first's output leaves before the second runs, as the simulator counts.
 A half that waits without a handover point (a skip message, a blocking call
 not wrapped) simply keeps the baton: that is the sequential run, not a hang.
 
@@ -135,9 +142,9 @@ class _Stopped(BaseException):
 class _Baton:
     """Who of the two halves (0: F, 1: B) may compute; turns alternate, a finished half passes every turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int) -> None:
         self.cond = threading.Condition()
-        self.turn = 0
+        self.turn = first
         self.finished = [False, False]
         self.failed = False
 
@@ -361,8 +368,8 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
         for a in actions:
             run(a)
         return
-    halves = (forwards[0], backs[0])  # F first: the sequential order the results equal
-    baton = _Baton()
+    halves = (forwards[0], backs[0])  # F in the caller's thread, B in a pooled one
+    baton = _Baton(first=halves.index(actions[0]))  # the schedule's order: what overlap=False runs
     errors: list[tuple[float, int, BaseException]] = []
     state = _thread_state()
 
@@ -400,3 +407,7 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
                 exc.add_note(f"pipeline_ext: the {halves[h2].kind.value} half ({halves[h2]}) raised too: "
                              f"{type(other).__name__}: {other}")
         raise exc
+
+
+#: the executor runs the messages lying between a pair's two actions with them (``GroupRun``), not around the pair
+run_overlapped.pair_messages = True  # type: ignore[attr-defined]

@@ -100,18 +100,19 @@ def lower(schedule: Schedule) -> Schedule:
             for send in sends_for(action, placement):
                 peer, recv = counterpart(send, placement)
                 send_order[(rank, peer)].append(recv)
-    second_of = {first: second for first, second in schedule.overlapped}
     lowered = []
     for rank, acts in enumerate(compute):
-        # an overlapped pair is one slot: both receives before its first action, both sends after its second
-        slot = list(range(len(acts)))
-        for i in range(1, len(acts)):
-            if second_of.get(acts[i - 1]) == acts[i]:
-                slot[i] = slot[i - 1]
+        # [Note: an overlapped pair lowers as two actions]
+        # A pair's receives go right before the action that consumes them and its sends right after the action that
+        # produces them, as for any two actions: run one after the other (no overlap, or halves that never hand
+        # over), the first's output leaves before the second runs and the first never waits on the second's input,
+        # which is what the simulator models. A function that runs the pair as one unit gets the receives lying
+        # between the two waited on before it and the sends after it (``Executor``); that order is deadlock-free
+        # because the validator checks a pair completes as one unit.
         deadline: dict[Action, int] = {}  # RECV -> index of the compute action it must precede
         for i, action in enumerate(acts):
             for recv in receives_for(action, placement):
-                deadline[recv] = slot[i]
+                deadline[recv] = i
         order_key: dict[Action, tuple[int, int, int]] = {}
         for (src, dst), recvs in send_order.items():
             if dst != rank:
@@ -124,15 +125,10 @@ def lower(schedule: Schedule) -> Schedule:
         for recv in sorted(order_key, key=order_key.__getitem__):
             at[order_key[recv][0]].append(recv)
         row: list[Action] = []
-        held: list[Action] = []  # the sends of a pair's first action, issued after its second
         for i, action in enumerate(acts):
             row.extend(at.pop(i, []))
             row.append(action)
-            held.extend(sends_for(action, placement))
-            if action not in second_of:
-                row.extend(held)
-                held = []
-        row.extend(held)
+            row.extend(sends_for(action, placement))
         row.extend(a for rest in at.values() for a in rest)  # receives nobody consumes: validate reports them
         lowered.append(row)
     return Schedule(lowered, placement, schedule.n_microbatches, schedule.name, tuple(schedule.overlapped))
@@ -190,14 +186,41 @@ class _Awaited(NamedTuple):
         return f"{self.action} on rank {self.rank}"
 
 
+def as_units(lowered: Schedule) -> Schedule:
+    """``lowered`` with each overlapped pair run as one unit: the messages between its two actions moved around it.
+
+    The receives lying between a pair's actions go before its first, the sends after its second: the order a
+    function that runs the pair as one unit follows (``Executor._custom``). It only waits earlier and sends later
+    than the lowered order, so when it cannot deadlock, neither can the lowered one.
+    """
+    second_of = dict(lowered.overlapped)
+    rows = []
+    for acts in lowered.actions:
+        row = list(acts)
+        pos = {a: i for i, a in enumerate(row)}
+        for first, second in second_of.items():
+            if first in pos and second in pos:
+                i, j = pos[first], pos[second]
+                between = row[i + 1:j]
+                recvs = [a for a in between if a.kind in (RECV_F, RECV_B)]
+                sends = [a for a in between if a.kind in (SEND_F, SEND_B)]
+                row[i:j + 1] = recvs + [first, second] + sends
+                pos = {a: k for k, a in enumerate(row)}
+        rows.append(row)
+    return Schedule(rows, list(lowered.stage_to_rank), lowered.n_microbatches, lowered.name,
+                    tuple(lowered.overlapped))
+
+
 def check_deadlock(lowered: Schedule) -> None:
     """Raise unless the lowered schedule runs to completion with blocking receives.
 
     Sends never block; a RECV blocks until its matching SEND has run. On a hang
     the error names every stuck rank, its position, its action and the send it
-    waits for.
+    waits for. Overlapped pairs are checked as units (``as_units``): what a
+    function that runs a pair at once does.
     """
     check_structure(lowered)
+    lowered = as_units(lowered)
     placement = lowered.stage_to_rank
     sent: set[tuple[int, Action]] = set()
 
