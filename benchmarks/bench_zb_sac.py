@@ -48,6 +48,7 @@ docs/performance.md ("Zero bubble on transformer blocks") has the tables at d = 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import warnings
 from typing import Any
@@ -116,6 +117,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
     import pipeline_ext as pe
     from pipeline_ext import schedules as S
     from pipeline_ext.runtime.memory import ActivationMeter
+    from pipeline_ext.runtime.overlap import handover_count
     from pipeline_ext.runtime.trace import replay_gap
 
     m = args.microbatches
@@ -203,9 +205,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
         if key[1] != "1f1b" and (len(held) != len(report.split) or len(report.split) != len(sched._runners) * world):
             raise AssertionError(f"{key}: the trace says the split did not hold: {report.split}")
         gap: dict[str, float] = {}
-        if not report.schedule.overlapped:  # replay runs each rank's actions one after the other
+        # replay runs each rank's actions one after the other: what ran, also for overlapped pairs whose halves
+        # never handed over (these blocks make no collective), which run as their two actions in order
+        if not report.schedule.overlapped or handover_count() == 0:
             mid = sorted(range(len(report.steps)), key=lambda i: report.step_times[i])[len(report.steps) // 2]
-            gap = replay_gap(report.schedule, report.steps[mid], report.costs)
+            gap = replay_gap(dataclasses.replace(report.schedule, overlapped=()), report.steps[mid], report.costs)
         rows[key].update(bubble=report.measured_bubble, sim_bubble=report.simulated_bubble,
                          sim_ms=report.simulated.makespan * 1e3, traced_ms=statistics.median(report.step_times) * 1e3,
                          split=f"held on {len(held)}/{len(report.split)} stages", costs=report.costs, gap=gap)

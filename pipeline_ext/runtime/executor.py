@@ -45,8 +45,10 @@ per compute kind (or ``OVERLAP_F_B`` for an overlapped pair of
 actions. It gets the action(s) and a ``GroupRun`` (``runtime/group_run.py``)
 that runs each through the handler above, once; all must have run when it
 returns. Only when compute runs changes: receives were waited on before
-(lowering puts a pair's receives before it) and sends go after, so the
-messages are those of the plain run.
+(for a pair, both actions' receives) and sends go after (both actions'), so
+the messages are those of the plain run. The overlap runner is the one
+exception it allows (``pair_messages``): its halves run their own messages,
+see ``_custom``.
 The callable is built by the schedule (pipelining/), which keeps torch's
 objects there.
 

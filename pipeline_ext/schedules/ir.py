@@ -117,8 +117,9 @@ class Schedule:
     #: overlapped pairs (torch's ``OVERLAP_F_B``): two compute actions of one rank, next to each other in
     #: its compute order, in execution order. Running them one after the other is always correct; a function
     #: registered for OVERLAP_F_B (``register_custom_function``) gets both at once and may interleave them.
-    #: Lowering puts both pairs' receives before the pair and its sends after it, so both inputs are there
-    #: when the pair starts. Kept by ``lower`` and the CSV round trip; other transformations (and the text
+    #: Lowering places a pair's messages as for any two actions; a function that runs the pair as one unit has
+    #: both actions' receives waited on before it and their sends after it (``check_deadlock`` checks that
+    #: order). Kept by ``lower`` and the CSV round trip; other transformations (and the text
     #: format) drop it, and it is left out of ``==``: the order is the same with or without it.
     overlapped: tuple[tuple[Action, Action], ...] = field(default=(), compare=False)
 
@@ -298,7 +299,7 @@ def check_pairs(schedule: Schedule) -> None:
     Independent: the second must not need what the first completes (``F(s,j)`` then ``B(s,j)``, ``F(s,j)`` then
     ``F(s+1,j)`` of the same rank, ``I(s,j)`` then ``W(s,j)``). The two halves of a pair run at the same time, so
     the second would read a result the first has not produced yet. A dependency that goes through another rank
-    needs a message the lowering sends after the pair, which :func:`check_deadlock` reports.
+    needs a message that leaves only after the pair when it runs as one unit, which :func:`check_deadlock` reports.
     """
     in_pair: set[Action] = set()
     n_stages = len(schedule.stage_to_rank)
