@@ -35,7 +35,8 @@ side in one run:
   (``replay_gap``: compute variance, latency, the runtime's own time);
 - the gains: one line per schedule, ``gain over 1F1B: NAME measured A.AAx
   simulated B.BBx (sac|plain)``, with the paired gain (1F1B's step over the
-  schedule's in the same repeat, median over repeats) and the fastest repeats';
+  schedule's in the same repeat, median over repeats), the fastest repeats' and
+  a 90 % bootstrap interval of the measured gain;
   then ``select()``'s choice at the measured costs (ZB-H1's F, I, W and 1F1B's B
   as ``Costs.whole``) and why.
 
@@ -216,6 +217,22 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
     return rows
 
 
+def gain_interval(base: list[float], other: list[float], draws: int = 2000) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the measured gain (median of ``base`` over median of ``other``) when the
+    repeats are drawn again with replacement, each repeat's pair of steps together (a bootstrap, fixed seed).
+
+    Why: on a shared machine one schedule's repeats spread by 20-50 %, so a gain of a few percent needs its
+    uncertainty next to it before it is compared with the simulator's.
+    """
+    import random
+
+    rng = random.Random(0)
+    n = len(base)
+    gains = sorted(statistics.median(base[i] for i in idx) / statistics.median(other[i] for i in idx)
+                   for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(draws)))
+    return gains[int(0.05 * draws)], gains[int(0.95 * draws) - 1]
+
+
 def _total(value: Any) -> float:
     """A cost summed over stages (a per-stage list) or the single value."""
     return sum(value) if isinstance(value, list) else value
@@ -300,10 +317,11 @@ def main() -> None:
         for name in args.schedules[1:]:
             r = per_rank[0][(mode, name)]
             label = base.upper() if base == "1f1b" else base
+            lo, hi = gain_interval(r_base["times"], r["times"])
             print(f"gain over {label}: {name} measured {r_base['ms'] / r['ms']:.2f}x "
                   f"simulated {r_base['sim_ms'] / r['sim_ms']:.2f}x ({mode}); paired "
                   f"{statistics.median(a / b for a, b in zip(r_base['times'], r['times'])):.2f}x, fastest repeats "
-                  f"{min(r_base['times']) / min(r['times']):.2f}x")
+                  f"{min(r_base['times']) / min(r['times']):.2f}x, 90% interval of the measured {lo:.2f}-{hi:.2f}x")
         split_costs = per_rank[0].get((mode, "zb_h1"), {}).get("costs")
         if split_costs is not None and (mode, "1f1b") in per_rank[0]:
             # select() from the measured costs: ZB-H1's F, I, W and 1F1B's whole backward B, per rank share
@@ -327,7 +345,8 @@ def main() -> None:
     print("gain: the baseline's median step over the schedule's (measured), and the simulator's makespan at the "
           "baseline's measured costs over the simulator's at the schedule's (simulated); paired: the median over the "
           "repeats of the baseline's step over the schedule's in the same repeat; fastest repeats: the "
-          "baseline's fastest repeat over the schedule's (load from other processes only ever adds time)")
+          "baseline's fastest repeat over the schedule's (load from other processes only ever adds time); 90% "
+          "interval: of the measured gain, the repeats drawn again with replacement (bootstrap)")
 
 
 if __name__ == "__main__":
