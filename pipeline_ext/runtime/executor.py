@@ -247,6 +247,10 @@ class Executor:
         #: between, the first's sends and receives due before the second ([Note: an overlapped pair lowers as two
         #: actions] in schedules/lowering.py)
         self._pair_end = {pos[x]: pos[y] for x, y in schedule.overlapped if x in pos and y in pos}
+        #: per pair (by the first's position): the receives and the sends lowered between its two actions
+        self._pair_between = {i: (tuple(a for a in self.actions[i + 1:j] if a.kind not in _SENDS),
+                                  tuple(a for a in self.actions[i + 1:j] if a.kind in _SENDS))
+                              for i, j in self._pair_end.items()}
         # a function registered for a pair may run its F first: the promise counts the pair so
         forward_first = list(self.actions)
         for i, j in self._pair_end.items():
@@ -305,11 +309,11 @@ class Executor:
                 continue
             group: tuple[Action, ...] = (action,)
             fn = custom.get(action.kind) if custom else None
-            between: tuple[Action, ...] = ()
+            between: tuple[tuple[Action, ...], tuple[Action, ...]] = ((), ())
             if i in self._pair_end and OVERLAP_F_B in custom:
                 skip_to = self._pair_end[i]
                 group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
-                between = tuple(self.actions[i + 1:skip_to])
+                between = self._pair_between[i]
             if not st.posting and action.kind in _MESSAGES:
                 self._start_posting(st)
             begin = clock() if on_action is not None else 0.0
@@ -317,10 +321,12 @@ class Executor:
             try:
                 if self._send_run_starts[i]:
                     sends.enter_context(st.messages.batch())
-                if fn is None:
-                    self._message(action, st) if action.kind in _MESSAGES else self._dispatch[action.kind](action, st)
+                if fn is not None:
+                    spans = self._custom(fn, group, st, *between)
+                elif action.kind in _MESSAGES:
+                    self._message(action, st)
                 else:
-                    spans = self._custom(fn, group, st, between)
+                    self._dispatch[action.kind](action, st)
                 if self._send_run_ends[i]:
                     sends.close()
             except BaseException as exc:
@@ -331,7 +337,7 @@ class Executor:
                 self._reap(st, block=False)
             if on_action is not None:
                 end = clock()
-                for a in group + between:  # a function's actions each with its own span (an overlapped pair's overlap)
+                for a in group + between[0] + between[1]:  # each action with its own span (a pair's overlap)
                     on_action(a, *spans.get(a, (begin, end)))
         self._reap(st, block=True)
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
@@ -353,30 +359,29 @@ class Executor:
             self._post(st)
 
     def _custom(self, fn: "CustomFunction", group: tuple[Action, ...], st: _StepState,
-                between: tuple[Action, ...] = ()) -> dict[Action, tuple[float, float]]:
+                recvs: tuple[Action, ...] = (), sends: tuple[Action, ...] = ()) -> dict[Action, tuple[float, float]]:
         """Hand ``group`` to a registered function; each of its actions must have run when it returns.
 
-        ``between``: the messages the lowering put between a pair's two actions (the first's sends, receives due
-        before the second). A function marked ``pair_messages`` (the overlap runner) has ``GroupRun`` run them
+        ``recvs``, ``sends``: the messages the lowering put between a pair's two actions (receives due before the
+        second, the first's sends). A function marked ``pair_messages`` (the overlap runner) has ``GroupRun`` run them
         with the pair's actions: the first's sends right after it, the receives right before the second, so a
         pair whose halves never hand over runs as the two actions one after the other. Any other function runs
         the pair as one unit, as torch's runtime does: those receives are waited on before it, those sends go
         after it. Returns each action's measured (start, end), for the trace.
         """
-        in_halves = bool(between) and getattr(fn, "pair_messages", False)
-        run = GroupRun(self, group, st, between if in_halves else ())
-        if not in_halves:
-            for a in between:
-                if a.kind not in _SENDS:
-                    run.message(a)
+        if getattr(fn, "pair_messages", False):
+            run = GroupRun(self, group, st, before={group[-1]: recvs}, after={group[0]: sends})
+            recvs = sends = ()
+        else:
+            run = GroupRun(self, group, st)
+        for a in recvs:
+            run.message(a)
         try:
             fn(group, run)
         finally:
             run.closed = True
-        if not in_halves:
-            for a in between:
-                if a.kind in _SENDS:
-                    run.message(a)
+        for a in sends:
+            run.message(a)
         missing = [str(a) for a in group if a not in run.done]
         if missing:
             raise StageError(f"rank {self.rank}: the function registered for {' '.join(map(str, group))} returned "

@@ -15,14 +15,12 @@ function returns, that every action it was handed ran.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pipeline_ext.runtime.stage import StageError
 from pipeline_ext.schedules import Action, ActionKind
 
 __all__ = ["GroupRun", "CustomFunction"]
-
-_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
 class GroupRun:
@@ -46,18 +44,17 @@ class GroupRun:
     module, not the other way round.
     """
 
-    def __init__(self, executor: Any, group: tuple[Action, ...], st: Any, between: tuple[Action, ...] = ()) -> None:
+    def __init__(self, executor: Any, group: tuple[Action, ...], st: Any,
+                 before: Optional[dict[Action, tuple[Action, ...]]] = None,
+                 after: Optional[dict[Action, tuple[Action, ...]]] = None) -> None:
         self._executor, self._st = executor, st
         self.actions = group
         self.done: dict[Action, Any] = {}
         self.spans: dict[Action, tuple[float, float]] = {}
         self.closed = False
-        #: messages run with a pair's actions (``between``, see ``Executor._custom``): receives waited on right
-        #: before the second, the first's sends posted right after it, by whichever thread runs that action
-        self._before: dict[Action, list[Action]] = {a: [] for a in group}
-        self._after: dict[Action, list[Action]] = {a: [] for a in group}
-        for m in between:
-            (self._after[group[0]] if m.kind in _SENDS else self._before[group[-1]]).append(m)
+        #: messages run with an action, by whichever thread runs it (a pair's, see ``Executor._custom``): the
+        #: receives due right before it, the sends right after it
+        self._before, self._after = before or {}, after or {}
 
     def message(self, action: Action) -> None:
         """Run one SEND or RECV action of the step, keeping its span for the trace."""
@@ -79,12 +76,12 @@ class GroupRun:
                              f"{' '.join(map(str, self.actions))}")
         if action in self.done:
             raise StageError(f"{action} ran twice in one step")
-        for m in self._before[action]:
+        for m in self._before.get(action, ()):
             self.message(m)
         start = time.perf_counter()
         self.done[action] = self._executor._dispatch[action.kind](action, self._st)
         self.spans[action] = (start, time.perf_counter())
-        for m in self._after[action]:
+        for m in self._after.get(action, ()):
             self.message(m)
         return self.done[action]
 

@@ -71,9 +71,9 @@ Exactness
 ---------
 Only one half computes at a time and each half runs its own ops in its own
 order, so each floating-point result is that of running the pair one after
-the other, in the schedule's order (``overlap=False``). F runs in the caller's thread, B in a pooled thread
-(kept between pairs: starting a thread per pair costs milliseconds on a
-loaded host). F does not touch ``.grad``; B accumulates into its
+the other, in the schedule's order (``overlap=False``). F runs in the
+caller's thread, B in a pooled thread (kept between pairs: starting a thread
+per pair costs milliseconds on a loaded host). F does not touch ``.grad``; B accumulates into its
 stage's ``.grad`` in its own order, as before. Torch's CPU autograd engine
 runs a backward on the calling thread, so the B half's ``backward`` (and the
 backward of a model's autograd.Function that issues a collective) runs in the

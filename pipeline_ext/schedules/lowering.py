@@ -193,19 +193,17 @@ def as_units(lowered: Schedule) -> Schedule:
     function that runs the pair as one unit follows (``Executor._custom``). It only waits earlier and sends later
     than the lowered order, so when it cannot deadlock, neither can the lowered one.
     """
-    second_of = dict(lowered.overlapped)
     rows = []
     for acts in lowered.actions:
         row = list(acts)
-        pos = {a: i for i, a in enumerate(row)}
-        for first, second in second_of.items():
+        pos = {a: i for i, a in enumerate(row)}  # a rearranged span keeps its length: other positions stay
+        for first, second in lowered.overlapped:
             if first in pos and second in pos:
                 i, j = pos[first], pos[second]
                 between = row[i + 1:j]
                 recvs = [a for a in between if a.kind in (RECV_F, RECV_B)]
                 sends = [a for a in between if a.kind in (SEND_F, SEND_B)]
                 row[i:j + 1] = recvs + [first, second] + sends
-                pos = {a: k for k, a in enumerate(row)}
         rows.append(row)
     return Schedule(rows, list(lowered.stage_to_rank), lowered.n_microbatches, lowered.name,
                     tuple(lowered.overlapped))
