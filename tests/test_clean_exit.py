@@ -190,6 +190,7 @@ def zygote():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_twenty_consecutive_two_rank_jobs_exit_0(zygote):
     bad = [line for i in range(20) for line in _bad(i, zygote.job(i))]

@@ -326,6 +326,7 @@ def test_users_checkpoint_with_dropout_matches_unsplit_model_bitwise(kind, sched
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("kind", ["plain", "sac", "reentrant"])
 def test_users_checkpoint_with_dropout_matches_unsplit_model_bitwise_under_every_schedule(kind):
     differ = [d for schedule in S.available() for d in _differences_from_unsplit(kind, schedule)]

@@ -277,6 +277,7 @@ def _random_lengths(rank: int, world: int, name: str, steps: int, every: int) ->
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_a_thousand_steps_of_random_lengths(name):
