@@ -377,3 +377,73 @@ def test_training_with_eval_between_steps_is_bitwise_the_same_with_and_without_o
         for s in v[True]["params"]:
             for a, b in zip(v[True]["params"][s], v[False]["params"][s]):
                 assert torch.equal(torch.tensor(a), torch.tensor(b)), (rank, s)
+
+
+def _run_pair(first: str, hand_over: bool) -> dict:
+    """run_overlapped on one process: which thread ran each half, in what order, and what saved-tensor hooks
+    each half's forward compute saw (a ``saved_tensors_hooks`` pair entered around the pair, as around step())."""
+    import threading
+
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.overlap import run_overlapped
+    from pipeline_ext.schedules import Action, ActionKind
+
+    f, b = Action(1, ActionKind.F, 1), Action(0, ActionKind.B, 0)
+    said: list[tuple[str, str, int]] = []
+    packed: list[str] = []  # the half whose compute a pack hook saw
+    half = threading.local()
+    w = torch.ones(3, requires_grad=True)
+
+    def run(a: Action) -> None:
+        half.kind = a.kind.value
+        said.append((half.kind, "start", threading.get_ident()))
+        if hand_over:
+            pe.overlap_point()
+        (w * torch.ones(3)).sum()  # saves a tensor for backward: through the hooks in force
+        said.append((half.kind, "end", threading.get_ident()))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(half.kind)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_overlapped([f, b] if first == "F" else [b, f], run)
+    return {"said": said, "packed": packed, "caller": threading.get_ident()}
+
+
+@pytest.mark.parametrize("first", ["F", "B"])
+def test_a_pair_that_never_hands_over_runs_both_actions_in_order_in_the_callers_thread(first):
+    out = _run_pair(first, hand_over=False)
+    second = "B" if first == "F" else "F"
+    assert [(k, e) for k, e, _ in out["said"]] == [(first, "start"), (first, "end"), (second, "start"),
+                                                     (second, "end")]
+    assert {t for _, _, t in out["said"]} == {out["caller"]}  # no thread started, no switch
+    assert sorted(out["packed"]) == ["B", "F"]
+
+
+@pytest.mark.parametrize("first", ["F", "B"])
+def test_a_pair_that_hands_over_runs_its_second_half_in_another_thread_with_the_callers_saved_tensor_hooks(first):
+    out = _run_pair(first, hand_over=True)
+    second = "B" if first == "F" else "F"
+    order = [(k, e) for k, e, _ in out["said"]]
+    assert order[:2] == [(first, "start"), (second, "start")], order  # the first handed over: the second began
+    threads = {k: t for k, _, t in out["said"]}
+    assert threads[first] == out["caller"] and threads[second] != out["caller"], threads
+    assert sorted(out["packed"]) == ["B", "F"]  # the hooks entered around the pair reached both halves
+
+
+def test_a_first_half_that_raises_before_any_handover_never_runs_the_second():
+    from pipeline_ext.runtime.overlap import run_overlapped
+    from pipeline_ext.schedules import Action, ActionKind
+
+    ran: list[str] = []
+
+    def run(a: Action) -> None:
+        ran.append(a.kind.value)
+        if a.kind == ActionKind.B:
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom") as info:
+        run_overlapped([Action(0, ActionKind.B, 0), Action(1, ActionKind.F, 1)], run)
+    assert ran == ["B"]
+    assert any("overlapped pair" in note for note in getattr(info.value, "__notes__", [])), info.value

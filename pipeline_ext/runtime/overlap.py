@@ -8,6 +8,15 @@ pair (``Executor.run(..., custom={OVERLAP_F_B: run_overlapped})``): the F half
 and the B (or I) half each run in their own thread, and a *baton* says which
 one may compute.
 
+[Note: the second half's thread]
+The pair's first action (in the schedule) runs in the caller's thread. The
+second's thread, a pooled one, is started by the first half at its first
+handover, the first moment the two can run at once; a pair whose first half
+never hands over (a model without collectives or declared waits) runs its
+second action after it in the caller's thread: exactly ``overlap=False``, no
+thread started, no thread switch (starting the other thread up front cost
+0.3 ms per pair on an idle host, twice that loaded).
+
 The baton
 ---------
 [Note: the baton's fixed turns]
@@ -71,16 +80,19 @@ Exactness
 ---------
 Only one half computes at a time and each half runs its own ops in its own
 order, so each floating-point result is that of running the pair one after
-the other, in the schedule's order (``overlap=False``). F runs in the
-caller's thread, B in a pooled thread (kept between pairs: starting a thread
-per pair costs milliseconds on a loaded host). F does not touch ``.grad``; B accumulates into its
+the other, in the schedule's order (``overlap=False``). The second half's
+thread is a pooled one (kept between pairs: starting a thread per pair costs
+milliseconds on a loaded host). F does not touch ``.grad``; B accumulates into its
 stage's ``.grad`` in its own order, as before. Torch's CPU autograd engine
 runs a backward on the calling thread, so the B half's ``backward`` (and the
 backward of a model's autograd.Function that issues a collective) runs in the
-B thread and sees its handover points. Thread-local torch state that the
-step runs under (grad mode, autocast) is carried into both threads; other
-thread-local state set around ``step()`` (e.g. ``saved_tensors_hooks``) is
-not, and a model whose F and B both draw from the global RNG across a
+B half's thread and sees its handover points. Thread-local torch state that the
+step runs under (grad mode, autocast, the innermost ``saved_tensors_hooks``
+such as ``save_on_cpu``) is entered in both halves, whichever thread runs
+them; other thread-local state set around ``step()`` (a ``TorchDispatchMode``)
+is seen by a half only in the caller's thread (the first always, the second
+when the first never handed over), and a
+model whose F and B both draw from the global RNG across a
 handover (dropout in an activation-checkpointing recompute that issues a
 collective) would see its draws in another order.
 
@@ -142,11 +154,14 @@ class _Stopped(BaseException):
 class _Baton:
     """Who of the two halves (0: F, 1: B) may compute; turns alternate, a finished half passes every turn."""
 
-    def __init__(self, first: int) -> None:
+    def __init__(self, first: int, start_second: Callable[[], None]) -> None:
         self.cond = threading.Condition()
         self.turn = first
         self.finished = [False, False]
         self.failed = False
+        #: starts the second half's thread; called once, by the first half at its first handover (it holds the
+        #: baton: no race), so a pair that never hands over never starts a thread ([Note: the second half's thread])
+        self.start_second: Optional[Callable[[], None]] = start_second
 
     def acquire(self, h: int) -> None:
         with self.cond:
@@ -155,6 +170,9 @@ class _Baton:
                 raise _Stopped()
 
     def release(self, h: int) -> None:
+        start, self.start_second = self.start_second, None
+        if start is not None:
+            start()
         with self.cond:
             if not self.finished[1 - h]:
                 self.turn = 1 - h
@@ -217,6 +235,18 @@ def overlap_point() -> None:
     """Give the turn to the other half of the pair and take it back at the next turn (no-op outside a pair)."""
     with comm_region():
         pass
+
+
+_wrappers: dict[Any, Callable[..., Any]] = {}
+
+
+def _wrapper(original: Callable[..., Any], make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    """The wrapper of ``original``, made once: a pair installs the wrappers around every run, and making one
+    (``inspect.signature``, ``functools.wraps``) costs tens of microseconds, per pair, on the step's path."""
+    wrapped = _wrappers.get(original)
+    if wrapped is None:
+        wrapped = _wrappers[original] = make(original)
+    return wrapped
 
 
 def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -290,7 +320,7 @@ def _collectives_wrapped() -> Iterator[None]:
                 original = getattr(c10d, name, None)
                 if original is None:
                     continue
-                wrapped = _wrap(name, original)
+                wrapped = _wrapper(original, functools.partial(_wrap, name))
                 for module in (dist, c10d):
                     if getattr(module, name, None) is original:
                         _patched[(module, name)] = original
@@ -302,7 +332,7 @@ def _collectives_wrapped() -> Iterator[None]:
             original = getattr(funcol, "wait_tensor", None)
             if original is not None:
                 _patched[(funcol, "wait_tensor")] = original
-                funcol.wait_tensor = _wrap_wait(original)
+                funcol.wait_tensor = _wrapper(original, _wrap_wait)
         _patch_users += 1
     try:
         yield
@@ -316,8 +346,11 @@ def _collectives_wrapped() -> Iterator[None]:
 
 
 def _thread_state() -> Callable[[], contextlib.ExitStack]:
-    """The caller's thread-local torch state that a step runs under (grad mode, autocast), to enter in a half."""
+    """The caller's thread-local torch state that a step runs under (grad mode, autocast, the innermost
+    ``saved_tensors_hooks``, e.g. ``save_on_cpu``), to enter in a half: the same in whichever thread it runs."""
     grad = torch.is_grad_enabled()
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top_hooks(False) if top_hooks is not None else None  # only the innermost pair applies
     autocasts = []
     for device in ("cpu", "cuda"):
         try:
@@ -329,6 +362,8 @@ def _thread_state() -> Callable[[], contextlib.ExitStack]:
     def enter() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(grad))
+        if hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
         for device, dtype in autocasts:
             stack.enter_context(torch.autocast(device, dtype=dtype))
         return stack
@@ -368,8 +403,10 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
         for a in actions:
             run(a)
         return
-    halves = (forwards[0], backs[0])  # F in the caller's thread, B in a pooled one
-    baton = _Baton(first=halves.index(actions[0]))  # the schedule's order: what overlap=False runs
+    halves = (forwards[0], backs[0])
+    first = halves.index(actions[0])  # the schedule's order: what overlap=False runs
+    second_done: list[Any] = []
+    baton = _Baton(first, lambda: second_done.append(_pool().submit(body, 1 - first)))
     errors: list[tuple[float, int, BaseException]] = []
     state = _thread_state()
 
@@ -392,10 +429,11 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
             baton.finish(h, failed)
 
     with _collectives_wrapped():
-        # B in a pooled thread (a new thread per pair costs milliseconds on a loaded host), F in the caller's
-        b_done = _pool().submit(body, 1)
-        body(0)
-        b_done.result()
+        body(first)  # the second half's thread starts at the first's first handover, if it hands over
+        if second_done:
+            second_done[0].result()
+        elif not errors:  # no handover: the second runs after the first, in this thread, as overlap=False runs it
+            body(1 - first)
     if errors:
         errors.sort(key=lambda e: e[0])
         _, h, exc = errors[0]
