@@ -110,6 +110,23 @@ def modes(args: argparse.Namespace) -> list[str]:
     return ["sac", "plain"] if args.both else ["plain"] if args.no_sac else ["sac"]
 
 
+def pin_to_own_core(rank: int, world: int) -> str:
+    """Put every thread of this rank (Gloo's included) on a core of its own, when there is one per rank.
+
+    Why: on a machine with one core per rank the scheduler still moves a rank's threads between cores and lets
+    one rank's threads run on the other's core while it computes; each such moment stretches a compute and
+    1F1B's idle time is taken by the other rank, which blurs the bubble the schedules differ in.
+    """
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        return f"not pinned ({len(cores)} cores for {world} ranks)"
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cores[rank]})
+    return "each rank pinned to a core of its own"
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, str], Any]:
     import time
 
@@ -121,6 +138,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
     from pipeline_ext.runtime.overlap import handover_count
     from pipeline_ext.runtime.trace import replay_gap
 
+    pinned = pin_to_own_core(rank, world) if args.pin else "not pinned"
     m = args.microbatches
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(1)
@@ -173,7 +191,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
             outputs = m * args.rows * args.seq * args.d * x.element_size() if n - 1 in mine else 0
             rows[(mode, name)] = {"peak": meter.peak_bytes, "unit": meter.forward_bytes,
                                   "sim_units": sim.peak_activations[rank], "outputs": outputs,
-                                  "sim_unit_bubble": sim.bubble_rate, "loss_err": loss_err, "v": v}
+                                  "sim_unit_bubble": sim.bubble_rate, "loss_err": loss_err, "v": v,
+                                  "pinned": pinned}
             steps[(mode, name)] = (sched, lambda sched=sched, mine=mine, n=n: sched.step(
                 x if 0 in mine else None, target=y if n - 1 in mine else None))
     for key, (sched, step) in steps.items():  # warm-up, untraced
@@ -260,6 +279,8 @@ def main() -> None:
     ap.add_argument("--no-sac", action="store_true", help="the same blocks without checkpointing (for comparison)")
     ap.add_argument("--both", action="store_true", help="with SAC and without, interleaved in one run")
     ap.add_argument("--trace", metavar="PREFIX", help="write each schedule's traced steps as Chrome trace JSON")
+    ap.add_argument("--pin", action="store_true", help="cpu: every thread of a rank on a core of its own (when "
+                                                       "there is one core per rank)")
     args = ap.parse_args()
     world = args.ranks
     if args.blocks % (2 * world):
@@ -271,7 +292,8 @@ def main() -> None:
     load = os.getloadavg()
     print(f"{args.blocks} transformer blocks d={args.d} ({args.heads} heads), {args.seq} tokens x {args.rows} rows per "
           f"microbatch, {args.microbatches} microbatches, {world} ranks "
-          f"({'sharing ' + torch.cuda.get_device_name(0) + ', NCCL' if gpu else 'Gloo, 1 thread each'}), "
+          f"({'sharing ' + torch.cuda.get_device_name(0) + ', NCCL' if gpu else 'Gloo, 1 thread each'}"
+          f"{'' if gpu else ', ' + next(iter(per_rank[0].values()))['pinned']}), "
           f"{' and '.join(VARIANTS[m] for m in modes(args))}"
           f"; {args.repeats} interleaved repeats of {args.steps} steps; torch {torch.__version__}; "
           f"load average after the run {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
