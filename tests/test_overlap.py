@@ -447,3 +447,34 @@ def test_a_first_half_that_raises_before_any_handover_never_runs_the_second():
         run_overlapped([Action(0, ActionKind.B, 0), Action(1, ActionKind.F, 1)], run)
     assert ran == ["B"]
     assert any("overlapped pair" in note for note in getattr(info.value, "__notes__", [])), info.value
+
+
+@pytest.mark.parametrize("hand_over", [False, True])
+def test_a_pair_leaves_no_reference_cycle_holding_what_its_actions_returned(hand_over):
+    """What the pair's ``run`` holds (the executor's GroupRun keeps each action's result) is freed when the
+    pair returns and the caller drops it, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.overlap import run_overlapped
+    from pipeline_ext.schedules import Action, ActionKind
+
+    class Run:
+        def __init__(self) -> None:
+            self.done: dict = {}
+
+        def __call__(self, a: Action) -> None:
+            if hand_over:
+                pe.overlap_point()
+            self.done[a] = torch.ones(4)
+
+    run = Run()
+    gc.disable()
+    try:
+        run_overlapped([Action(0, ActionKind.B, 0), Action(1, ActionKind.F, 1)], run)
+        results = [weakref.ref(t) for t in run.done.values()]
+        del run
+        assert [r() is None for r in results] == [True, True]
+    finally:
+        gc.enable()

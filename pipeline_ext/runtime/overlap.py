@@ -429,11 +429,16 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
             baton.finish(h, failed)
 
     with _collectives_wrapped():
-        body(first)  # the second half's thread starts at the first's first handover, if it hands over
-        if second_done:
-            second_done[0].result()
-        elif not errors:  # no handover: the second runs after the first, in this thread, as overlap=False runs it
-            body(1 - first)
+        try:
+            body(first)  # the second half's thread starts at the first's first handover, if it hands over
+            if second_done:
+                second_done[0].result()
+            elif not errors:  # no handover: the second runs after the first, in this thread, as overlap=False runs it
+                body(1 - first)
+        finally:
+            # the baton's starter refers to ``body``, which refers to the baton and to ``run`` (the actions'
+            # results): a cycle that would keep those tensors alive until the garbage collector runs
+            baton.start_second = None
     if errors:
         errors.sort(key=lambda e: e[0])
         _, h, exc = errors[0]
