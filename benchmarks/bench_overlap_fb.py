@@ -17,6 +17,7 @@ waits on its peer's delays, so counting the delays in this rank's own pairs,
 (t_off - t_none).
 
     python benchmarks/bench_overlap_fb.py [--delay 0.01] [--repeats 7] [--markdown PATH]
+    python benchmarks/bench_overlap_fb.py --pair-cost   # the runner's own host time per pair
 """
 from __future__ import annotations
 
@@ -161,6 +162,34 @@ def pair_alone(d_model: int, rows: int, delay: float, repeats: int) -> dict:
     return {"on": statistics.median(times[True]), "off": statistics.median(times[False]), "compute": compute}
 
 
+def pair_cost(repeats: int) -> dict[str, float]:
+    """The runner's own host time per pair: ``run_overlapped`` on two actions that do nothing, with no handover
+    and with one handover per half, against calling the two actions directly (``overlap=False``), interleaved.
+
+    Why: a pipeline runs one pair per microbatch in DualPipeV's middle; what the runner adds to each (threads,
+    the baton, the collective wrappers) is time between actions, on the critical path, in every step.
+    """
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.overlap import run_overlapped
+    from pipeline_ext.schedules import Action, ActionKind
+
+    pair = (Action(0, ActionKind.B, 0), Action(1, ActionKind.F, 1))  # DualPipeV's order: B, then F
+    def nothing(a: Action) -> None:
+        return None
+
+    cases = {"direct": lambda: [nothing(a) for a in pair],
+             "no handover": lambda: run_overlapped(pair, nothing),
+             "one handover per half": lambda: run_overlapped(pair, lambda a: pe.overlap_point())}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for i in range(repeats + 10):  # the first 10: warm-up (the pool's thread, the wrappers)
+        for name, case in cases.items():
+            t0 = time.perf_counter()
+            case()
+            if i >= 10:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--delay", type=float, default=0.01, help="seconds per simulated all-to-all")
@@ -169,9 +198,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--microbatches", type=int, default=M, help="more: a larger share of the actions in pairs")
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--pair-cost", action="store_true", help="only the runner's own host time per pair (one "
+                                                              "process, medians of 2000 interleaved pairs)")
     ap.add_argument("--trace", default=None, help="also write one overlapped step's measured timeline (PNG, and "
                                                   "Chrome trace JSON beside it)")
     args = ap.parse_args()
+    if args.pair_cost:
+        cost = pair_cost(2000)
+        print("the pair runner's host time per pair (two actions that do nothing; medians of 2000 interleaved):")
+        for name, t in cost.items():
+            print(f"  {name:<22} {t * 1e6:7.1f} us" + (f"  (+{(t - cost['direct']) * 1e6:.1f} us over direct)"
+                                                        if name != "direct" else ""))
+        return
     from pipeline_ext.comm.launch import spawn
 
     alone = pair_alone(args.d_model, args.rows, args.delay, 3 * args.repeats)
