@@ -386,6 +386,18 @@ def _pool() -> Any:
         return _pool_executor[0]
 
 
+def _call_and_forget(box: list) -> None:
+    """Call ``box[0](*box[1:])``, emptying ``box`` first.
+
+    Why: a pool thread's work item keeps what it was submitted with until the thread takes its next item,
+    which may come after the caller has the result; the half's function refers to the pair's ``run`` (every
+    action's result), so it must be gone by the time the result is set.
+    """
+    fn, *args = box
+    box.clear()
+    fn(*args)
+
+
 def describe_pair(actions: Sequence[Action]) -> str:
     return "overlapped pair " + " + ".join(
         f"{a.kind.value} of stage {a.stage} microbatch {a.microbatch}" for a in actions)
@@ -406,7 +418,7 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
     halves = (forwards[0], backs[0])
     first = halves.index(actions[0])  # the schedule's order: what overlap=False runs
     second_done: list[Any] = []
-    baton = _Baton(first, lambda: second_done.append(_pool().submit(body, 1 - first)))
+    baton = _Baton(first, lambda: second_done.append(_pool().submit(_call_and_forget, [body, 1 - first])))
     errors: list[tuple[float, int, BaseException]] = []
     state = _thread_state()
 
