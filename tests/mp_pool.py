@@ -154,6 +154,11 @@ def _worker(rank: int, world: int, conn: Any) -> None:
         try:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
+            # Gloo connects a new group's pairs one side at a time: a rank whose init has returned can finish a
+            # short task and destroy the group while a peer is still connecting its side, which then fails with
+            # "Connection closed by peer". One all-reduce (a CPU tensor: Gloo, also under "cpu:gloo,cuda:nccl")
+            # returns on no rank before every rank's init has.
+            dist.all_reduce(torch.zeros(1))
             reply = ("ok", fn(rank, world, *args))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             reply = ("error", traceback.format_exc())
