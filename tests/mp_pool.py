@@ -33,7 +33,6 @@ that pool is killed and the next test gets a new pool.
 """
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import itertools
@@ -128,6 +127,8 @@ def _worker(rank: int, world: int, conn: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeline_ext.comm.launch import init_group
+
     fresh = _Fresh()
     # [Note: a pool worker's collections skip what it had before the task] gc.collect() after each task (below)
     # must free the task's cycles (channels, shared memory) before the task's groups go, but a full collection
@@ -152,13 +153,7 @@ def _worker(rank: int, world: int, conn: Any) -> None:
         if stacks_after > 0:  # a hang's whereabouts: every thread's Python stack on stderr once, if still running
             faulthandler.dump_traceback_later(stacks_after)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=pg_timeout))
-            # Gloo connects a new group's pairs one side at a time: a rank whose init has returned can finish a
-            # short task and destroy the group while a peer is still connecting its side, which then fails with
-            # "Connection closed by peer". One all-reduce (a CPU tensor: Gloo, also under "cpu:gloo,cuda:nccl")
-            # returns on no rank before every rank's init has.
-            dist.all_reduce(torch.zeros(1))
+            init_group(backend, init_method, rank, world, pg_timeout)  # returns on no rank before every rank's
             reply = ("ok", fn(rank, world, *args))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             reply = ("error", traceback.format_exc())

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["free_port", "spawn", "RankError"]
+__all__ = ["free_port", "init_group", "spawn", "RankError"]
 
 
 class RankError(RuntimeError):
@@ -31,6 +31,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_group(backend: str, init_method: str, rank: int, world: int, pg_timeout: float) -> None:
+    """``dist.init_process_group``, returning on no rank before it has returned on every rank.
+
+    Why: Gloo connects a new group's pairs one side at a time, so a rank whose
+    init has returned can run a short task and destroy the group while a peer
+    is still connecting its side, which then fails with "Connection closed by
+    peer". One all-reduce of a CPU tensor (Gloo, also under
+    ``"cpu:gloo,cuda:nccl"``) closes that window. A group without Gloo has no
+    such window (NCCL connects at its first collective) and gets none.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    if "gloo" in backend:
+        dist.all_reduce(torch.zeros(1))
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, init_method: str, args: tuple, results: Any,
@@ -49,8 +68,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_method: str, args
         os.environ["NCCL_HOSTID"] = f"pipeline_ext-{init_method.rsplit('/', 1)[-1]}-rank-{rank}"
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        init_group(backend, init_method, rank, world, pg_timeout)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
