@@ -306,3 +306,42 @@ def test_runtime_peak_equals_the_simulators(name, p, monkeypatch):
     pipe.step(x, target=y, loss_fn=loss_fn)
     assert pipe.peak_live_microbatches == per_stage
     assert rank_peak == sim.peak_activations
+
+
+class _Masked(nn.Module):
+    """A first layer with a keyword input (``scale``: one row per microbatch, not per sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, scale=None):
+        return self.fc(x) * scale.mean()
+
+
+_OWN_ROWS = "different numbers of rows"
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+@pytest.mark.parametrize("chunks,rows,scale_rows,cut", [
+    (2, 10, 2, "cut into 2 parts on its own, as torch does, and part k of each goes to microbatch k "
+               "(args[0]: 10 rows into 2 of 5 rows; kwargs['scale']: 2 rows into 2 of 1 row)"),
+    # a batch with fewer rows than chunks runs one row per microbatch (torchgpipe); the keyword input is cut alike
+    (4, 3, 6, "cut into 3 parts on its own, as torch does, and part k of each goes to microbatch k "
+              "(args[0]: 3 rows into 3 of 1 row; kwargs['scale']: 6 rows into 3 of 2 rows)"),
+])
+def test_a_keyword_input_with_its_own_rows_warns_once_per_call_with_the_real_cut(call, chunks, rows, scale_rows, cut):
+    """The batch is cut into min(chunks, rows) microbatches; a keyword input whose rows differ is cut into as
+    many parts of its own (accepted, torch does it) with one warning per call that says so with those numbers:
+    never a second warning about a cut into 1 part, which is not what runs."""
+    torch.manual_seed(0)
+    pipe = pe.Pipe(nn.Sequential(_Masked(), nn.Linear(4, 2)), balance=[1, 1], devices=["cpu", "cpu"], chunks=chunks)
+    x, y, scale = torch.randn(rows, 4), torch.randn(rows, 2), torch.rand(scale_rows, 1)
+    for _ in range(2):
+        with pytest.warns(UserWarning, match=_OWN_ROWS) as record:
+            if call == "forward":
+                pipe(x, scale=scale)
+            else:
+                pipe.step(x, scale=scale, target=y, loss_fn=nn.functional.mse_loss)
+        said = [str(w.message) for w in record if _OWN_ROWS in str(w.message)]
+        assert len(said) == 1 and cut in said[0], said

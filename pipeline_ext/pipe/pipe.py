@@ -46,7 +46,7 @@ from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partitio
                                          check_shared_layers, fit_balance, resolve_devices)
 from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
-                                             microbatch_sizes, split_step_inputs, split_step_target)
+                                             split_step_inputs, split_step_target)
 from pipeline_ext.runtime.channel import check_timeout
 from pipeline_ext.runtime.local import LocalHub, LocalStep
 from pipeline_ext.pipe.connected import ConnectedRunner
@@ -255,8 +255,7 @@ class Pipe(nn.Module):
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[list, list, list[int], str]:
         """The batch cut into ``chunks`` microbatches (fewer when it has fewer rows), and what to call their number."""
-        rows = microbatch_sizes(args, kwargs, 1)[0]
-        m = min(self.chunks, max(rows, 1))  # torchgpipe: a batch smaller than chunks is allowed
+        m = min(self.chunks, max(_batch_rows(args, kwargs, self.chunks), 1))  # torchgpipe: a smaller batch is allowed
         return (*split_step_inputs(args, kwargs, m, self.stage_devices[0]),
                 f"the batch has {m} rows, fewer than chunks={self.chunks}")
 
@@ -460,6 +459,32 @@ class Pipe(nn.Module):
         out = merge_chunks([runners[n - 1].outputs[k] for k in range(m)])
         _check_tensors((out,), "output")
         return out
+
+
+def _batch_rows(args: tuple, kwargs: dict, unknown: int) -> int:
+    """Rows of the batch, read without checking or warning; ``unknown`` where they cannot be read here.
+
+    [Note: one look at the batch per call]
+    How many microbatches a call runs depends on the batch's rows (fewer
+    rows than ``chunks``: one row each), so they are needed before the split.
+    Asking ``microbatch_sizes`` for them (a cut into 1 microbatch) checked the
+    inputs twice and, for a keyword input with rows of its own, warned twice
+    per call, once about a cut into 1 part that never runs. The batch is the
+    first tensor among the positional then the keyword inputs (a Pipe always
+    splits every tensor on dim 0): its rows are read here, and
+    ``split_step_inputs`` alone checks the inputs and warns, with the real
+    number of microbatches. A first tensor whose rows cannot be read (0-d, a
+    nested tensor) is left to that check, which names it.
+    """
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0:
+                return unknown
+            try:
+                return int(leaf.shape[0])
+            except RuntimeError:
+                return unknown
+    return unknown
 
 
 def _check_tensors(values: Any, what: str) -> None:
