@@ -1,0 +1,52 @@
+"""The composition matrix (``composition.py``): every pair of features meets every schedule family, exact.
+
+The design is checked without running anything (coverage, constraints,
+determinism). A quick slice runs in the default tier; the whole matrix runs
+under the ``matrix`` marker (``python -m pytest -m matrix``, which CI runs).
+"""
+from __future__ import annotations
+
+import pytest
+
+import composition as C
+from mp_utils import run_ranks
+
+
+def _run(cases: list[dict], timeout: float) -> list[str]:
+    """Every case, grouped by world size; the complaints of every rank, each prefixed with its case."""
+    from composition_case import run_group, run_pipe_case
+
+    bad: list[str] = []
+    for world, group in C.iter_groups(cases):
+        if world == 1:
+            for case in group:
+                bad += [f"{C.case_id(case)}: {b}" for b in run_pipe_case(case)]
+            continue
+        results = run_ranks(run_group, world, group, timeout=timeout)
+        for _, (_, per_case) in sorted(results.items()):
+            bad += [f"{cid}: {b}" for cid, complaints in per_case for b in complaints]
+    return bad
+
+
+def test_every_pair_of_features_meets_every_family_and_constraints_hold():
+    for family in C.FAMILIES:
+        cases = C.generate(family)
+        covered = set().union(*(C.pairs_of(c) for c in cases))
+        missing = C.required_pairs(family) - covered
+        assert not missing, f"{family}: pairs never met: {sorted(missing, key=repr)[:5]}"
+        assert all(C.allowed(family, c) for c in cases)
+        assert C.generate(family) == cases  # deterministic: the same cases in every run
+
+
+@pytest.mark.timeout(300)
+def test_quick_slice_of_the_matrix_is_exact():
+    bad = _run(C.quick_cases(), timeout=280)
+    assert not bad, "\n".join(bad[:40])
+
+
+@pytest.mark.parametrize("family", list(C.FAMILIES))
+@pytest.mark.matrix
+@pytest.mark.timeout(1200)
+def test_composition_matrix(family):
+    bad = _run(C.generate(family), timeout=1100)
+    assert not bad, "\n".join(bad[:40])
