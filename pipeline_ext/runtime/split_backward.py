@@ -151,13 +151,37 @@ class DeferredWeightGrad:
         self.keep.release()
 
 
-def _weight_branches(region: set[Any], owner: dict[Any, int]) -> Optional[list[_WeightBranch]]:
+def _engine_order(nodes: Sequence[Any]) -> list[Any]:
+    """``nodes`` (in ``_reachability``'s traversal order) sorted as one backward runs them: later forward first.
+
+    [Note: W's order is the same on every rank]
+    W re-enters the boundary nodes one engine call each, and a node's backward
+    may run collectives: a DTensor op whose gradient arrives ``Partial`` (a
+    replicated LayerNorm after a colwise Linear) all-reduces it inside the
+    node, on the tensor-parallel group. Every rank of that group runs its own
+    W, so the calls must come in the same order on every rank, or the
+    all-reduces pair one block's gradient with another block's of the same
+    shape: no error, a wrong weight gradient that differs between replicas.
+    A ``set`` of nodes iterates by address, which differs between processes,
+    so W's order is taken from the graph itself: the sequence numbers the
+    forward gave the nodes (the same op sequence on every rank; descending is
+    the order a whole backward, B, runs them in, so W's collectives come in
+    B's order), ties (nodes made on other threads) broken by the traversal
+    order, which depends only on the graph's shape. The engine orders the
+    nodes within one call by sequence number too.
+    """
+    index = {n: i for i, n in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (-n._sequence_nr(), index[n]))
+
+
+def _weight_branches(region: set[Any], order: Sequence[Any], owner: dict[Any, int]) -> Optional[list[_WeightBranch]]:
     """Branch nodes (where a weight-only subgraph joins) and their weight leaves, or None if weight-only subgraphs overlap.
 
+    ``order``: the region's nodes in the order W re-enters them ([Note: W's order is the same on every rank]).
     ``owner`` is filled with every weight-only node, mapped to the branch that reaches it.
     """
     branches: list[_WeightBranch] = []
-    for tag, node in enumerate(region):
+    for tag, node in enumerate(order):
         starts = [c for c, _ in node.next_functions if c is not None and c not in region]
         if not starts:
             continue
@@ -275,9 +299,10 @@ def backward_input(
 def _analyse(pairs: Sequence[tuple[Any, Any]], input_nodes: set[Any]) -> tuple[set[Any], Any, Any]:
     """The input region, the weight branches (None: they overlap) and the graph's traits for the split."""
     leads = _reachability([_edge(o).node for o, _ in pairs], input_nodes)
-    region = {n for n, ok in leads.items() if ok}
+    order = _engine_order([n for n, ok in leads.items() if ok])
+    region = set(order)
     owner: dict[Any, int] = {}
-    branches = _weight_branches(region, owner) if any(_edge(o).node in region for o, _ in pairs) else []
+    branches = _weight_branches(region, order, owner) if any(_edge(o).node in region for o, _ in pairs) else []
     outside = [o for o, _ in pairs if _edge(o).node not in region]
     traits = graph_traits(leads, _run_twice(region, branches, owner, outside), region)
     if traits.obstacle is None and torch._C._get_graph_exec_group() is not None:
