@@ -478,3 +478,191 @@ def test_a_pair_leaves_no_reference_cycle_holding_what_its_actions_returned(hand
         assert [r() is None for r in results] == [True, True]
     finally:
         gc.enable()
+
+
+class _RecordingPool:
+    """The pair runner's thread pool, recording every half it was handed (so a test can wait for a stray one)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.futures = real, []
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        future = self.real.submit(fn, *args)
+        self.futures.append(future)
+        return future
+
+
+def _pair_once(monkeypatch, first: str, hand_over: tuple, raises: tuple = ()) -> dict:
+    """One run_overlapped: the halves in ``hand_over`` hand over once, ``raises`` = (half, "before"/"after" its
+    handover) raises there. Returns which half ran in which thread (every start, so a half run twice shows
+    twice), how many halves went to the pool, whether they had all ended when the pair returned, the error.
+
+    Deterministic: a second copy of a half, if the runner submits one, is waited for here before counting."""
+    import threading
+
+    import pipeline_ext as pe
+    from pipeline_ext.runtime import overlap
+    from pipeline_ext.schedules import Action, ActionKind
+
+    pool = _RecordingPool(overlap._pool())
+    monkeypatch.setattr(overlap, "_pool", lambda: pool)
+    f, b = Action(1, ActionKind.F, 1), Action(0, ActionKind.B, 0)
+    lock = threading.Lock()
+    ran: list[tuple[str, int]] = []
+
+    def run(a: Action) -> None:
+        kind = a.kind.value
+        with lock:
+            ran.append((kind, threading.get_ident()))
+        if raises == (kind, "before"):
+            raise ValueError(f"{kind} refused before its handover")
+        if kind in hand_over:
+            pe.overlap_point()
+        if raises == (kind, "after"):
+            raise ValueError(f"{kind} refused after its handover")
+
+    error = None
+    try:
+        overlap.run_overlapped([f, b] if first == "F" else [b, f], run)
+    except ValueError as exc:
+        error = exc
+    ended = all(fut.done() for fut in pool.futures)
+    for fut in pool.futures:  # a copy of a half that nothing waits for: let it run, so that it is counted
+        fut.result(timeout=60)
+    return {"ran": ran, "pooled": len(pool.futures), "ended": ended, "error": error,
+            "caller": threading.get_ident()}
+
+
+@pytest.mark.parametrize("first", ["B", "F"])
+def test_a_second_half_that_hands_over_after_a_first_that_never_did_runs_once_in_the_callers_thread(
+        monkeypatch, first):
+    """Red-team issue 54, item 2: a first half (DualPipeV: the B) that never reaches a handover point, then a
+    second (the F) that does. The second runs after the first in the caller's thread (overlap=False's order);
+    its handover must not start the pooled thread for it as well: that copy ran the F a second time, on a
+    thread nothing waited for (data consumed twice, ranks disagreeing on whether the step happened, other
+    dropout draws)."""
+    second = "F" if first == "B" else "B"
+    out = _pair_once(monkeypatch, first, hand_over=(second,))
+    assert out["error"] is None
+    assert [k for k, _ in out["ran"]] == [first, second], out["ran"]  # each once, in the schedule's order
+    assert {t for _, t in out["ran"]} == {out["caller"]}, out  # both in the caller's thread
+    assert out["pooled"] == 0  # no thread started
+
+
+@pytest.mark.parametrize("raises", ["", "first before", "first after", "second before", "second after"])
+@pytest.mark.parametrize("hands", ["neither", "first", "second", "both"])
+@pytest.mark.parametrize("first", ["B", "F"])
+def test_each_half_runs_at_most_once_and_has_ended_when_the_pair_returns(monkeypatch, first, hands, raises):
+    """Whichever half hands over first (or neither, or both), whichever raises: a half starts at most once (once
+    when nothing raised, the second not at all when the first raised before any handover), the second runs in
+    a pooled thread exactly when the first handed over, and nothing of the pair still runs when it returns."""
+    second = "F" if first == "B" else "B"
+    hand_over = {"neither": (), "first": (first,), "second": (second,), "both": (first, second)}[hands]
+    raise_at = ()
+    if raises:
+        which, where = raises.split()
+        raise_at = (first if which == "first" else second, where)
+    out = _pair_once(monkeypatch, first, hand_over, raise_at)
+    kinds = [k for k, _ in out["ran"]]
+    threads = dict(out["ran"])
+    assert out["ended"], out  # nothing of the pair runs on after it returned
+    assert (out["error"] is not None) == bool(raises), out
+    assert sorted(set(kinds)) == sorted(kinds), out["ran"]  # no half started twice
+    assert kinds[0] == first and threads[first] == out["caller"], out
+    first_handed_over = first in hand_over and raise_at != (first, "before")
+    assert out["pooled"] == (1 if first_handed_over else 0), out
+    if raise_at == (first, "before"):
+        assert kinds == [first], out  # sequentially the second would never have run
+    elif not raises:
+        assert sorted(kinds) == ["B", "F"], out
+    if second in threads:
+        assert (threads[second] == out["caller"]) == (not first_handed_over), out
+
+
+class _ForwardWait(nn.Module):
+    """A layer whose forward reaches a handover point and whose backward does not: a declared wait
+    (``comm_region()``) or a collective (an ``all_reduce`` on this rank's own group, so it can sit on one stage
+    of one rank only). In DualPipeV's pairs (B first) the B never hands over and the F does."""
+
+    def __init__(self, how: str, groups: Any) -> None:
+        super().__init__()
+        self.how, self.groups = how, groups
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.how == "comm_region":
+            import pipeline_ext as pe
+
+            with pe.comm_region():  # a wait of the model's own (nothing to wait on here)
+                pass
+        elif self.how == "collective":
+            import torch.distributed as dist
+
+            t = x.detach().sum().reshape(1)
+            dist.all_reduce(t, group=self.groups[dist.get_rank()])  # looked up at call time: a handover point
+        return x.view_as(x)
+
+
+def _forward_waits(rank: int, world: int, how: str, dropout: bool) -> dict:
+    """Two training steps of a 4-stage MLP in DualPipeV on 2 ranks, overlap off, on, and the unsplit model
+    (``ref``, in one process); the stages' forwards hand over (``how``: every stage waits in ``comm_region()``,
+    or stage 2 alone calls a collective), with ``dropout`` on every stage."""
+    import torch.distributed as dist
+
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.overlap import handover_count
+
+    from models import build, make_batch
+
+    groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group, in order
+    n = 2 * world
+    mine = [rank, n - 1 - rank]
+    out: dict = {}
+    for mode in ("off", "on", "ref"):
+        before = handover_count()
+        waits = [_ForwardWait(how if how == "comm_region" or s == 2 else "", groups) for s in range(n)]
+        modules = [nn.Sequential(m, *([nn.Dropout(0.3)] if dropout else []), w)
+                   for m, w in zip(build("mlp", n), waits)]
+        held = mine if mode != "ref" else list(range(n))
+        opt = torch.optim.SGD([q for s in held for q in modules[s].parameters()], lr=0.1)
+        sched = None
+        if mode != "ref":
+            stages = [pe.PipelineStage(modules[s], s, n, "cpu") for s in mine]
+            sched = pe.ScheduleDualPipeV(stages, M, loss_fn=_loss, overlap=mode == "on", timeout=30.0)
+        torch.manual_seed(1234 + rank)  # the dropout draws: the same stream for off and on
+        for step in range(2):
+            x, y = make_batch("mlp", 8, seed=step)
+            opt.zero_grad()
+            if sched is not None:
+                sched.step(x if rank == 0 else None, target=y if rank == 0 else None)
+            else:
+                for xm, ym in zip(x.chunk(M), y.chunk(M)):
+                    h = xm
+                    for s in modules:
+                        h = s(h)
+                    (_loss(h, ym) / M).backward()
+            opt.step()
+        out[f"handovers {mode}"] = handover_count() - before
+        out[f"forwards {mode}"] = {s: waits[s].calls for s in held}
+        out[mode] = {s: [q.detach().tolist() for q in modules[s].parameters()] for s in mine}
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how,dropout", [("comm_region", False), ("collective", False), ("comm_region", True)],
+                         ids=["comm_region", "collective-on-one-stage", "comm_region-dropout"])
+def test_forwards_that_hand_over_and_backwards_that_do_not_train_the_same_with_and_without_overlap(how, dropout):
+    """Red-team issue 54, item 2, in a user's loop: each F runs once per microbatch and step (no copy on a
+    pool thread), the parameters after two steps are those of overlap=False bit for bit, and (without
+    dropout, whose draws the unsplit model makes in another order) close to the unsplit model's."""
+    said = rank_values(_forward_waits, 2, how, dropout, timeout=240)
+    assert any(v["handovers on"] > 0 for v in said.values()), said  # the Fs in pairs did hand over
+    for rank, v in said.items():
+        assert v["handovers off"] == 0
+        assert v["forwards on"] == v["forwards off"] == {s: 2 * M for s in v["forwards on"]}, (rank, v)
+        for s in v["on"]:
+            for a, b, r in zip(v["on"][s], v["off"][s], v["ref"][s]):
+                assert torch.equal(torch.tensor(a), torch.tensor(b)), (rank, s)  # bit for bit
+                if not dropout:
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(r), rtol=1e-5, atol=1e-6)

@@ -16,6 +16,23 @@ never hands over (a model without collectives or declared waits) runs its
 second action after it in the caller's thread: exactly ``overlap=False``, no
 thread started, no thread switch (starting the other thread up front cost
 0.3 ms per pair on an idle host, twice that loaded).
+Only the *first* half's handover starts it, and only while the first half
+runs: the starter is dropped when the first half finishes (returns, raises
+or is stopped). A second half that runs in the caller's thread because the
+first never handed over may well hand over itself (DualPipeV's B first,
+then an F whose forward calls a collective or waits in ``comm_region()``):
+its handovers are no-ops (the first is finished, every turn is the
+second's) and must not start the pooled thread, which would run the second
+action again, on a thread nothing waits for (red-team issue 54: data
+consumed twice, ranks disagreeing on whether the step happened, dropout
+drawn twice). So each half runs exactly once in every case: neither hands
+over (both in the caller's thread); the first hands over, whether or not the
+second does (the second in the pool, waited for before the pair returns);
+only the second does (both in the caller's thread); the first raises before
+any handover (the second never runs, as sequentially); the first raises
+after one, or the second raises (the other is stopped at its next
+handover, or runs to its end; either way it has ended when the pair
+returns).
 
 The baton
 ---------
@@ -156,11 +173,13 @@ class _Baton:
 
     def __init__(self, first: int, start_second: Callable[[], None]) -> None:
         self.cond = threading.Condition()
-        self.turn = first
+        self.first = self.turn = first
         self.finished = [False, False]
         self.failed = False
-        #: starts the second half's thread; called once, by the first half at its first handover (it holds the
-        #: baton: no race), so a pair that never hands over never starts a thread ([Note: the second half's thread])
+        #: starts the second half's thread; called at most once, by the first half at its first handover (it holds
+        #: the baton: no race), so a pair that never hands over never starts a thread; dropped when the first half
+        #: finishes, so a second half running in the caller's thread cannot start a copy of itself
+        #: ([Note: the second half's thread])
         self.start_second: Optional[Callable[[], None]] = start_second
 
     def acquire(self, h: int) -> None:
@@ -170,9 +189,10 @@ class _Baton:
                 raise _Stopped()
 
     def release(self, h: int) -> None:
-        start, self.start_second = self.start_second, None
-        if start is not None:
-            start()
+        if h == self.first:  # the second half's handovers never start a thread: it is that thread, or it runs
+            start, self.start_second = self.start_second, None  # after the first in the caller's
+            if start is not None:
+                start()
         with self.cond:
             if not self.finished[1 - h]:
                 self.turn = 1 - h
@@ -180,6 +200,8 @@ class _Baton:
 
     def finish(self, h: int, failed: bool) -> None:
         with self.cond:
+            if h == self.first:  # from here on the second half is started (or run) by the caller only
+                self.start_second = None
             self.finished[h] = True
             self.failed = self.failed or failed
             self.turn = 1 - h
@@ -443,10 +465,10 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
     with _collectives_wrapped():
         try:
             body(first)  # the second half's thread starts at the first's first handover, if it hands over
-            if second_done:
+            if second_done:  # final: only the first half starts the second, and it has finished
                 second_done[0].result()
             elif not errors:  # no handover: the second runs after the first, in this thread, as overlap=False runs it
-                body(1 - first)
+                body(1 - first)  # its own handovers start nothing (the baton dropped the starter at finish)
         finally:
             # the baton's starter refers to ``body``, which refers to the baton and to ``run`` (the actions'
             # results): a cycle that would keep those tensors alive until the garbage collector runs
