@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import pipeline_ext as pe
+from pipeline_ext.pipe.lockstep import Lockstep
 from pipeline_ext.pipe.partition import balance_by_size, balance_by_time
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -228,14 +230,20 @@ def test_list_inputs_and_outputs_split_like_tuples_and_other_leaves_name_their_t
 
 # -- forwards in clock-cycle order (torchgpipe's test_forward_lockstep, without its sleeps) ----------
 class Clocked(nn.Module):
-    """Records (microbatch, stage) when its forward returns (not in recomputations), counting its own calls."""
+    """Records (microbatch, stage) when its forward returns (not in recomputations), counting its own calls.
 
-    def __init__(self, stage: int, timeline: list) -> None:
+    ``started``: {(microbatch, stage): Event}, each set when that forward begins.
+    """
+
+    def __init__(self, stage: int, timeline: list, started: dict | None = None) -> None:
         super().__init__()
         self.stage, self.timeline, self.calls = stage, timeline, 0
+        self.started = started or {}
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
+        if not pe.is_recomputing() and (self.calls, self.stage) in self.started:
+            self.started[(self.calls, self.stage)].set()
         out = torch.tanh(self.fc(x))
         if not pe.is_recomputing():
             self.timeline.append((self.calls, self.stage))
@@ -267,13 +275,69 @@ def test_forwards_run_in_clock_cycle_order(call):
         else:
             pipe.step(x, target=x, loss_fn=nn.functional.mse_loss)
         assert _in_clock_cycles(timeline, n_stages, m), f"run {run}: (microbatch, stage) in order {timeline}"
-    # torchgpipe's own case: two stages, three microbatches; within a cycle the order is free (no sleeps here)
+    # torchgpipe's own case: two stages, three microbatches; within a cycle, partition order (no sleeps here)
     timeline.clear()
     pipe = pe.Pipe(nn.Sequential(Clocked(0, timeline), Clocked(1, timeline)), balance=[1, 1],
                    devices=["cpu", "cpu"], chunks=3)
     pipe(torch.randn(3, 4))
-    assert [timeline[0], set(timeline[1:3]), set(timeline[3:5]), timeline[5]] == [
-        (0, 0), {(1, 0), (0, 1)}, {(2, 0), (1, 1)}, (2, 1)]
+    assert timeline == TORCHGPIPE_LOCKSTEP
+
+
+#: torchgpipe's test_forward_lockstep: (microbatch, partition) in the order the forwards return
+TORCHGPIPE_LOCKSTEP = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)]
+
+
+def _hold_cycle_entry(monkeypatch, held: dict, bound: float = 0.5) -> None:
+    """Forward (microbatch, stage) in ``held`` enters its clock cycle only once ``held[...]`` is set, or after
+    ``bound`` seconds: the interleaving where the other forwards of its cycle reach the clock first. Where the
+    clock lets them run first (the old race), the event comes at once; where they wait for this forward, the
+    bound lets it go (a wait that cannot end early, never a check of time)."""
+    wait = Lockstep.wait
+
+    def held_wait(self, stage, mb):
+        if (mb, stage) in held:
+            held[(mb, stage)].wait(bound)
+        return wait(self, stage, mb)
+
+    monkeypatch.setattr(Lockstep, "wait", held_wait)
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_forwards_of_a_cycle_run_in_partition_order_whoever_reaches_the_clock_first(call, monkeypatch):
+    """torchgpipe's test_forward_lockstep with the interleaving forced instead of sleeps: stage 1 reaches each
+    cycle before stage 0 does. Seeded forwards (the default checkpointing; dropout) hold the process's RNG
+    lock, so they run one at a time whatever happens, and the clock gives them the lock in partition order:
+    stage 0's forward of a cycle returns before stage 1's, as in torchgpipe, not whichever thread came first."""
+    timeline: list = []
+    started = {(0, 1): threading.Event(), (1, 1): threading.Event()}
+    # stage 0's forward of cycle c (microbatch c) waits for stage 1's of the same cycle (microbatch c - 1)
+    _hold_cycle_entry(monkeypatch, {(1, 0): started[(0, 1)], (2, 0): started[(1, 1)]})
+    pipe = pe.Pipe(nn.Sequential(Clocked(0, timeline, started), Clocked(1, timeline, started)), balance=[1, 1],
+                   devices=["cpu", "cpu"], chunks=3)
+    x = torch.randn(3, 4)
+    if call == "forward":
+        pipe(x)
+    else:
+        pipe.step(x, target=x, loss_fn=nn.functional.mse_loss)
+    assert timeline == TORCHGPIPE_LOCKSTEP
+
+
+def test_unseeded_forwards_of_a_cycle_still_run_at_once():
+    """Without seeds (no recomputation, no dropout) forwards take no lock: a cycle's forwards run together, as
+    torchgpipe's worker threads do (two stages meet at a barrier inside their forwards of cycles 1 and 2)."""
+    timeline: list = []
+    meet = threading.Barrier(2, timeout=60)
+
+    class Meet(Clocked):
+        def forward(self, x):
+            if self.calls + self.stage in (1, 2):  # the cycles with two forwards
+                meet.wait()
+            return super().forward(x)
+
+    pipe = pe.Pipe(nn.Sequential(Meet(0, timeline), Meet(1, timeline)), balance=[1, 1], devices=["cpu", "cpu"],
+                   chunks=3, checkpoint="never")
+    pipe(torch.randn(3, 4))
+    assert sorted(timeline) == sorted(TORCHGPIPE_LOCKSTEP)
 
 
 def test_a_failed_forward_stops_the_later_cycles():
@@ -294,4 +358,58 @@ def test_a_failed_forward_stops_the_later_cycles():
         pipe = pe.Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 4, chunks=3, timeout=60.0)
         with pytest.raises(Boom):
             pipe(torch.randn(3, 4))
-        assert timeline in ([(0, 2)], [(0, 2), (1, 2)])  # microbatch 1 (cycle 3) may start beside the failure
+        assert timeline == [(0, 2), (1, 2)]  # torchgpipe: counter == 2, microbatch 1 runs beside the failure
+
+
+def test_a_failure_lets_the_earlier_partitions_of_its_cycle_run_and_stops_the_next_cycle(monkeypatch):
+    """torchgpipe's test_exception_early_stop_asap with the interleaving forced: stage 3 fails on microbatch 0
+    in cycle 3 while stage 2 has not reached its forward of that cycle (microbatch 1). torchgpipe started both
+    tasks of the cycle, so its counter is 2: stage 2's forward of cycle 3 runs, none of cycle 4. Here the
+    clock runs stage 2's first, then stage 3's fails and nothing later starts (the forward of cycle 4 is
+    woken by the cancellation and never runs)."""
+
+    class Boom(Exception):
+        pass
+
+    class Raise(nn.Module):
+        def forward(self, x):
+            raise Boom()
+
+    cancelled = threading.Event()
+    close = Lockstep.close
+
+    def closing(self, reason):
+        cancelled.set()
+        close(self, reason)
+
+    monkeypatch.setattr(Lockstep, "close", closing)
+    _hold_cycle_entry(monkeypatch, {(1, 2): cancelled})  # stage 2's forward of cycle 3 waits for the failure
+    timeline: list = []
+    model = nn.Sequential(nn.Identity(), nn.Identity(), Clocked(2, timeline), Raise())
+    pipe = pe.Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 4, chunks=3, timeout=60.0)
+    with pytest.raises(Boom):
+        pipe(torch.randn(3, 4))
+    assert timeline == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("name,m,serial", [("gpipe", 4, True), ("1f1b", 4, True), ("looped_bfs", 2, True),
+                                           ("zbv", 2, False)])
+def test_the_clock_is_serial_where_every_rank_runs_its_forwards_in_partition_order(name, m, serial):
+    """Seeded calls ask for a serial clock; a schedule whose rank runs two forwards of one cycle later stage first
+    (the V schedules) gets cycles only, since a serial clock would wait there for a forward its own rank runs
+    later. ``pipe(x)`` under such a schedule, seeded, runs (no deadlock)."""
+    from pipeline_ext import schedules as S
+
+    v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1
+    forward_only = S.forward_only(S.lower(S.build(name, 2, m, stages_per_rank=v)))
+    assert Lockstep.of(forward_only, serial=True).serial == serial
+    assert not Lockstep.of(forward_only).serial  # unseeded: cycles only
+    n = 2 * v
+    timeline: list = []
+    pipe = pe.Pipe(nn.Sequential(*[Clocked(j, timeline) for j in range(n)]), balance=[1] * n,
+                   devices=["cpu", "cpu"], chunks=m, schedule=name)
+    pipe(torch.randn(m, 4)).sum().backward()
+    if serial:
+        assert timeline == sorted(((i, j) for i in range(m) for j in range(n)), key=lambda ij: (sum(ij), ij[1]))
+    else:
+        assert _in_clock_cycles(timeline, n, m), timeline

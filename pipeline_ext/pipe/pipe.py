@@ -20,7 +20,8 @@ user's Sequential). ``unpack_tuples=True`` spreads a tuple into positional
 arguments instead, the convention of the multi-process API. Forwards run in
 torchgpipe's clock cycles (microbatch i on stage j in cycle i + j, after the
 whole previous cycle) wherever the schedule's order allows it: ``pipe(x)``
-and GPipe's ``step()`` (``pipe/lockstep.py``).
+and GPipe's ``step()``; within a cycle in partition order when the call is
+seeded (``pipe/lockstep.py``).
 
 A call is all-or-nothing: any failure (a stage error, Ctrl-C, the step's
 ``timeout``) cancels every worker at its next action and the step's partial
@@ -301,8 +302,12 @@ class Pipe(nn.Module):
         return None
 
     def _run(self, schedule: S.Schedule, runners: dict[int, Any], inputs: StepInputs,
-             loss_weights: Sequence[Union[float, torch.Tensor]] = ()) -> None:
-        """Every rank's executor on its worker thread; the first failure cancels all of them and is raised."""
+             loss_weights: Sequence[Union[float, torch.Tensor]] = (), seeded: bool = False) -> None:
+        """Every rank's executor on its worker thread; the first failure cancels all of them and is raised.
+
+        ``seeded``: the call's forwards hold the RNG lock, so its clock runs them in partition order
+        ([Note: partition order within a cycle] in ``lockstep.py``).
+        """
         # The step's deadline bounds everything and names every stuck rank; its last `grace` seconds
         # let the workers stop. The channel waits' own timeouts are a backstop behind it.
         grace = 5.0 if self.timeout is None else min(0.2 * self.timeout, 5.0)
@@ -313,7 +318,7 @@ class Pipe(nn.Module):
         context = CallerContext.capture()
         token = CancelToken()
         activities = [Activity(r) for r in range(len(self.devices))]
-        clock = Lockstep.of(schedule)  # torchgpipe's clock cycles, where the schedule's order allows them
+        clock = Lockstep.of(schedule, serial=seeded)  # torchgpipe's clock cycles, where the schedule allows them
 
         def runner(s: int, r: int) -> Any:
             guarded = GuardedRunner(runners[s], token, activities[r])
@@ -421,7 +426,7 @@ class Pipe(nn.Module):
             self._bn.begin(self.training)
         # a backward may recompute the user's own checkpointed regions, which set the generators' states
         held = {s: RngHeldBackward(r, call.rng, self.stage_devices[s]) for s, r in runners.items()}
-        self._run(schedule, held, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights)
+        self._run(schedule, held, StepInputs(args_chunks, kwargs_chunks, targets, loss_fn), weights, call.rng.seeded)
         if self._bn is not None:
             self._bn.commit()
         self.peak_live_microbatches = [runners[s].peak_live_microbatches for s in range(n)]
@@ -453,7 +458,7 @@ class Pipe(nn.Module):
         }
         if self._bn is not None:
             self._bn.begin(self.training)
-        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks))
+        self._run(schedule, runners, StepInputs(args_chunks, kwargs_chunks), seeded=call.rng.seeded)
         if self._bn is not None:
             self._bn.commit()
         out = merge_chunks([runners[n - 1].outputs[k] for k in range(m)])

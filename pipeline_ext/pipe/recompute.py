@@ -147,6 +147,11 @@ class CallRng:
         """This call's base seed, from the caller's generator (so torch.manual_seed controls it)."""
         return cls(int(torch.randint(0, 2**62, (1,)).item()) if seeded else None)
 
+    @property
+    def seeded(self) -> bool:
+        """Whether this call's forwards hold the RNG lock (so they run one at a time: ``lockstep.py``'s note)."""
+        return self.base is not None
+
     def seed(self, stage: int, mb: int, offset: int = 0) -> int:
         assert self.base is not None
         return (self.base * 1_000_003 + stage * 10_007 + mb * 101 + offset) % (2**63 - 1)
