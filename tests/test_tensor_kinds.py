@@ -153,7 +153,7 @@ def test_a_dtensor_stage_output_is_refused_by_name_in_one_child_process():
     """The quick case of the matrix above (not marked slow): the kind that crashed, at the Pipe and the ops.
 
     The Pipe and a channel refuse a DTensor by name; split, concat and the microbatch merge cut and glue it
-    (its local shard; [Note: splitting a DTensor into microbatches] in runtime/dtensor_wire.py); a plain
+    (by its global rows; [Note: splitting a DTensor into microbatches] in runtime/dtensor_wire.py); a plain
     tensor beside a DTensor in one concat is refused."""
     results = _run_child("dtensor", "pipe_step_output", "concat", "concat_mixed", "local_send", "merge", "split")
     assert results["pipe_step_output"]["type"] == "TypeError", results

@@ -12,10 +12,11 @@ bytes is its local shard. So a stage's outputs go out in *wire form*:
   graph through ``to_local``'s backward, which wraps it as the DTensor
   gradient exactly as torch's ``PipelineStage`` rebuilds it;
 - one int64 tensor is appended to the message: a magic word, then per
-  DTensor output its position, mesh (dim names, shape),
-  placements, global shape and stride (``META_ENTRY`` words each, a fixed
-  size, so the message's layout depends only on how many outputs are
-  DTensors, and a new placement is read anew from every message).
+  DTensor output its position, mesh (dim names, shape), the sender's
+  coordinate on that mesh and its global rank, placements, global shape and
+  stride (``META_ENTRY`` words each, a fixed size, so the message's layout
+  depends only on how many outputs are DTensors, and a new placement is read
+  anew from every message).
 
 The receiving stage (``from_wire``) drops the layout tensor and rebuilds each
 DTensor with ``DTensor.from_local(local, mesh, placements, shape=, stride=,
@@ -31,6 +32,23 @@ backward) and hands back its local shard, which is what the sender's
 ``to_local`` expects. Plain tensors are untouched: only a stage that returned
 a DTensor pays for any of this (``as_output_tuple`` sees it on the path that
 already handles tensors the core cannot read).
+
+[Note: a pipeline pairs the same place of the mesh]
+``from_local`` takes the shard it is given as the one of the receiver's own
+place on its mesh: tp rank 1 takes what arrives as shard 1. Names and shape
+alone do not say that the sender held shard 1: pp groups built by hand can
+pair different tp coordinates (pp groups (0, 3) and (1, 2) on the (pp=2,
+tp=2) mesh [[0, 1], [2, 3]]: tp rank 0 of stage 0 feeds tp rank 1 of stage
+1), and a ``Shard(1)`` activation is then rebuilt as the other shard, wrong
+with no error. So the layout carries the sender's coordinate on the
+DTensor's mesh and its global rank, and the receiver (``_decode``, once per
+layout) requires the same coordinate as its own on every mesh dim, except a
+pipeline dim the mesh itself holds: when the receiver's mesh has the sender
+at the coordinate it sent and the two differ on exactly one dim, that dim is
+the one the pipeline runs along (a DTensor on a mesh with the pp dim in it).
+Anything else is refused by name: the stage, the input, both ranks and both
+coordinates. Plain activations carry no mesh, so a crossed pairing of
+``use_local_output=True`` blocks is not seen here.
 """
 from __future__ import annotations
 
@@ -44,8 +62,9 @@ __all__ = ["MAGIC", "META_ENTRY", "to_wire", "is_wire", "from_wire", "MeshFinder
 #: first word of a layout tensor (an int64 no activation carries by chance in that place, size and dtype)
 MAGIC = 0x5044_5445_4E53_4F52  # "PDTENSOR"
 _MESH_DIMS, _DIMS, _NAME_WORDS = 4, 8, 8
-# position, mesh ndim, mesh shape, (reserved), placements, ndim, shape, stride, dim names
-META_ENTRY = 1 + 1 + _MESH_DIMS * 3 + 1 + _DIMS * 2 + _NAME_WORDS
+# position, mesh ndim, mesh shape, the sender's coordinate on the mesh, placements, ndim, shape, stride, dim names,
+# the sender's global rank
+META_ENTRY = 1 + 1 + _MESH_DIMS * 3 + 1 + _DIMS * 2 + _NAME_WORDS + 1
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
@@ -164,10 +183,48 @@ def _encode(items: Sequence[torch.Tensor], stage: int, microbatch: Optional[int]
         if len(names.encode()) > 8 * _NAME_WORDS:
             raise TypeError(f"{what}: the mesh dim names {_names(mesh)} are longer than {8 * _NAME_WORDS} bytes")
         pad = lambda xs, n: list(xs) + [0] * (n - len(xs))  # noqa: E731
-        words += [i, mesh.ndim, *pad(mesh.shape, _MESH_DIMS), *pad((), _MESH_DIMS),
+        coordinate = mesh.get_coordinate()  # None off the mesh (no shard of its own): -1 on every dim
+        words += [i, mesh.ndim, *pad(mesh.shape, _MESH_DIMS),
+                  *pad(coordinate if coordinate is not None else [-1] * mesh.ndim, _MESH_DIMS),
                   *pad([_encode_placement(p, what) for p in t.placements], _MESH_DIMS),
-                  t.dim(), *pad(t.shape, _DIMS), *pad(t.stride(), _DIMS), *_text_words(names)]
+                  t.dim(), *pad(t.shape, _DIMS), *pad(t.stride(), _DIMS), *_text_words(names), _global_rank()]
     return words
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+
+
+def _place(names: Sequence[str], coordinate: Optional[Sequence[int]]) -> str:
+    """A coordinate on a mesh in words: ``(tp=1)``, ``(dp=0, tp=1)`` (``nowhere`` off the mesh)."""
+    if coordinate is None or any(c < 0 for c in coordinate):
+        return "nowhere"
+    names = list(names) if names else [f"dim{d}" for d in range(len(coordinate))]
+    return "(" + ", ".join(f"{n}={c}" for n, c in zip(names, coordinate)) + ")"
+
+
+def _check_place(mesh: Any, names: tuple[str, ...], shape: tuple[int, ...], sender: tuple[int, ...],
+                 sender_rank: int, where: str, stage: int) -> None:
+    """Refuse a DTensor from a sender at another place of the mesh than this rank ([Note: a pipeline pairs the
+    same place of the mesh]): from_local would take its shard as this rank's."""
+    mine = mesh.get_coordinate()
+    mine = tuple(mine) if mine is not None else None
+    if mine == sender:
+        return
+    if mine is not None and min(sender, default=0) >= 0:
+        differ = [d for d in range(len(sender)) if sender[d] != mine[d]]
+        if len(differ) == 1 and int(mesh.mesh[sender]) == sender_rank:
+            return  # the receiver's own mesh holds the sender, one dim apart: the pipeline runs along that dim
+    rank = _global_rank()
+    raise TypeError(
+        f"{where} is a DTensor from stage {stage - 1} on rank {sender_rank} at {_place(names, sender)} of "
+        f"{_describe(names, shape)}, but stage {stage} on rank {rank} sits at {_place(names, mine)} of its "
+        f"{_describe(_names(mesh), mesh.shape)}: from_local would take rank {sender_rank}'s shard as rank {rank}'s. "
+        "The ranks of one pipeline must sit at the same place of every other mesh dim (the same tp rank): build "
+        "the pp groups from the mesh (mesh['pp'], pe.pipeline_mesh) rather than by hand"
+    )
 
 
 def is_wire(args: Sequence[Any]) -> bool:
@@ -258,13 +315,14 @@ def _decode(words: Sequence[int], meshes: MeshFinder, stage: int, microbatch: Op
         pos, mdim = e[0], e[1]
         o = 2
         mshape = tuple(e[o:o + mdim]); o += _MESH_DIMS  # noqa: E702
-        o += _MESH_DIMS  # reserved
+        coordinate = tuple(e[o:o + mdim]); o += _MESH_DIMS  # noqa: E702
         placements = [_decode_placement(c) for c in e[o:o + mdim]]; o += _MESH_DIMS  # noqa: E702
         ndim = e[o]; o += 1  # noqa: E702
         shape = tuple(e[o:o + ndim]); o += _DIMS  # noqa: E702
         stride = tuple(e[o:o + ndim]); o += _DIMS  # noqa: E702
-        text = _words_text(e[o:o + _NAME_WORDS])
+        text = _words_text(e[o:o + _NAME_WORDS]); o += _NAME_WORDS  # noqa: E702
         names = tuple(text.split(",")) if text else ()
+        sender_rank = e[o]
         mb = "" if microbatch is None else f", microbatch {microbatch}"
         where = f"stage {stage}'s input {pos}{mb}"
         mesh = meshes.find(names, mshape)
@@ -274,6 +332,7 @@ def _decode(words: Sequence[int], meshes: MeshFinder, stage: int, microbatch: Op
                 f"{tuple(placements)}, but stage {stage} has no such mesh (its meshes: {meshes.known()}); give the "
                 "stage the mesh (PipelineStage(..., mesh=) or get_mesh=) or make both stages' meshes agree"
             )
+        _check_place(mesh, names, mshape, coordinate, sender_rank, where, stage)
         decoded.append((pos, mesh, tuple(placements), torch.Size(shape), stride))
     return decoded
 
@@ -293,14 +352,24 @@ def scalar_grad(loss: Any, weight: Any) -> Any:
 
 # -- microbatch split and merge of DTensors ---------------------------------------------------------------
 # [Note: splitting a DTensor into microbatches]
-# A DTensor is split by splitting its local shard along the same dim and wrapping each piece with the same
-# mesh and placements (``to_local`` and ``from_local`` keep it in the graph). Where the dim is not sharded
-# (Replicate, Shard(other dim), Partial) the local dim is the global one: microbatch k holds the same rows
-# as the plain split. Where it is sharded on one mesh dim (a batch sharded over ranks, Shard(0)), each rank
-# cuts its own rows into equal pieces: microbatch k is then piece k of every rank (a permutation of the
-# plain split's rows, the same set over the step), and merging concatenates the local pieces again, which
-# undoes it exactly. That needs every rank's shard to hold the same number of rows, divisible by each
-# microbatch's share: anything else is refused by name.
+# Within one step, microbatch k of every input, keyword argument and target holds the same global rows (those
+# ``torch.tensor_split`` gives a plain tensor: ``ops.even_sizes``), and the outputs merge back in the global
+# order, whatever kind each tensor is: a Shard(0) DTensor input beside a plain target must pair row i with row i.
+# So a DTensor is cut by its global rows. Where the split dim is not sharded (Replicate, Shard(other dim),
+# Partial) the local dim is the global one: the local shard is cut like a plain tensor and each piece wrapped
+# with the same mesh and placements, no communication. Where it is sharded (a batch Shard(0) over tp), cutting
+# each rank's shard (microbatch k = piece k of every rank) would give microbatch k other global rows than a plain
+# tensor's microbatch k, and a microbatch of the global rows cannot be made of local pieces either: torch takes
+# a DTensor's local shards to be the chunks of its global rows (its collectives pad and cut by that rule), while
+# microbatch k's rows sit on one rank or straddle two. So the DTensor is gathered over the mesh dims that shard
+# the split dim (``redistribute`` to Replicate there: one all-gather), cut by global rows, and each piece put
+# back in the original placements (``redistribute`` from Replicate to Shard: a local chunk, no communication).
+# Microbatch k is then torch's DTensor of exactly the plain split's rows, for any rows over any number of ranks.
+# Merging does the reverse: each microbatch's output gathered (one all-gather each), glued in microbatch order
+# and chunked again. Everything stays in the autograd graph (``redistribute``'s backward). The cost is paid only
+# by a DTensor sharded along its split dim: the whole tensor on every rank of its mesh for the split. Every rank
+# of the mesh splits and merges the same step's tensors in the same order (they run the same step), as the
+# model's own collectives already need.
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
@@ -315,39 +384,45 @@ def _sharding_of(t: Any, dim: int) -> list[int]:
     return [i for i, p in enumerate(t.placements) if p.is_shard() and p.dim % t.dim() == dim]
 
 
+def _gathered(t: Any, dim: int) -> Optional[tuple]:
+    """``t``'s placements with every mesh dim that shards tensor dim ``dim`` replicated; None when none does."""
+    from torch.distributed.tensor import Replicate
+
+    sharded = _sharding_of(t, dim)
+    if not sharded:
+        return None
+    return tuple(Replicate() if i in sharded else p for i, p in enumerate(t.placements))
+
+
+def _wrap(local: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> Any:
+    return dtensor_type().from_local(local, mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
+                                     stride=_contiguous_stride(shape))
+
+
 def split_dtensor(t: Any, sizes: Sequence[int], dim: int, split_local: Callable[..., Any]) -> list[Any]:
-    """``t`` (a DTensor) in pieces of ``sizes`` rows along ``dim`` (global), each a DTensor like it."""
-    DTensor = dtensor_type()
+    """``t`` (a DTensor) in pieces of ``sizes`` global rows along ``dim``, each a DTensor in ``t``'s placements
+    ([Note: splitting a DTensor into microbatches])."""
     dim = dim % t.dim()
     mesh, placements = t.device_mesh, tuple(t.placements)
-    sharded = _sharding_of(t, dim)
-    local = settled(t.to_local())
-    if not sharded:
-        local_sizes = list(sizes)
-    else:
-        if len(sharded) > 1:
-            raise TypeError(f"split: a DTensor sharded along the split dim {dim} over {len(sharded)} mesh dims "
-                            f"({placements}) cannot be cut into microbatches; redistribute it first")
-        shards = mesh.size(sharded[0])
-        if t.shape[dim] % shards or local.shape[dim] * shards != t.shape[dim] or any(s % shards for s in sizes):
-            raise TypeError(
-                f"split: a DTensor of shape {tuple(t.shape)} sharded along the split dim {dim} ({placements}) over "
-                f"{shards} ranks is cut into microbatches on every rank alike, which needs each rank's "
-                f"{t.shape[dim] // shards if t.shape[dim] % shards == 0 else 'uneven'} rows and each microbatch's "
-                f"{list(sizes)} divisible by {shards}; pick n_microbatches so, or replicate it along dim {dim}")
-        local_sizes = [s // shards for s in sizes]
-    pieces = split_local(local, local_sizes, dim)
+    if sum(sizes) != t.shape[dim]:
+        raise ValueError(f"split: sizes {list(sizes)} sum to {sum(sizes)}, but the DTensor has {t.shape[dim]} rows "
+                         f"along dim {dim} (shape {tuple(t.shape)})")
+    gathered = _gathered(t, dim)
+    whole = t if gathered is None else t.redistribute(mesh, gathered)
+    pieces = split_local(settled(whole.to_local()), list(sizes), dim)
     out = []
     for piece, rows in zip(pieces, sizes):
         shape = list(t.shape)
         shape[dim] = rows
-        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                      stride=_contiguous_stride(shape)))
+        if gathered is None:
+            out.append(_wrap(piece, mesh, placements, shape))
+        else:
+            out.append(_wrap(piece, mesh, gathered, shape).redistribute(mesh, placements))
     return out
 
 
 def concat_dtensors(tensors: Sequence[Any], dim: int, concat_local: Callable[..., Any]) -> Any:
-    """DTensors of one mesh and placements glued along ``dim``: their local shards concatenated (see the note)."""
+    """DTensors of one mesh and placements glued along ``dim`` in their global rows (see the note)."""
     DTensor = dtensor_type()
     first = tensors[0]
     for k, t in enumerate(tensors):
@@ -359,8 +434,10 @@ def concat_dtensors(tensors: Sequence[Any], dim: int, concat_local: Callable[...
                             f"{_describe(_names(t.device_mesh), t.device_mesh.shape)}, tensor 0 has "
                             f"{tuple(first.placements)} on {_describe(_names(first.device_mesh), first.device_mesh.shape)}")
     dim = dim % first.dim()
-    locals_ = [settled(t.to_local()) for t in tensors]
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    gathered = _gathered(first, dim)
+    wholes = tensors if gathered is None else [t.redistribute(mesh, gathered) for t in tensors]
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    return DTensor.from_local(concat_local(locals_, dim), first.device_mesh, tuple(first.placements),
-                              run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    merged = _wrap(concat_local([settled(t.to_local()) for t in wholes], dim), mesh, gathered or placements, shape)
+    return merged if gathered is None else merged.redistribute(mesh, placements)

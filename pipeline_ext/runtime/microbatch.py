@@ -11,6 +11,12 @@ microbatches gives 3, 3, 2, 2), and ``microbatch_weights`` tells the loss code
 each microbatch's share of the rows so that gradients still equal those of the
 whole batch. Asking for more microbatches than rows is an error.
 
+Within one step, microbatch k of every input, keyword argument and target
+holds the same rows of the batch, whatever kind of tensor each one is: a
+DTensor is cut by its global rows like a plain tensor, a ``Shard(0)`` one
+included (``ops.split``; [Note: splitting a DTensor into microbatches] in
+``runtime/dtensor_wire.py``), and outputs merge back in the batch's order.
+
 Specs may be ours or torch's (``torch.distributed.pipelining.microbatch``'s
 ``TensorChunkSpec``, ``_Replicate``, and for merging ``_CustomReducer``), and
 torch's helper ``split_args_kwargs_into_chunks`` has its signature here, so
@@ -163,15 +169,26 @@ def _rows(t: torch.Tensor, spec: TensorChunkSpec, where: Any) -> int:
     try:
         shape = t.shape
     except RuntimeError as exc:  # a strided nested tensor has no shape
-        ops.raise_named(exc, _unsplittable(t, where))
+        ops.raise_named(exc, _unsplittable(t, where, exc))
     if not 0 <= dim < t.dim():
         raise ValueError(f"chunk dim {spec.dim} is out of range for {where} with shape {tuple(shape)}")
     return shape[dim]
 
 
-def _unsplittable(t: torch.Tensor, where: Any) -> Optional[Exception]:
-    """After splitting ``t`` (``where``) failed: the error naming it when the core cannot read it (else None)."""
+def _unsplittable(t: torch.Tensor, where: Any, exc: Exception) -> Optional[Exception]:
+    """After splitting ``t`` (``where``) failed with ``exc``: the error naming it when the core cannot read it, or
+    ``exc`` with its name when it is a DTensor (which splits: [Note: splitting a DTensor into microbatches]);
+    else None."""
+    if ops._is_dtensor(t):
+        return _said(exc, f"cannot split {where} (a DTensor with placements {tuple(t.placements)}) into "
+                          f"microbatches: {exc}")
     return ops.explain_unmovable(f"cannot split {where} into microbatches", [t], lambda i: "it")
+
+
+def _said(exc: Exception, text: str) -> Exception:
+    """``exc``'s message as ``text`` (which names what failed), as a TypeError, ValueError or RuntimeError (an
+    exception class of torch's may not take a lone message)."""
+    return next((cls(text) for cls in (TypeError, ValueError) if isinstance(exc, cls)), None) or RuntimeError(text)
 
 
 def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, where: Any) -> list[Any]:
@@ -191,7 +208,7 @@ def _split_leaf(x: Any, spec: TensorChunkSpec | Replicate | Reduce, n: int, wher
     try:
         return list(ops.split(x, ops.even_sizes(rows, n), dim=spec.dim))
     except Exception as exc:
-        ops.raise_named(exc, _unsplittable(x, where))
+        ops.raise_named(exc, _unsplittable(x, where, exc))
 
 
 def split_args_kwargs(
@@ -392,6 +409,8 @@ def _merge_error(values: list[Any], name: str, exc: Exception) -> Exception:
             kinds.setdefault(type(v).__name__, []).append(k)
         return TypeError(f"{what}: it is a tensor in some microbatches only ("
                          + "; ".join(f"{t} in {_microbatch_list(ks)}" for t, ks in kinds.items()) + ")")
+    if all(ops._is_dtensor(v) for v in values):  # DTensors merge ([Note: splitting a DTensor into microbatches])
+        return _said(exc, f"{what}: {exc}")
     unmovable = ops.explain_unmovable(what, values, lambda k: f"its value in microbatch {k}")
     if unmovable is not None:
         return unmovable

@@ -262,6 +262,8 @@ def split(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> List[torc
             return list(torch.split_with_sizes(tensor, sizes, dim))
         return _ops.split_copy.default(tensor, sizes, dim)
     except Exception as exc:
+        if _is_dtensor(tensor):  # split_dtensor's own error says why: a DTensor is not "unmovable" here
+            raise
         raise_named(exc, explain_unmovable("split", [tensor], lambda i: "the tensor"))
 
 
