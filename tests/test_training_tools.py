@@ -27,24 +27,28 @@ V, D, T = 11, 8, 5  # vocabulary, width, tokens per row
 
 
 class ToyStage(nn.Module):
-    """Embedding on the first stage, a residual tanh layer on every stage, the output head on the last."""
+    """Embedding on the first stage, a residual tanh layer on every stage, the output head on the last;
+    dropout ``p`` after the residual layer when given."""
 
-    def __init__(self, first: bool, last: bool) -> None:
+    def __init__(self, first: bool, last: bool, p: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(V, D) if first else None
         self.lin = nn.Linear(D, D)
+        self.drop = nn.Dropout(p) if p else None
         self.head = nn.Linear(D, V, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
         h = torch.tanh(self.lin(h)) + h
+        if self.drop is not None:
+            h = self.drop(h)
         return self.head(h) if self.head is not None else h
 
 
-def toy(num_stages: int, tied: bool, seed: int = 0) -> list[nn.Module]:
-    """Stages of the toy model; ``tied``: the head *is* the embedding (the unsplit reference)."""
+def toy(num_stages: int, tied: bool, seed: int = 0, p: float = 0.0) -> list[nn.Module]:
+    """Stages of the toy model; ``tied``: the head *is* the embedding (the unsplit reference); ``p``: dropout."""
     torch.manual_seed(seed)
-    stages = [ToyStage(i == 0, i == num_stages - 1) for i in range(num_stages)]
+    stages = [ToyStage(i == 0, i == num_stages - 1, p) for i in range(num_stages)]
     if tied:
         stages[-1].head.weight = stages[0].embed.weight
     return stages
@@ -294,6 +298,107 @@ def test_dcp_round_trip_of_fsdp_sharded_stages_2x2():
         assert unsplit.state_dict().keys() == saved.keys()
         for k, v in unsplit.state_dict().items():
             assert torch.equal(v, saved[k]), k
+
+
+# -- the RNG in the checkpoint: a restart with dropout is bitwise ------------------------------------
+_STEPS, _SAVED_AT = 6, 3
+
+
+def _dropout_pipeline(rank: int, seed: int):
+    module = toy(2, tied=False, seed=seed, p=0.3)[rank]
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, rank, 2, "cpu"), 2, loss_fn=pe.TokenMeanLoss())
+    return module, sched, torch.optim.AdamW(module.parameters(), lr=0.05)
+
+
+def _restart_with_dropout(rank: int, world: int, path: str) -> dict:
+    """The README's restart with dropout on every stage: _STEPS steps uninterrupted, against _SAVED_AT steps, a
+    checkpoint, and a fresh start (other weights, each rank's generators seeded otherwise) that loads it and
+    runs to _STEPS. Each rank draws its own masks (its own seed), so a rank given another rank's generator
+    state would differ too."""
+    fqn_maps = {rank: f"{rank}."}
+    module, sched, opt = _dropout_pipeline(rank, seed=0)
+    torch.manual_seed(1000 + rank)
+    _train_steps(rank, sched, opt, range(_STEPS))
+    straight = {k: v.clone() for k, v in module.state_dict().items()}
+
+    module, sched, opt = _dropout_pipeline(rank, seed=0)
+    torch.manual_seed(1000 + rank)
+    _train_steps(rank, sched, opt, range(_SAVED_AT))
+    pe.save_checkpoint(path, sched, opt, fqn_maps=fqn_maps, extra={"step": _SAVED_AT})
+
+    def resume(reseed_after_load: bool) -> float:
+        fresh, sched2, opt2 = _dropout_pipeline(rank, seed=1)
+        torch.manual_seed(2000 + rank)  # a fresh process's generators are not the saved ones
+        extra = {"step": -1}
+        pe.load_checkpoint(path, sched2, opt2, fqn_maps=fqn_maps, extra=extra)
+        if reseed_after_load:
+            torch.manual_seed(3000 + rank)
+        _train_steps(rank, sched2, opt2, range(extra["step"], _STEPS))
+        return max((fresh.state_dict()[k] - v).abs().max().item() for k, v in straight.items())
+
+    return {"restored": resume(False), "reseeded": resume(True)}
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_with_dropout_resumes_bitwise_from_the_checkpoint():
+    """Red-team issue 54 item 5: without each rank's generator states in the checkpoint, the masks after the
+    restart were drawn from the fresh process's generators and the parameters after 6 steps differed (by up to
+    0.034). Each rank's states are saved under a key of its own and restored by load_checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        res = rank_values(_restart_with_dropout, 2, path, timeout=100)
+        assert all(v["restored"] == 0.0 for v in res.values()), res
+        assert all(v["reseeded"] > 0.0 for v in res.values()), res  # the masks matter: the test can tell
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        assert {"rng.rank0", "rng.rank1"} <= set(keys), sorted(keys)
+
+
+def _pipe_and_adamw(seed: int):
+    pipe = pe.Pipe(nn.Sequential(*toy(2, tied=False, seed=seed, p=0.3)), balance=[1, 1], devices=["cpu", "cpu"],
+                   chunks=2)
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=0.05)
+
+
+def _pipe_steps(pipe, opt, steps) -> None:
+    for step in steps:
+        x, y = _ckpt_batches(step)
+        pipe.step(x, target=y, loss_fn=pe.TokenMeanLoss())
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_pipe_with_dropout_resumes_bitwise_from_the_checkpoint(tmp_path):
+    """Single process: a Pipe draws each step's seeds from the CPU generator (checkpointing and dropout), so the
+    checkpoint's CPU generator state makes its resumed masks the uninterrupted run's; ``rng=False`` loads the
+    model and optimizer only, leaving the generators as they are."""
+    pipe, opt = _pipe_and_adamw(seed=0)
+    torch.manual_seed(7)
+    _pipe_steps(pipe, opt, range(_STEPS))
+    straight = {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    pipe, opt = _pipe_and_adamw(seed=0)
+    torch.manual_seed(7)
+    _pipe_steps(pipe, opt, range(_SAVED_AT))
+    path = str(tmp_path / "ckpt")
+    pe.save_checkpoint(path, pipe, opt)
+    fresh, opt2 = _pipe_and_adamw(seed=1)
+    torch.manual_seed(8)
+    pe.load_checkpoint(path, fresh, opt2)
+    _pipe_steps(fresh, opt2, range(_SAVED_AT, _STEPS))
+    assert fresh.state_dict().keys() == straight.keys()
+    for k, v in straight.items():
+        assert torch.equal(fresh.state_dict()[k], v), (k, (fresh.state_dict()[k] - v).abs().max().item())
+
+    torch.manual_seed(9)
+    before = torch.get_rng_state()
+    pe.load_checkpoint(path, fresh, opt2, rng=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    # a checkpoint without generators (saved with rng=False, or before they were saved) loads, leaving them alone
+    pe.save_checkpoint(str(tmp_path / "no_rng"), fresh, opt2, rng=False)
+    pe.load_checkpoint(str(tmp_path / "no_rng"), fresh, opt2)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # -- in-process pieces ---------------------------------------------------------------------------

@@ -15,8 +15,9 @@ mode (``$JOB_MODE``):
 - ``lost``: at that step the first rank of host ``$JOB_LOST_NODE`` writes
   ``$JOB_OUT/lost`` and stops in its forward; the test then takes the host
   down (its link, then all its processes);
-- ``train``: ``$JOB_STEPS`` steps of 1F1B and SGD, a checkpoint
-  (``pe.training.save_checkpoint``: model, optimizer and the data position)
+- ``train``: ``$JOB_STEPS`` steps of 1F1B and SGD on stages with dropout
+  (each rank its own masks), a checkpoint (``pe.training.save_checkpoint``:
+  model, optimizer, each rank's random generators and the data position)
   after every step; a restarted rank loads the last one and goes on from its
   position. ``$JOB_DIE`` = "rank:step": that rank SIGKILLs itself in the
   forward of that step, in its first attempt only (``TORCHELASTIC_RESTART_COUNT``
@@ -113,7 +114,9 @@ def train(rank: int, world: int) -> dict:
     from models import build, loss_fn, make_batch
 
     ckpts = os.environ["JOB_CKPT"]  # one directory per step: a rank killed while saving leaves the last whole one
-    modules = build("mlp", world)
+    # dropout on every stage: a restarted process's generators are not the ones the checkpoint saved
+    modules = [nn.Sequential(nn.Dropout(0.2), m) for m in build("mlp", world)]
+    torch.manual_seed(100 + rank)
     stage = pe.PipelineStage(modules[rank], rank, world, "cpu")
     sched = pe.Schedule1F1B(stage, 4, loss_fn=loss_fn, timeout=TIMEOUT)
     opt = torch.optim.SGD(modules[rank].parameters(), lr=0.05, momentum=0.9)

@@ -17,7 +17,9 @@ checkpoint *is* the unsplit model's DCP checkpoint:
   or with plain DCP code, and ``torch.distributed.checkpoint.format_utils.
   dcp_to_torch_save`` turns it into one ``torch.save`` file;
 - a fresh pipeline (any schedule, any stages per rank) loads it back, and
-  resuming is bitwise identical to not stopping (model and optimizer state).
+  resuming is bitwise identical to not stopping (model and optimizer state,
+  and with dropout each rank's random generators: key ``"rng"``, see
+  [Note: the random generators in a checkpoint]).
 
 The map (``fqn_maps={stage_index: map}``), per stage, is one of:
 ``None`` (the stage already uses the unsplit names, e.g. it was made by
@@ -29,6 +31,7 @@ longest matching path is renamed, other names are kept), or a callable
 """
 from __future__ import annotations
 
+import io
 import os
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeline_ext.training.stages import local_stages, unwrap
@@ -137,6 +141,58 @@ def _state(obj: Any, optimizers: Any, fqn_maps: Optional[Mapping[int, FQNMap]], 
     return container, optims, names, state
 
 
+# [Note: the random generators in a checkpoint]
+# A restart is bitwise only if the random numbers after it are those a run
+# never stopped would have drawn: dropout masks come from the process's
+# generators, and a fresh process seeds them its own way (the parameters of a
+# model with dropout differed by 0.034 after 6 steps). So each process's
+# generator states go into the checkpoint: torch's CPU generator (which also
+# gives a ``Pipe`` each call's seeds: it has no counter of its own) and every
+# CUDA generator, when this process has initialised CUDA (one that never did
+# has drawn nothing from them, and reading them would initialise CUDA in a
+# CPU-only rank). They are one process's state, not the model's: DCP keeps
+# one value per key across ranks, so each rank saves them under a key naming
+# its global rank, ``"rng": {"rank<r>": ...}``, as one opaque value (bytes of
+# ``torch.save``: its shape may differ between ranks, e.g. their GPU counts),
+# and ``load_checkpoint`` restores the entry of its own rank, after the
+# model was built (building it draws from the generators). A checkpoint
+# without that entry (written before, by plain DCP, or by fewer ranks) leaves
+# the generators as they are; ``rng=False`` does too, e.g. when a pipeline's
+# checkpoint starts another run. Python's ``random`` and NumPy are not saved.
+_RNG = "rng"
+
+
+def _rng_key() -> str:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"rank{rank}"
+
+
+def _rng_state() -> bytes:
+    """This process's torch generators, as one value ([Note: the random generators in a checkpoint])."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    buf = io.BytesIO()
+    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, buf)
+    return buf.getvalue()
+
+
+def _set_rng_state(saved: bytes) -> None:
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    for index, cuda in enumerate(state["cuda"][: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda, index)  # deferred until CUDA is initialised, as torch.cuda.manual_seed
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default plan, which reads a rank's generator states only where the checkpoint has them."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        rngs = state_dict.get(_RNG)
+        if metadata is not None and rngs is not None:  # "rng" itself stays: dcp.load writes each top key back
+            for key in [k for k in rngs if f"{_RNG}.{k}" not in metadata.state_dict_metadata]:
+                del rngs[key]
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
 def _dcp_kwargs(process_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     distributed = dist.is_available() and dist.is_initialized()
     return {"process_group": process_group, "no_dist": not distributed}
@@ -144,30 +200,43 @@ def _dcp_kwargs(process_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
 
 def save_checkpoint(path: Union[str, os.PathLike], obj: Any, optimizers: Any = None,
                     fqn_maps: Optional[Mapping[int, FQNMap]] = None, extra: Optional[dict[str, Any]] = None,
-                    process_group: Optional[dist.ProcessGroup] = None) -> None:
+                    process_group: Optional[dist.ProcessGroup] = None, rng: bool = True) -> None:
     """Save this rank's stages (model and optimizer state) as part of one DCP checkpoint at ``path``.
 
     A collective over ``process_group`` (default: every rank): every rank of
     every pipeline (and every DP replica) calls it. ``obj`` is the
-    ``PipelineSchedule``, this rank's stage(s), or the unsplit ``nn.Module``.
-    ``optimizers``: one optimizer or several, over this rank's stages.
+    ``PipelineSchedule``, this rank's stage(s), a ``Pipe``, or the unsplit
+    ``nn.Module``. ``optimizers``: one optimizer or several, over this rank's
+    stages. ``rng``: also save this process's random generators (under
+    ``"rng"``, one entry per rank), so that a restart draws the dropout masks
+    a run never stopped would have drawn.
     """
     _, _, _, state = _state(obj, optimizers, fqn_maps, extra)
+    if rng:
+        state[_RNG] = {_rng_key(): _rng_state()}
     dcp.save(state, checkpoint_id=path, **_dcp_kwargs(process_group))
 
 
 def load_checkpoint(path: Union[str, os.PathLike], obj: Any, optimizers: Any = None,
                     fqn_maps: Optional[Mapping[int, FQNMap]] = None, extra: Optional[dict[str, Any]] = None,
-                    process_group: Optional[dist.ProcessGroup] = None) -> None:
+                    process_group: Optional[dist.ProcessGroup] = None, rng: bool = True) -> None:
     """Load a checkpoint written by ``save_checkpoint`` (or by DCP for the unsplit model) into ``obj``.
 
     ``obj`` may be cut differently from the pipeline that saved it: each rank
     reads exactly the unsplit names its stages map to. ``extra``, when given,
     is filled in place from the saved ``"extra"`` (same keys). A collective
-    like ``save_checkpoint``; an unsplit ``nn.Module`` in a process without
-    ``torch.distributed`` loads on its own.
+    like ``save_checkpoint``; an unsplit ``nn.Module`` (or a ``Pipe``) in a
+    process without ``torch.distributed`` loads on its own. ``rng``: restore
+    this rank's random generators where the checkpoint has them (call it
+    after building the model, which draws from them); False leaves them as
+    they are.
     """
     container, optims, names, state = _state(obj, optimizers, fqn_maps, extra)
-    dcp.load(state, checkpoint_id=path, **_dcp_kwargs(process_group))
+    if rng:
+        state[_RNG] = {_rng_key(): b""}  # replaced by the saved value, or dropped where there is none
+    dcp.load(state, checkpoint_id=path, planner=_LoadPlanner(), **_dcp_kwargs(process_group))
     set_state_dict(container, optims, model_state_dict=names.model(state["model"], False),
                    optim_state_dict=names.optim(state["optim"], False) if optims else {}, options=_OPTIONS)
+    saved = state.get(_RNG, {}).get(_rng_key()) if rng else None
+    if saved:
+        _set_rng_state(saved)
