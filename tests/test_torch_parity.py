@@ -139,8 +139,8 @@ def _step_surface(rank: int, world: int) -> list[str]:
         bad.append("return_outputs=False returned something")
     if last and not torch.allclose(sum(losses) / 4, 2.0 * loss_fn(want_out, y), rtol=1e-5):
         bad.append("loss_kwargs did not reach the loss_fn")
-    if last and len(stage.output_chunks) != 4:
-        bad.append(f"output_chunks has {len(stage.output_chunks)} entries, want 4")
+    if last and stage.output_chunks:  # torch's save_forward_output=False: nothing returned, nothing kept
+        bad.append(f"return_outputs=False kept {len(stage.output_chunks)} outputs in output_chunks")
     bad += _grads_equal(modules, ref, [rank])
     stage.scale_grads(2)
     if not all(torch.allclose(p.grad * 2, q.grad) for p, q in zip(modules[rank].parameters(), ref[rank].parameters())):
@@ -366,3 +366,246 @@ def test_orders_planned_from_stand_in_stages_pass_torchs_checks(cls, v):
         sched.step(torch.zeros(8, 2))
     with pytest.raises(ValueError, match="stages_per_rank == 2"):  # V schedules: two stages per rank
         pe.ScheduleZBVZeroBubble([_StandIn(3 * p, p) for _ in range(3)], m)
+
+
+# -- torch's signatures, parameter by parameter (red-team issue 54, item 8) -----------------------------------
+
+#: what torchtitan 0.3.0's trainer passes to step() (torch's newer pre-split form, which torch 2.13 lacks)
+TORCHTITAN_STEP = ("arg_mbs", "kwarg_mbs", "target_mbs", "losses", "loss_kwargs", "return_outputs")
+
+
+def _torch_classes() -> list[tuple[str, type, type]]:
+    """(name, torch's class, ours) for PipelineStage and every schedule class both torch 2.13 and we have."""
+    import inspect
+
+    import torch.distributed.pipelining.schedules as ts
+    import torch.distributed.pipelining.stage as tst
+
+    found = [("PipelineStage", tst.PipelineStage, pe.PipelineStage)]
+    for name, cls in sorted(vars(ts).items()):
+        if (inspect.isclass(cls) and (name.startswith(("Schedule", "PipelineSchedule")) or name in (
+                "_ScheduleForwardOnly", "_PipelineScheduleRuntime")) and hasattr(pe, name)):
+            found.append((name, cls, getattr(pe, name)))
+    return found
+
+
+def test_every_parameter_of_torchs_signatures_is_accepted_in_torchs_positions():
+    """Each parameter torch 2.13's ``__init__`` / ``step`` / ``eval`` takes is ours too, at the same position.
+
+    By position as well as by name: a torch script that passes ``scale_grads``
+    positionally to ``ScheduleInterleaved1F1B`` (torch has no
+    ``use_full_backward`` there) must not set another argument here.
+    """
+    import inspect
+
+    found = _torch_classes()
+    names = {n for n, _, _ in found}
+    assert {"PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "PipelineScheduleSingle",
+            "PipelineScheduleMulti", "_ScheduleForwardOnly", "_PipelineScheduleRuntime"} <= names, names
+    problems = []
+    for name, theirs, ours in found:
+        for method in ("__init__", "step", "eval"):
+            if not hasattr(theirs, method):
+                continue
+            want = inspect.signature(getattr(theirs, method)).parameters
+            have = inspect.signature(getattr(ours, method)).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in want.values()) and len(want) <= 3:
+                continue  # torch's (*args, **kwargs) pass-through: its base class's signature is compared
+            positional = lambda ps: [n for n, p in ps.items() if p.kind is p.POSITIONAL_OR_KEYWORD]  # noqa: E731
+            if positional(have)[:len(positional(want))] != positional(want):
+                problems.append(f"{name}.{method}: positions {positional(want)} in torch, {positional(have)} here")
+            for pname, p in want.items():
+                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    continue
+                if pname not in have:
+                    problems.append(f"{name}.{method}: torch's {pname}= is missing")
+                elif p.default is not p.empty and have[pname].default != p.default:
+                    problems.append(f"{name}.{method}: {pname} defaults to {have[pname].default!r} here, "
+                                    f"{p.default!r} in torch")
+        if name.startswith(("Schedule", "PipelineSchedule")) and name != "_ScheduleForwardOnly":
+            have = inspect.signature(ours.step).parameters
+            problems += [f"{name}.step: torchtitan's {k}= is missing" for k in TORCHTITAN_STEP if k not in have]
+    assert not problems, "\n".join(problems)
+
+
+def test_bad_torch_arguments_are_refused_by_name():
+    import torch.distributed as dist
+
+    from mp_utils import free_port
+
+    mine = not dist.is_initialized()  # a one-rank group in this process, for PipelineStage's own checks
+    if mine:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mod = torch.nn.Linear(16, 16)
+        with pytest.raises(TypeError, match="output_grads must be a tensor or a tuple of tensors"):
+            pe.PipelineStage(mod, 0, 1, "cpu", output_grads="grad")
+        # torch before 2.13 took group seventh; torch 2.13 (and this) takes output_grads there
+        with pytest.raises(TypeError, match="output_grads got a ProcessGroup.*pass group= by keyword"):
+            pe.PipelineStage(mod, 0, 1, "cpu", None, None, dist.group.WORLD)
+        # declared gradients that cannot be the gradients of the declared tensors: the stage and both sides named
+        with pytest.raises(pe.PipeliningMetadataError,
+                           match=r"stage 0: output_grads\[0\] has shape \(2, 8\), output_args\[0\] has shape \(2, 16\)"):
+            pe.PipelineStage(mod, 0, 1, "cpu", output_args=torch.empty(2, 16), output_grads=torch.empty(2, 8))
+        with pytest.raises(pe.PipeliningMetadataError, match=r"stage 0: input_grads\[0\] has dtype torch.float64, "
+                                                             r"input_args\[0\] has dtype torch.float32"):
+            pe.PipelineStage(mod, 0, 1, "cpu", input_args=(torch.empty(2, 16),),
+                             input_grads=(torch.empty(2, 16, dtype=torch.float64),))
+        with pytest.raises(pe.PipeliningMetadataError, match="output_grads has 2 entries, output_args 1"):
+            pe.PipelineStage(mod, 0, 1, "cpu", output_args=torch.empty(2, 16), output_grads=(torch.empty(2, 16), None))
+        ok = pe.PipelineStage(mod, 0, 1, "cpu", output_args=torch.empty(2, 16), output_grads=[torch.empty(2, 16)],
+                              input_grads=(None,))
+        assert ok.output_grads[0].shape == (2, 16) and ok.input_grads == (None,)
+        with pytest.raises(TypeError, match="defer_pp_recv must be a bool"):
+            pe.ScheduleInterleaved1F1B([ok], 2, loss_fn=loss_fn, defer_pp_recv="yes")
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
+def _ref_grads(ref, x, y, scale: float = 1.0) -> None:
+    (scale * loss_fn(run_stages(ref, x), y)).backward()
+
+
+def _pre_split(rank: int, world: int) -> list[str]:
+    """torchtitan's step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=, return_outputs=False)."""
+    bad: list[str] = []
+    first, last = rank == 0, rank == world - 1
+    m = 4
+    x, y = make_batch("mlp", 8, seed=5)
+    xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
+    split_mods, whole_mods, ref = build("mlp", world), build("mlp", world), build("mlp", world)
+    scaled = lambda out, tgt, scale=1.0: scale * loss_fn(out, tgt)  # noqa: E731
+    stage = pe.PipelineStage(split_mods[rank], rank, world, "cpu")
+    pre = pe.Schedule1F1B(stage, m, loss_fn=scaled)
+    whole = pe.Schedule1F1B(pe.PipelineStage(whole_mods[rank], rank, world, "cpu"), m, loss_fn=scaled)
+    # kwarg_mbs on every rank, arg_mbs on stage 0's, target_mbs on the last stage's: as torchtitan's trainer calls it
+    pre_losses: list = []
+    out = pre.step(arg_mbs=[(t,) for t in xs] if first else None, kwarg_mbs=[{} for _ in range(m)],
+                   target_mbs=ys if last else None, losses=pre_losses)
+    whole_losses: list = []
+    want_out = _step(whole, rank, world, x, y, losses=whole_losses)
+    _ref_grads(ref, x, y)
+    bad += [f"pre-split: {b}" for b in _grads_equal(split_mods, ref, [rank])]
+    for j, (p, q) in enumerate(zip(split_mods[rank].parameters(), whole_mods[rank].parameters())):
+        if not torch.equal(p.grad, q.grad):
+            bad.append(f"parameter {j}: step(arg_mbs=...) and step(x, target=y) give different gradients")
+    if last:
+        if not (len(pre_losses) == m and all(torch.equal(a, b) for a, b in zip(pre_losses, whole_losses))):
+            bad.append(f"losses {pre_losses} vs step(x, target=y)'s {whole_losses}")
+        if not (isinstance(out, torch.Tensor) and torch.equal(out, want_out)):
+            bad.append("step(arg_mbs=...) did not return the merged output step(x) returns")
+    elif out is not None:
+        bad.append("a rank without the last stage got an output")
+    # return_outputs=False: None on every rank and nothing kept; loss_kwargs reach the loss
+    pre_losses = []
+    got = pre.step(arg_mbs=[(t,) for t in xs] if first else None, target_mbs=ys if last else None,
+                   losses=pre_losses, loss_kwargs={"scale": 3.0}, return_outputs=False)
+    _ref_grads(ref, x, y, scale=3.0)
+    if got is not None:
+        bad.append(f"return_outputs=False returned {type(got).__name__}")
+    if last and stage.output_chunks:
+        bad.append("return_outputs=False kept the outputs")
+    if last and not torch.allclose(sum(pre_losses) / m, scaled(run_stages(ref, x).detach(), y, 3.0), rtol=1e-5):
+        bad.append("loss_kwargs did not reach the loss_fn in a pre-split step")
+    bad += [f"return_outputs=False: {b}" for b in _grads_equal(split_mods, ref, [rank])]
+    # eval() takes them too (torchtitan's validator): losses, no gradient
+    before = [p.grad.clone() for p in split_mods[rank].parameters()]
+    losses: list = []
+    got = pre.eval(arg_mbs=[(t,) for t in xs] if first else None, target_mbs=ys if last else None, losses=losses,
+                   return_outputs=False)
+    if got is not None or (last and len(losses) != m):
+        bad.append(f"eval(arg_mbs=...): returned {type(got).__name__}, {len(losses)} losses")
+    if not all(torch.equal(a, p.grad) for a, p in zip(before, split_mods[rank].parameters())):
+        bad.append("eval(arg_mbs=...) changed .grad")
+    # a mix of whole-batch and pre-split inputs: refused naming both, on every rank that mixed
+    said = _refusal(pre.step, *((x,) if first else ()), **({"arg_mbs": [(t,) for t in xs]} if first else
+                                                              {"target_mbs": ys, "target": y}))
+    want = ("arg_mbs=", "whole-batch positional arguments") if first else ("target_mbs=", "target=")
+    if not (said.startswith(("ValueError", "TypeError")) and all(w in said for w in want)):
+        bad.append(f"mixing: {said}")
+    # a list of the wrong length on one rank: refused there by name, and every other rank refuses that step too
+    # (the agreement tells them), so none waits for a step that will not run
+    said = _refusal(pre.step, **({"arg_mbs": [(t,) for t in xs[:3]]} if first else {"target_mbs": ys}))
+    want = "arg_mbs has 3 entries but the schedule runs n_microbatches=4" if first else "StepRejectedError"
+    if want not in said:
+        bad.append(f"wrong length: {said}")
+    pre_losses = []
+    pre.step(arg_mbs=[(t,) for t in xs] if first else None, target_mbs=ys if last else None, losses=pre_losses)
+    _ref_grads(ref, x, y)
+    bad += [f"after refusals: {b}" for b in _grads_equal(split_mods, ref, [rank])]
+    return bad
+
+
+def _refusal(call, *args, **kwargs) -> str:
+    try:
+        call(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - which error, and its words, are what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_pre_split_step_as_torchtitan_calls_it_equals_the_whole_batch_step():
+    no_complaints(_pre_split, 2, timeout=60)
+
+
+def _declared_grads_and_defer(rank: int, world: int) -> list[str]:
+    """output_grads/input_grads checked against what runs; defer_pp_recv and torch's positional order exact."""
+    import torch.distributed as dist
+
+    bad: list[str] = []
+    x, y = make_batch("mlp", 8, seed=7)
+    # gradients declared as they are: accepted, exact
+    modules, ref = build("mlp", world), build("mlp", world)
+    grads = dict(output_grads=(torch.empty(2, 16),)) if rank == 0 else dict(input_grads=torch.empty(2, 16))
+    sched = pe.Schedule1F1B(pe.PipelineStage(modules[rank], rank, world, "cpu", **grads), 4, loss_fn=loss_fn)
+    _step(sched, rank, world, x, y)
+    _ref_grads(ref, x, y)
+    bad += [f"declared gradients: {b}" for b in _grads_equal(modules, ref, [rank])]
+    # declared gradients unlike the stage's outputs: refused naming the stage, the microbatch and both sides
+    # (on a one-rank group, as the input_args check above)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    solo = pe.PipelineStage(build("mlp", 1)[0], 0, 1, "cpu", output_grads=torch.empty(3, 4), group=alone)
+    try:
+        pe.ScheduleGPipe(solo, 4, loss_fn=loss_fn).step(x, target=y)
+        bad.append("output_grads unlike the outputs were accepted")
+    except pe.PipeliningMetadataError as exc:
+        if "stage 0, microbatch 0: output_grads[0] has shape (3, 4), the stage's outputs[0] has shape (2, 4)" \
+                not in str(exc):
+            bad.append(f"output_grads mismatch message: {exc}")
+    # defer_pp_recv=True: accepted, the same step bit for bit as without it, and the unsplit model's
+    n = 2 * world
+    runs = {}
+    for defer in (False, True):
+        modules, ref = build("mlp", n), build("mlp", n)
+        mine = [s for s in range(n) if s % world == rank]
+        sched = pe.ScheduleInterleaved1F1B([pe.PipelineStage(modules[s], s, n, "cpu") for s in mine], 4,
+                                           loss_fn=loss_fn, defer_pp_recv=defer)
+        if sched.defer_pp_recv is not defer:
+            bad.append("defer_pp_recv is not kept")
+        sched.step(*((x,) if 0 in mine else ()), **({"target": y} if n - 1 in mine else {}))
+        _ref_grads(ref, x, y)
+        bad += [f"defer_pp_recv={defer}: {b}" for b in _grads_equal(modules, ref, mine)]
+        runs[defer] = [p.grad for s in mine for p in modules[s].parameters()]
+    if not all(torch.equal(a, b) for a, b in zip(runs[False], runs[True])):
+        bad.append("defer_pp_recv=True changed the gradients")
+    # torch's positional order: (stages, n, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+    # scale_grads, backward_requires_autograd, defer_pp_recv); scale_grads=False sums the microbatch losses
+    modules, ref = build("mlp", n), build("mlp", n)
+    sched = pe.ScheduleInterleaved1F1B([pe.PipelineStage(modules[s], s, n, "cpu") for s in mine], 4, loss_fn,
+                                       None, None, None, False, True, True)
+    sched.step(*((x,) if 0 in mine else ()), **({"target": y} if n - 1 in mine else {}))
+    _ref_grads(ref, x, y, scale=4.0)
+    bad += [f"positional scale_grads=False: {b}" for b in _grads_equal(modules, ref, mine)]
+    if sched.defer_pp_recv is not True:
+        bad.append("positional defer_pp_recv was not taken")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_declared_gradients_are_checked_and_defer_pp_recv_is_exact():
+    no_complaints(_declared_grads_and_defer, 2, timeout=90)

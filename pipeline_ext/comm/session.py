@@ -263,12 +263,16 @@ class Session:
         return self.num_stages - 1 in self._local
 
     def begin(self, kind: int, args: Any, kwargs: Any, target: Any, loss_kwargs: Optional[dict] = None,
-              split: bool = True) -> Step:
+              split: bool = True, refused: Optional[Exception] = None) -> Step:
         """Check this rank's part of a step of ``kind`` and post it to every rank, before any stage runs.
 
         ``split``: ``args``/``kwargs``/``target`` are the whole batch, cut
         here; else they are the caller's microbatches (``step_microbatches``:
         lists with one entry per microbatch, any shapes; None where not given).
+
+        ``refused``: the caller's own rejection of the step's arguments (the
+        front end checks what it alone can, e.g. a mix of whole-batch and
+        per-microbatch inputs); it is this rank's rejection like any other.
 
         Every call takes part in exactly one exchange, a rejected one too: a
         rank that rejects its own inputs raises its own error at once, every
@@ -289,6 +293,8 @@ class Session:
         weights: list = []
         error: Optional[Exception] = None
         try:
+            if refused is not None:
+                raise refused
             if kind == TRAIN and not torch.is_grad_enabled():
                 # short: the peers read it from the step record, whose reason holds 128 bytes
                 raise RuntimeError(f"autograd is off on rank {self.rank} (no_grad/inference_mode): step() trains; "

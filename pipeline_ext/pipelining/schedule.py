@@ -29,6 +29,7 @@ comes in a later step.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
@@ -325,33 +326,87 @@ class PipelineSchedule:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
-             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+             loss_kwargs: Optional[dict] = None, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+             target_mbs: Optional[list] = None, **kwargs: Any) -> Any:
         """One training step: forward and backward of every microbatch under the schedule.
 
         Gradients accumulate into ``.grad``. On the last stage, ``losses`` is
         filled with this step's per-microbatch losses (cleared first, as in
         torch) and the merged output is returned (None with
-        ``return_outputs=False``). ``loss_kwargs`` go to every
+        ``return_outputs=False``, which also keeps no output: a step that
+        returns nothing holds no logits). ``loss_kwargs`` go to every
         ``loss_fn(output, target, **loss_kwargs)`` call. Inputs given on a rank
         that does not hold stage 0, and a target on a rank without the last
         stage, are not used (as in torch). With ``loss_fn=None`` (on every
         rank) the step is forward only, as in torch: no backward, ``.grad``
         untouched.
+
+        ``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs`` (torch's newer pre-split
+        form, which torchtitan calls): the batch already cut, one tuple of
+        positional arguments / one dict / one target per microbatch, each
+        list ``n_microbatches`` long. The step is ``step_microbatches``'s
+        (microbatches of any shapes); the merged output is returned as for a
+        whole batch. They cannot be mixed with whole-batch positional
+        arguments, keyword arguments or ``target=`` (refused naming both).
         """
-        if self.loss_fn is None:
-            with torch.no_grad():
-                return self._run(FORWARD, args, kwargs, target, None, return_outputs, loss_kwargs)
-        return self._run(TRAIN, args, kwargs, target, losses, return_outputs, loss_kwargs)
+        kind = TRAIN if self.loss_fn is not None else FORWARD
+        return self._dispatch("step", kind, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
+                              losses if kind == TRAIN else None, return_outputs, loss_kwargs)
 
     def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
-             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+             loss_kwargs: Optional[dict] = None, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+             target_mbs: Optional[list] = None, **kwargs: Any) -> Any:
         """Forward only (no_grad) under a forward-only version of the schedule; merged output on the last stage.
 
         With ``target=`` (and a ``loss_fn``) the losses are computed and put
         in ``losses`` as ``step()`` does, without any backward (as in torch).
+        ``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs``: the batch already cut,
+        as for ``step()``.
         """
-        with torch.no_grad():
-            return self._run(FORWARD, args, kwargs, target, losses, return_outputs, loss_kwargs)
+        return self._dispatch("eval", FORWARD, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs, losses,
+                              return_outputs, loss_kwargs)
+
+    def _dispatch(self, call: str, kind: int, args: tuple, kwargs: dict, target: Any, arg_mbs: Any, kwarg_mbs: Any,
+                  target_mbs: Any, losses: Optional[list], return_outputs: bool, loss_kwargs: Optional[dict]) -> Any:
+        """``step``/``eval`` on a whole batch (cut here), or on the caller's microbatches when any ``*_mbs`` is given.
+
+        Why a mix is refused rather than merged: the whole batch would be cut
+        into ``n_microbatches`` while the lists already are, and which one a
+        stage runs would be a guess. The refusal (and a list of the wrong
+        length) is this rank's rejection of the step, told to every rank in
+        the step's agreement, so no peer waits for a step that will not run.
+        """
+        pre_split = [n for n, v in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs))
+                     if v is not None]
+        refused: Optional[Exception] = None
+        if pre_split:
+            whole = ((["whole-batch positional arguments"] if args else []) + [f"{k}=" for k in kwargs]
+                     + (["target="] if target is not None else []))
+            if whole:
+                refused = ValueError(
+                    f"{call}(): {', '.join(n + '=' for n in pre_split)} (microbatches already cut) cannot be mixed "
+                    f"with {', '.join(whole)} (a whole batch): pass the batch whole ({call}(x, target=y)) or as "
+                    f"microbatches ({call}(arg_mbs=, kwarg_mbs=, target_mbs=)), not both")
+            else:
+                refused = self._check_microbatch_lists(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
+            args, kwargs, target = arg_mbs, kwarg_mbs, target_mbs
+        grad = torch.no_grad() if kind == FORWARD else contextlib.nullcontext()
+        with grad:
+            return self._run(kind, args, kwargs, target, losses, return_outputs, loss_kwargs, split=not pre_split,
+                             merge=True, refused=refused)
+
+    def _check_microbatch_lists(self, **lists: Any) -> Optional[Exception]:
+        """The error for a per-microbatch list that is not a list of ``n_microbatches`` entries, on every rank (as
+        torch checks them); None when all are right. The ranks that use a list check its entries too."""
+        for name, values in lists.items():
+            if values is None:
+                continue
+            if not isinstance(values, (list, tuple)):
+                return TypeError(f"{name} must be a list with one entry per microbatch, got {type(values).__name__}")
+            if len(values) != self.n_microbatches:
+                return ValueError(f"{name} has {len(values)} entries but the schedule runs "
+                                  f"n_microbatches={self.n_microbatches}")
+        return None
 
     def step_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
                           target_mbs: Optional[list] = None, losses: Optional[list] = None,
@@ -373,17 +428,22 @@ class PipelineSchedule:
         microbatch's share of the rows. Returns the per-microbatch outputs on
         the last stage (None elsewhere, or with ``return_outputs=False``).
         """
+        refused = self._check_microbatch_lists(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
         if self.loss_fn is None:
             with torch.no_grad():
-                return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, None, return_outputs, loss_kwargs, False)
-        return self._run(TRAIN, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False)
+                return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, None, return_outputs, loss_kwargs, False,
+                                 refused=refused)
+        return self._run(TRAIN, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False,
+                         refused=refused)
 
     def eval_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
                           target_mbs: Optional[list] = None, losses: Optional[list] = None,
                           return_outputs: bool = True, loss_kwargs: Optional[dict] = None) -> Optional[list]:
         """``eval()`` over microbatches the caller cut (see ``step_microbatches``): forward only, no_grad."""
+        refused = self._check_microbatch_lists(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
         with torch.no_grad():
-            return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False)
+            return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False,
+                             refused=refused)
 
     def _step_microbatches(self, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
                            target_mbs: Optional[list] = None, losses: Optional[list] = None,
@@ -399,7 +459,13 @@ class PipelineSchedule:
         return self._executors[kind]
 
     def _run(self, kind: int, args: Any, kwargs: Any, target: Any, losses: Optional[list],
-             return_outputs: bool = True, loss_kwargs: Optional[dict] = None, split: bool = True) -> Any:
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None, split: bool = True,
+             merge: Optional[bool] = None, refused: Optional[Exception] = None) -> Any:
+        """Run one step; on the last stage return the outputs: merged (``merge``, default ``split``) or a list.
+
+        ``refused``: this rank's rejection of the step's arguments, told to
+        every rank in the agreement instead of raised alone (a peer would wait).
+        """
         if self._session is None:
             raise RuntimeError(f"{type(self).__name__} was built from stand-in stages (no module, no process "
                                "group): its order can be inspected (pipeline_order, _dump_csv), not run; build it "
@@ -413,9 +479,11 @@ class PipelineSchedule:
         if losses is not None:
             losses.clear()  # every call: it holds this step's losses, none when the step computes none or fails
         executor = self._executor(kind)
-        step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split)
+        step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split, refused=refused)
         for r in self._runners.values():
             r.reset()
+        if self.has_last_stage:  # torch's save_forward_output: nothing returned, nothing kept
+            self._runners[self._last_stage].keep_outputs = return_outputs
         training = kind == TRAIN
         if training:
             for hook in list(self._step_pre_hooks.values()):
@@ -443,12 +511,23 @@ class PipelineSchedule:
         last = self._runners[self._last_stage]
         if losses is not None and last.losses:
             losses.extend(last.losses[m] for m in range(self.n_microbatches))
-        chunks = [last.outputs[m] for m in range(self.n_microbatches)]
+        chunks = [last.outputs[m] for m in range(self.n_microbatches)] if return_outputs else []
         last.outputs.clear()
         self.stages[self._last_stage].output_chunks = chunks
         if not return_outputs:
             return None
-        return merge_chunks(chunks, self.output_merge_spec) if split else list(chunks)
+        if not (split if merge is None else merge):
+            return list(chunks)
+        if split:
+            return merge_chunks(chunks, self.output_merge_spec)
+        try:  # the caller's microbatches may have shapes that do not concatenate
+            return merge_chunks(chunks, self.output_merge_spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            cls = type(exc) if type(exc) in (RuntimeError, ValueError, TypeError) else RuntimeError
+            raise cls(
+                f"the step ran (gradients accumulated, losses filled), but its microbatches' outputs could not be "
+                f"merged into one ({exc}); pass return_outputs=False, or call step_microbatches() for the list "
+                "of per-microbatch outputs") from exc
 
     # -- torch's schedule surface: the order as data, CSV ------------------------------------------
     @property

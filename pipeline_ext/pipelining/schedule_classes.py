@@ -116,14 +116,16 @@ class PipelineScheduleMulti(PipelineSchedule):
         self._backward_requires_autograd = backward_requires_autograd
 
     def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True,
-             loss_kwargs: Optional[dict] = None, **kwargs: Any) -> Any:
+             loss_kwargs: Optional[dict] = None, arg_mbs: Optional[list] = None, kwarg_mbs: Optional[list] = None,
+             target_mbs: Optional[list] = None, **kwargs: Any) -> Any:
         if self.loss_fn is not None and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError(
                 "step() needs autograd (a training step under torch.no_grad() computes no gradient); use eval() "
                 "for a forward-only step, or backward_requires_autograd=False"
             )
         return super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
-                            loss_kwargs=loss_kwargs, **kwargs)
+                            loss_kwargs=loss_kwargs, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
+                            **kwargs)
 
 
 class _PipelineScheduleRuntime(PipelineScheduleMulti):
@@ -135,7 +137,47 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
     objects, ours, or their strings). With ``format="compute_only"`` the
     sends and receives are added by lowering. Every rank must give the same
     order; it is validated (deadlock, FIFO) before it runs.
+
+    ``defer_pp_recv`` (torch's switch that moves each receive next to the
+    compute that consumes it) is accepted and changes nothing: see [Note:
+    defer_pp_recv] below.
     """
+
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        n_microbatches: int,
+        loss_fn: LossFn = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        use_full_backward: Optional[bool] = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        *,
+        defer_pp_recv: bool = False,
+        timeout: float = 300.0,
+        trace: bool = False,
+        transport: Optional[str] = None,
+        overlap: Optional[bool] = None,
+    ) -> None:
+        # [Note: defer_pp_recv]
+        # torch places each RECV as early as its order allows and, with defer_pp_recv=True, moves it to right
+        # before the compute that consumes it (so that no receive is pending on the fabric during unrelated
+        # compute, e.g. an FSDP all-gather on ROCm), flushing receives before sends to a higher rank so that the
+        # pair cannot block. Our lowering (schedules/lowering.py, ``lower``) already places every RECV right
+        # before its consumer, moved earlier only where a pair of ranks must receive in the order the peer sends;
+        # the executor posts up to ``recv_window`` (4) of the following receives ahead, in that order, and waits
+        # on each at its RECV, right before use. The switch would change only when a receive is posted, never
+        # what arrives, so it is accepted, checked to be a bool, kept as ``self.defer_pp_recv``, and the step is
+        # the same bit for bit (tests/test_torch_parity.py). docs/parity.md says so for users.
+        if not isinstance(defer_pp_recv, bool):
+            raise TypeError(f"defer_pp_recv must be a bool, got {type(defer_pp_recv).__name__}")
+        #: torch's switch, accepted; the receives are already placed next to their use ([Note: defer_pp_recv])
+        self.defer_pp_recv = defer_pp_recv
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         use_full_backward, scale_grads, backward_requires_autograd, timeout=timeout, trace=trace,
+                         transport=transport, overlap=overlap)
 
     def _prepare_schedule_with_comms(self, actions: dict[int, Sequence[Any]], format: str = "compute_only") -> None:
         rows = [actions.get(r, []) for r in range(max(actions) + 1)] if actions else []
@@ -170,11 +212,13 @@ class _ScheduleForwardOnly(PipelineScheduleSingle):
 
     schedule_name = "gpipe"
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn = None, *args: Any,
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn = None, args_chunk_spec: Any = None,
+                 kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
                  **kwargs: Any) -> None:
         if loss_fn is not None:
             raise ValueError("_ScheduleForwardOnly computes no loss: pass loss_fn=None")
-        super().__init__(stage, n_microbatches, None, *args, **kwargs)
+        super().__init__(stage, n_microbatches, None, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **kwargs)
 
 
 class ScheduleZBH1(PipelineScheduleSingle):
@@ -189,25 +233,89 @@ class ScheduleZBH2(PipelineScheduleSingle):
     schedule_name = "zb_h2"
 
 
-class ScheduleInterleaved1F1B(_PipelineScheduleRuntime):
+class _BuiltinRuntime(_PipelineScheduleRuntime):
+    """The looped and V built-ins, with torch's positional order for them.
+
+    torch's ``ScheduleInterleaved1F1B`` and its siblings take ``(stages,
+    n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+    output_merge_spec, scale_grads, backward_requires_autograd,
+    defer_pp_recv)``: no ``use_full_backward`` between ``output_merge_spec``
+    and ``scale_grads`` as in ``PipelineScheduleMulti``. A torch script that
+    passes ``scale_grads`` by position must set ``scale_grads`` here too, not
+    ``use_full_backward`` (a silent change of the gradients' scale), so these
+    classes take torch's order and ``use_full_backward`` by keyword only.
+    """
+
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        n_microbatches: int,
+        loss_fn: LossFn = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        *,
+        use_full_backward: Optional[bool] = None,
+        timeout: float = 300.0,
+        trace: bool = False,
+        transport: Optional[str] = None,
+        overlap: Optional[bool] = None,
+    ) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         use_full_backward, scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv,
+                         timeout=timeout, trace=trace, transport=transport, overlap=overlap)
+
+
+class ScheduleInterleaved1F1B(_BuiltinRuntime):
     """Interleaved 1F1B: several looped stages per rank (Megatron order); one per rank also runs."""
 
     schedule_name = "interleaved_1f1b"
 
 
-class ScheduleInterleavedZeroBubble(_PipelineScheduleRuntime):
+class ScheduleInterleavedZeroBubble(_BuiltinRuntime):
     """Interleaved zero bubble (ZB1P): interleaved 1F1B's order, backward split, W filling the bubble."""
 
     schedule_name = "interleaved_zb"
 
 
-class ScheduleLoopedBFS(_PipelineScheduleRuntime):
-    """Looped BFS: several looped stages per rank, breadth first; one per rank also runs."""
+class ScheduleLoopedBFS(_BuiltinRuntime):
+    """Looped BFS: several looped stages per rank, breadth first; one per rank also runs.
+
+    torch's order for this one has no chunk specs: ``(stages, n_microbatches,
+    loss_fn, output_merge_spec, scale_grads, backward_requires_autograd,
+    defer_pp_recv)``; the specs are taken by keyword (the other classes'
+    meaning).
+    """
 
     schedule_name = "looped_bfs"
 
+    def __init__(
+        self,
+        stages: Union[PipelineStage, Sequence[PipelineStage]],
+        n_microbatches: int,
+        loss_fn: LossFn = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        *,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        use_full_backward: Optional[bool] = None,
+        timeout: float = 300.0,
+        trace: bool = False,
+        transport: Optional[str] = None,
+        overlap: Optional[bool] = None,
+    ) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, backward_requires_autograd, defer_pp_recv, use_full_backward=use_full_backward,
+                         timeout=timeout, trace=trace, transport=transport, overlap=overlap)
 
-class ScheduleZBVZeroBubble(_PipelineScheduleRuntime):
+
+class ScheduleZBVZeroBubble(_BuiltinRuntime):
     """ZB-V: zero-bubble V, two stages per rank in a V."""
 
     schedule_name = "zbv"
@@ -221,19 +329,19 @@ def __getattr__(name: str) -> Any:  # PEP 562: a deprecated name that still reso
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class ScheduleDualPipeV(_PipelineScheduleRuntime):
+class ScheduleDualPipeV(_BuiltinRuntime):
     """DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank."""
 
     schedule_name = "dualpipev"
 
 
-class ScheduleVHalf(_PipelineScheduleRuntime):
+class ScheduleVHalf(_BuiltinRuntime):
     """V-Half: V placement, backward split, about half of 1F1B's activation memory (controllable-memory V)."""
 
     schedule_name = "v_half"
 
 
-class ScheduleVMin(_PipelineScheduleRuntime):
+class ScheduleVMin(_BuiltinRuntime):
     """V-Min: V placement, backward split, about a third of 1F1B's activation memory (controllable-memory V)."""
 
     schedule_name = "v_min"

@@ -6,6 +6,7 @@ runs; a schedule (``schedule.py``) drives it. Declared shapes (torch's
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Union
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
-from pipeline_ext.runtime.declared import Declared, errors
+from pipeline_ext.runtime.declared import Declared, check_grads, errors
 from pipeline_ext.runtime.dtensor_wire import MeshFinder
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
@@ -26,7 +27,12 @@ class PipelineStage(StagePosition):
 
     ``input_args`` / ``output_args`` (torch's static shapes, one microbatch)
     are optional: shapes are discovered on the first step (and again when they
-    change); when given, every microbatch is checked against them. DTensor
+    change); when given, every microbatch is checked against them.
+    ``output_grads`` / ``input_grads`` (torch's static gradient metadata) are
+    optional too: gradients travel in the layout of the tensors they belong
+    to, so they are only checked, against ``output_args`` / ``input_args``
+    here and against every microbatch's outputs / inputs ([Note: declared
+    gradients] in runtime/declared.py). DTensor
     outputs travel as their local shards and are rebuilt on the next stage's
     mesh (``mesh=``, else found from its module's DTensor parameters, else
     torch's ``get_mesh=`` callback); see [Note: DTensors between stages] in
@@ -47,11 +53,13 @@ class PipelineStage(StagePosition):
         device: Union[torch.device, str, int],
         input_args: Any = None,
         output_args: Any = None,
+        output_grads: Any = None,
+        input_grads: Any = None,
         group: Optional[dist.ProcessGroup] = None,
         dw_builder: Any = None,
+        get_mesh: Any = None,
         *,
         mesh: Any = None,
-        get_mesh: Any = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage needs torch.distributed to be initialised (init_process_group) first")
@@ -63,11 +71,21 @@ class PipelineStage(StagePosition):
             raise TypeError(f"dw_builder must be a callable returning the W runner, got {type(dw_builder).__name__}")
         if get_mesh is not None and not callable(get_mesh):
             raise TypeError(f"get_mesh must be a callable (dim_names, layout) -> DeviceMesh, got {type(get_mesh).__name__}")
+        output_grads = _grads_arg(output_grads, "output_grads")
+        input_grads = _grads_arg(input_grads, "input_grads")
+        # [Note: declared gradients] (runtime/declared.py): the gradients must fit the tensors they belong to
+        if output_args is not None:
+            check_grads(stage_index, "output_grads", output_grads, output_args, "output_args")
+        if input_args is not None:
+            check_grads(stage_index, "input_grads", input_grads, input_args, "input_args")
         self.submod = submodule
         self.dw_builder = dw_builder
         #: where DTensor inputs from the previous stage are rebuilt ([Note: DTensors between stages])
         self.mesh, self.get_mesh = mesh, get_mesh
         self.input_args, self.output_args = input_args, output_args
+        #: torch's static gradient metadata, checked against every microbatch's outputs / inputs ([Note: declared
+        #: gradients]); a tuple with None for a tensor without a gradient, or None when not given
+        self.output_grads, self.input_grads = output_grads, input_grads
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -98,10 +116,16 @@ class PipelineStage(StagePosition):
     @property
     def _declared(self) -> Optional[Declared]:
         """The shapes this stage's microbatches are checked against: ``input_args``/``output_args``, else with
-        ``_runtime_validate`` its first microbatch's; None when nothing is checked."""
+        ``_runtime_validate`` its first microbatch's, with the declared gradients' (``output_grads`` /
+        ``input_grads``) in either case; None when nothing is checked."""
+        grads = dict(output_grads=self.output_grads, input_grads=self.input_grads)
         if self.input_args is not None or self.output_args is not None:
-            return Declared(self.stage_index, self.input_args, self.output_args)
-        return self._first_shapes if self._runtime_validate else None
+            return Declared(self.stage_index, self.input_args, self.output_args, **grads)
+        if self._runtime_validate and self._first_shapes is not None:
+            return dataclasses.replace(self._first_shapes, **grads)
+        if self.output_grads is not None or self.input_grads is not None:
+            return Declared(self.stage_index, **grads)
+        return None
 
     def _call(self, mb: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         """The stage's forward for the runner, checked against ``_declared`` (read at each call: the switch
@@ -112,7 +136,8 @@ class PipelineStage(StagePosition):
         out = module(*args, **kwargs)
         if declared is not None:
             declared.check("outputs", mb, out)
-        elif self._runtime_validate:
+        if self._runtime_validate and self._first_shapes is None and self.input_args is None \
+                and self.output_args is None:
             meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
             from torch.utils import _pytree as pytree
 
@@ -245,6 +270,24 @@ def __getattr__(name: str) -> Any:  # PEP 562: the error classes are made on fir
     if name in ("PipeliningMetadataError", "PipeliningShapeError"):
         return errors()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _grads_arg(value: Any, name: str) -> Optional[tuple]:
+    """torch's ``output_grads`` / ``input_grads``: None, a tensor, or a sequence of tensors and Nones, as a tuple."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(value, (dist.ProcessGroup, DeviceMesh)):
+        raise TypeError(f"{name} got a {type(value).__name__}: since torch 2.13 PipelineStage's positional "
+                        "arguments are (submodule, stage_index, num_stages, device, input_args, output_args, "
+                        "output_grads, input_grads, group, dw_builder, get_mesh); pass group= by keyword")
+    raise TypeError(f"{name} must be a tensor or a tuple of tensors (None for a tensor without a gradient), "
+                    f"describing one microbatch's gradients; got {type(value).__name__}")
 
 
 def _as_group(group: Any) -> Optional[dist.ProcessGroup]:

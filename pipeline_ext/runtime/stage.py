@@ -262,6 +262,9 @@ class StageRunner(StagePosition):
         self.peak_live_microbatches = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
+        #: the last stage keeps each microbatch's output for the step's caller; off (torch's
+        #: ``return_outputs=False``): none is kept, so a step that returns nothing holds no logits until its end
+        self.keep_outputs = True
         self.grad_sync = grad_sync
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
@@ -361,7 +364,8 @@ class StageRunner(StagePosition):
             if state.recompute is None:  # a recomputation's stashes were sent already
                 self._stashed[mb] = detach_tree(stashed)
         if self.is_last:
-            self.outputs[mb] = detach_tree(out)
+            if self.keep_outputs:
+                self.outputs[mb] = detach_tree(out)
             loss_fn = loss_fn if loss_fn is not None else self.loss_fn
             if loss_fn is not None and target is not None:
                 loss = loss_fn(out, target)
