@@ -99,7 +99,7 @@ class Stage(nn.Module):
     def forward(self, x, scale=None):
         from torch.utils.checkpoint import checkpoint
 
-        if scale is not None:
+        if scale is not None and self.inp is not None:  # every stage of the first rank gets its kwargs (torch)
             x = x * scale
         if self.inp is not None:
             x = self.inp(x)

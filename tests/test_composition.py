@@ -28,6 +28,16 @@ def _run(cases: list[dict], timeout: float) -> list[str]:
     return bad
 
 
+def _summary(bad: list[str]) -> str:
+    """The failing cases first (one line each, with their count of complaints), then the first complaints."""
+    failing: dict[str, int] = {}
+    for b in bad:
+        cid = b.split(": ", 1)[0]
+        failing[cid] = failing.get(cid, 0) + 1
+    head = [f"{len(failing)} case(s) failed:"] + [f"  {cid} ({n} complaints)" for cid, n in failing.items()]
+    return "\n".join(head + ["first complaints:"] + bad[:30])
+
+
 def test_every_pair_of_features_meets_every_family_and_constraints_hold():
     for family in C.FAMILIES:
         cases = C.generate(family)
@@ -41,7 +51,7 @@ def test_every_pair_of_features_meets_every_family_and_constraints_hold():
 @pytest.mark.timeout(300)
 def test_quick_slice_of_the_matrix_is_exact():
     bad = _run(C.quick_cases(), timeout=280)
-    assert not bad, "\n".join(bad[:40])
+    assert not bad, _summary(bad)
 
 
 @pytest.mark.parametrize("family", list(C.FAMILIES))
@@ -49,4 +59,4 @@ def test_quick_slice_of_the_matrix_is_exact():
 @pytest.mark.timeout(1200)
 def test_composition_matrix(family):
     bad = _run(C.generate(family), timeout=1100)
-    assert not bad, "\n".join(bad[:40])
+    assert not bad, _summary(bad)
