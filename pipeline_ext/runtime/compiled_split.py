@@ -16,8 +16,9 @@ alone and falls back to a whole backward at I (``split_obstacles``).
   dead-code eliminated and compiled by inductor (once per cut, cached); nothing
   is computed twice. The values wait on the autograd node between I and W;
 - buffers are not donated (W runs the node a second time, with the graph
-  retained) and AOTAutograd's cache is off for these graphs (a cache hit would
-  bring back an unsplittable backward).
+  retained; [Note: no donated buffers, in both metadata]) and AOTAutograd's
+  cache is off for these graphs (a cache hit would bring back an unsplittable
+  backward).
 
 The protocol with ``split_backward``: before I it sets ``DEFER_ATTR`` on the
 node (the output slots, i.e. ``next_functions`` indices, to leave for W); the
@@ -45,26 +46,49 @@ DEFER_ATTR = "_pipeline_ext_defer"
 STASH_ATTR = "_pipeline_ext_stash"
 
 
+# [Note: no donated buffers, in both metadata]
+# W re-enters a compiled node (its graph retained), so its compiled backward must not donate the saved
+# tensors' buffers, and AOTAutograd must let it run with ``retain_graph=True``. AOTAutograd's check, at
+# every backward call while ``torch._functorch.config.donated_buffer`` is on (torch's default; our config
+# patch is long gone by then, and the backward may even be compiled lazily, at its first call), reads
+# ``bw_donated_idxs`` of the *outer* metadata (``CompiledFunction.metadata``) and refuses anything but
+# ``[]``. Inductor reads the metadata on the ``TracingContext``: the same object for plain tensor inputs,
+# but with tensor-subclass inputs (DTensor) the *inner* metadata of the desugared graph. Compiled with
+# ``donated_buffer=False``, the outer one stayed ``None`` (never computed), and only a lazy compile at a
+# call that retains the graph set it to ``[]``: a region whose first backward was a whole B (DualPipeV
+# runs B before the first I of a stage) then failed at that I. So the graph is compiled with donated
+# buffers on, where AOTAutograd gives the outer and the inner metadata one shared list, and
+# ``_inner_compile`` empties that list in place before inductor reads it: both say "donates nothing"
+# from the start, whichever backward comes first. Each backward call also empties its node's outer list
+# if it is not empty (a torch that stopped sharing the list), so that later calls pass the check.
 def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     """``torch.compile`` backend: inductor, with a backward that ``split_backward`` can split (see module doc)."""
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    with functorch_config.patch(donated_buffer=False, enable_autograd_cache=False):
+    # donated buffers on for the partition only: see [Note: no donated buffers, in both metadata]
+    with functorch_config.patch(donated_buffer=True, enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=_inner_compile)
+
+
+def _donate_nothing(meta: Any) -> None:
+    """Make ``meta`` say its backward donates no buffer, in place: the list may be shared with the outer
+    metadata ([Note: no donated buffers, in both metadata])."""
+    idxs = getattr(meta, "bw_donated_idxs", None)
+    if isinstance(idxs, list):
+        idxs.clear()
+    elif meta is not None:
+        meta.bw_donated_idxs = []
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner
 
-    # No donated buffers, whenever the backward is compiled. A recompile for new shapes (dynamic) compiles
-    # its backward lazily, at the first backward, outside the config patch of split_backend; AOTAutograd
-    # then refuses a backward that retains its graph (W re-enters the node) unless this graph's metadata
-    # says it donates nothing.
+    # before inductor reads it, forward or backward (a lazy backward compile runs outside split_backend's
+    # config patch): [Note: no donated buffers, in both metadata]
     context = TracingContext.try_get()
-    if context is not None and getattr(context, "fw_metadata", None) is not None:
-        context.fw_metadata.bw_donated_idxs = []
+    _donate_nothing(getattr(context, "fw_metadata", None))
 
     if kwargs.get("is_backward"):
         return SplitBackward(gm, example_inputs, kwargs)
@@ -94,6 +118,9 @@ class SplitBackward:
 
     def __call__(self, args: list[Any]) -> Any:
         node = torch._C._current_autograd_node()
+        outer = getattr(getattr(type(node), "_forward_cls", None), "metadata", None)
+        if getattr(outer, "bw_donated_idxs", []) != []:  # [Note: no donated buffers, in both metadata]
+            outer.bw_donated_idxs = []
         stash = getattr(node, STASH_ATTR, None)
         if stash is not None:  # W: the deferred outputs, from the stash
             delattr(node, STASH_ATTR)
