@@ -5,9 +5,14 @@ and ``pipeline_ext.training`` must not load torch.distributed.checkpoint until
 a checkpoint is saved: each package lists its names and the module each lives
 in, and ``lazy_names`` resolves and caches them.
 
-``moved_modules`` keeps a module path that moved importable: ``import
-pipeline_ext.microbatch`` gives the module at its new home itself (the same
-object, functions and state), warning first where the old path is deprecated.
+``exports`` reads a package's table of names from its modules' ``__all__``
+without importing them; ``lazy_names`` also lends names from a module that is
+costly to import (torch's pipelining, for the twins of its modules) and
+refuses, with the reason, the names torch has and pipeline_ext does not.
+
+``module_aliases`` gives a module a second name: ``import
+pipeline_ext.microbatch`` gives the module at its home itself (the same
+object, functions and state).
 
 ``when_imported`` runs a function once a module of someone else's is
 imported, or at once if it is already: pipeline_ext's schedule classes
@@ -18,40 +23,105 @@ pipeline_ext would otherwise pay.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
+import pathlib
+import re
 import sys
 import threading
-import warnings
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 
-def lazy_names(package: str, names: dict[str, str], public: list[str],
-               modules: Optional[dict[str, str]] = None) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``__getattr__`` and ``__dir__`` for ``package``.
+class NotProvidedError(ImportError):
+    """A name torch's pipelining module has that pipeline_ext does not provide, with the reason.
+
+    An ``ImportError``, so that ``from pipeline_ext.pipelining.schedules import
+    _batch_p2p`` says why (an ``AttributeError`` raised by a module's
+    ``__getattr__`` reaches the importer as a bare "cannot import name").
+    """
+
+
+def lazy_names(package: str, names: dict[str, str], public: Optional[list[str]] = None,
+               modules: Optional[dict[str, str]] = None, search: Sequence[str] = (),
+               gaps: Optional[dict[str, str]] = None) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for ``package`` (a package or a module).
 
     ``names[n]`` is the module attribute ``n`` is read from; ``modules[n]`` a
-    module that ``n`` names itself. ``public`` is what ``dir()`` lists (the
-    package's ``__all__``); every name resolves, listed or not.
+    module that ``n`` names itself; ``search``: packages whose ``__all__`` is
+    looked through, in order, for any other name (each imported only when the
+    name is not found in the ones before it); ``gaps[n]``: why ``n`` is not
+    provided, raised as ``NotProvidedError``. ``public`` is what ``dir()``
+    lists (a package's ``__all__``); None: the module's own globals and the
+    lazy names. Every name resolves, listed or not.
     """
     modules = modules or {}
+    gaps = gaps or {}
 
     def getattr_(name: str) -> Any:
         if name in names:
             value = getattr(importlib.import_module(names[name]), name)
         elif name in modules:
             value = importlib.import_module(modules[name])
+        elif name in gaps:
+            raise NotProvidedError(f"{package} does not provide {name}: {gaps[name]}", name=package)
         else:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            # not a module of the package's own (``from pipeline_ext import _C`` asks here first): the import
+            # system imports that one when this raises, and the search must not import subpackages meanwhile
+            own = search and importlib.machinery.PathFinder.find_spec(f"{package}.{name}",
+                                                                      sys.modules[package].__path__)
+            for home in () if name.startswith("__") or own else search:
+                found = importlib.import_module(home)
+                if name in found.__all__:
+                    value = getattr(found, name)
+                    break
+            else:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
         setattr(sys.modules[package], name, value)
         return value
 
     def dir_() -> list[str]:
-        return list(public)
+        if public is not None:
+            return list(public)
+        return sorted({*vars(sys.modules[package]), *names, *modules})
 
     return getattr_, dir_
+
+
+def exports(package: str, modules: Sequence[str]) -> dict[str, str]:
+    """``{name: module}`` for every name in the ``__all__`` of each of ``package``'s ``modules``, none imported.
+
+    So a package's table of names is its modules' ``__all__`` and nothing
+    kept by hand: each module's ``__all__`` is read from its source (a literal
+    list or tuple of strings at the start of a line), which costs well under a
+    millisecond where importing the module would load torch. A name listed by
+    two modules is an error, as is a module without such an ``__all__``.
+    """
+    folder = pathlib.Path(sys.modules[package].__file__).parent
+    table: dict[str, str] = {}
+    for module in modules:
+        path = folder / f"{module}.py"
+        source = path.read_text()
+        found = re.search(r"^__all__\s*=\s*[\[(]", source, re.M)
+        names = None
+        if found is not None:
+            opening, closing = found.end() - 1, ("]" if source[found.end() - 1] == "[" else ")")
+            end = source.find(closing, opening)
+            while names is None and end != -1:  # the first closing bracket that ends a literal (comments allowed)
+                with contextlib.suppress(SyntaxError, ValueError):
+                    names = ast.literal_eval(source[opening:end + 1])
+                end = source.find(closing, end + 1)
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ImportError(f"{path}: __all__ must be a literal list of names ({package} reads it unimported)")
+        for name in names:
+            if name in table:
+                raise ImportError(f"{package}: {name!r} is in the __all__ of both {table[name]} and {module}")
+            table[name] = f"{package}.{module}"
+    return table
 
 
 class _Loader(importlib.abc.Loader):
@@ -109,59 +179,46 @@ def when_imported(module: str, fn: Callable[[ModuleType], None]) -> None:
             sys.meta_path.insert(0, _after_import)
 
 
-class _Moved(importlib.abc.Loader):
-    """Loads an old module path as the module at its new home (``moved_modules``)."""
+class _Alias(importlib.abc.Loader):
+    """Loads a second name of a module as the module itself (``module_aliases``)."""
 
-    def __init__(self, new: str, warning: Optional[str]) -> None:
-        self.new, self.warning = new, warning
+    def __init__(self, home: str) -> None:
+        self.home = home
         self._spec: Any = None
 
     def create_module(self, spec: Any) -> ModuleType:
-        if self.warning:
-            # stacklevel 2: the import machinery's frames are skipped, so the warning names the user's import
-            warnings.warn(self.warning, DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(self.new)
+        module = importlib.import_module(self.home)
         self._spec = module.__spec__
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        # The import system set the old path's spec on the module: it keeps its own (reload, pickling, -m)
+        # The import system set the alias's spec on the module: it keeps its own (reload, pickling, -m)
         module.__spec__ = self._spec
 
 
-class _MovedModules(importlib.abc.MetaPathFinder):
-    """On ``sys.meta_path``: finds only the old paths it was given, each as its new module."""
+class _Aliases(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path``: finds only the names it was given, each as the module at its home."""
 
     def __init__(self) -> None:
-        self.moved: dict[str, tuple[str, Optional[str]]] = {}
+        self.homes: dict[str, str] = {}
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        entry = self.moved.get(name)
-        if entry is None:
-            if name.rpartition(".")[0] in self.moved:
-                # An old module path that names a package now (pipeline_ext.distributed): its modules have
-                # their own names; found through its __path__ they would run a second time as new modules
-                raise ModuleNotFoundError(f"No module named {name!r} (import it from "
-                                          f"{self.moved[name.rpartition('.')[0]][0]})", name=name)
-            return None
-        return importlib.util.spec_from_loader(name, _Moved(*entry))
+        home = self.homes.get(name)
+        return None if home is None else importlib.util.spec_from_loader(name, _Alias(home))
 
 
-_moved_modules = _MovedModules()
+_aliases = _Aliases()
 
 
-def moved_modules(moved: dict[str, str], deprecated: Optional[dict[str, str]] = None) -> None:
-    """Make each old module path in ``moved`` (and ``deprecated``, which warns) import its new module.
+def module_aliases(aliases: dict[str, str]) -> None:
+    """Make each module name in ``aliases`` import the module at its home, the very same object.
 
     ``{"pipeline_ext.microbatch": "pipeline_ext.runtime.microbatch"}``: ``import
     pipeline_ext.microbatch`` and ``from pipeline_ext.microbatch import X`` give
-    ``pipeline_ext.runtime.microbatch`` and its ``X``, registered under both
-    names in ``sys.modules``. Nothing is imported until an old path is.
+    ``pipeline_ext.runtime.microbatch`` and its ``X`` (one module, its functions
+    and state), registered under both names in ``sys.modules``. Nothing is
+    imported until an alias is.
     """
-    for old, new in moved.items():
-        _moved_modules.moved[old] = (new, None)
-    for old, new in (deprecated or {}).items():
-        _moved_modules.moved[old] = (new, f"{old} is now {new}; import it from there (the old path goes away "
-                                          "in the next release)")
-    if _moved_modules not in sys.meta_path:
-        sys.meta_path.insert(0, _moved_modules)  # before the path finder: no old path is ever a file
+    _aliases.homes.update(aliases)
+    if _aliases not in sys.meta_path:
+        sys.meta_path.insert(0, _aliases)  # before the path finder: no alias is ever a file

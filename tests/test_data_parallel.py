@@ -170,12 +170,14 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from pipeline_ext.comm.data_parallel import UnsupportedWrapperError
+
     said: dict[str, str] = {}
 
     def attempt(case: str, make) -> None:
         try:
             pe.PipelineStage(make(), rank, world, "cpu")
-        except pe.UnsupportedWrapperError as exc:
+        except UnsupportedWrapperError as exc:
             said[case] = str(exc)
         else:
             said[case] = "accepted"

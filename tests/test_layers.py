@@ -6,10 +6,6 @@
 is everything between processes; the two front ends (``pipelining``: torch's
 API, ``pipe``: torchgpipe's) sit on them side by side and never import each
 other. Read from the source (AST), so an import inside a function counts too.
-
-A renamed package keeps its old name for one release as a top-level module
-(``ALIASES``: ``pipeline_ext/dist.py`` for ``comm``) that imports only the
-package it stands for; nothing of the library imports an alias.
 """
 from __future__ import annotations
 
@@ -22,8 +18,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "pipeline_ext"
 LAYERS = {"schedules": 0, "skip": 1, "runtime": 2, "comm": 3, "pipelining": 4, "pipe": 4, "training": 5, "demo": 6}
 #: modules under every layer, importable from any: the compiled core, and the packages' lazy-name helper
 BELOW_ALL = ("_C", "_lazy")
-#: deprecated old names of renamed packages (one release): a top-level module each, for users only
-ALIASES = {"dist": "comm"}
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -47,8 +41,7 @@ def _package(path: pathlib.Path) -> str:
 
 
 def test_every_file_is_in_a_package_that_names_its_layer():
-    loose = sorted(p.name for p in ROOT.glob("*.py")
-                   if p.name != "__init__.py" and p.stem not in BELOW_ALL and p.stem not in ALIASES)
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py" and p.stem not in BELOW_ALL)
     assert loose == [], f"modules outside a layer's package: {loose}"
     for stem in BELOW_ALL:  # below every layer: they import nothing of the package
         path = ROOT / f"{stem}.py"
@@ -62,18 +55,8 @@ def test_imports_point_down(path):
     mine = _package(path)
     wrong = []
     for line, target in _imports(path):
-        if target in ALIASES:
-            wrong.append(f"line {line}: pipeline_ext.{target} is the deprecated name of pipeline_ext.{ALIASES[target]}")
-        elif target not in LAYERS:  # pipeline_ext.ops / .microbatch aliases are for users, not for the package
+        if target not in LAYERS:  # pipeline_ext.ops / .microbatch aliases are for users, not for the package
             wrong.append(f"line {line}: pipeline_ext.{target} is not a package")
         elif target != mine and (LAYERS[target] >= LAYERS[mine]):
             wrong.append(f"line {line}: {mine} (layer {LAYERS[mine]}) imports {target} (layer {LAYERS[target]})")
     assert not wrong, f"{path.relative_to(ROOT)}: " + "; ".join(wrong)
-
-
-@pytest.mark.parametrize("alias", sorted(ALIASES))
-def test_an_old_package_name_is_a_module_that_imports_only_its_new_package(alias):
-    path = ROOT / f"{alias}.py"
-    assert path.is_file() and not (ROOT / alias / "__init__.py").exists(), f"{alias}: a module file, not a package"
-    assert ALIASES[alias] in LAYERS
-    assert {target for _, target in _imports(path)} == {ALIASES[alias]}, _imports(path)

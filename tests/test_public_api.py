@@ -1,31 +1,116 @@
-"""The public surface: about 25 names a training script needs, the rest in subpackages, every old name still there."""
+"""The public surface: about 25 names a training script needs, the rest in subpackages, one table per package.
+
+Every table of names is checked against the modules it reads from: each name
+at the top is the very object its home module defines, every name a
+subpackage's ``__all__`` lists exists, and a package whose table is read from
+its modules' ``__all__`` (``_lazy.exports``) lists exactly those.
+"""
 from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 import pipeline_ext as pe
+
+#: every subpackage, and the packages whose tables are read from their modules' ``__all__``
+SUBPACKAGES = ["schedules", "skip", "runtime", "comm", "pipelining", "pipe", "training", "demo"]
+DERIVED = {"pipeline_ext.pipelining": ["stage", "schedules", "microbatch", "model_split", "mesh"],
+           "pipeline_ext.training": ["tied", "clip", "checkpoint", "loss", "profiling"]}
+
+
+def _defining_module(package: str, name: str) -> str:
+    """The module a package's lazy table reads ``name`` from (the package itself when it has no table)."""
+    return getattr(importlib.import_module(package), "_EXPORTS", {}).get(name, package)
 
 
 def test_the_top_level_lists_the_names_a_training_script_needs():
     names = [n for n in pe.__all__ if n not in pe._SUBMODULES]
     assert len(names) <= 26, names
     assert not [n for n in names if n.startswith("_")]
-    for n in ("PipelineStage", "Schedule1F1B", "Pipe", "ChannelError", "ChannelTimeout", "StepRejectedError"):
+    for n in ("PipelineStage", "Schedule1F1B", "ScheduleVHalf", "ScheduleVMin", "Pipe", "ChannelError",
+              "ChannelTimeout", "StepRejectedError"):
         assert n in names
     assert sorted(dir(pe)) == sorted(pe.__all__)
+    assert len(pe.__all__) == len(set(pe.__all__))
 
 
-def test_names_moved_to_subpackages_still_resolve_to_the_same_objects():
+def test_every_top_level_name_is_the_object_its_home_module_defines():
+    for home, names in pe._PUBLIC.items():
+        package = importlib.import_module(home)
+        for name in names:
+            assert name in package.__all__, f"{name} is not in {home}.__all__"
+            defining = importlib.import_module(_defining_module(home, name))
+            assert name in defining.__all__, f"{name} is not in {defining.__name__}.__all__"
+            assert getattr(pe, name) is getattr(package, name) is getattr(defining, name), name
+
+
+def test_every_name_of_a_reachable_subpackage_resolves_at_the_top_to_the_same_object():
+    public = {n for names in pe._PUBLIC.values() for n in names}
+    first: dict[str, str] = {}
+    for home in pe._REACHABLE:
+        package = importlib.import_module(home)
+        for name in package.__all__:
+            if name in getattr(package, "_SUBMODULES", {}):
+                continue  # a module of the subpackage (pipelining.schedules): pe.schedules is another one
+            if name in first and name not in public:  # listed twice: both must be one object
+                assert getattr(package, name) is getattr(importlib.import_module(first[name]), name), (
+                    f"{name}: {home} and {first[name]} list different objects")
+            first.setdefault(name, home)
+    for name, home in first.items():
+        if name not in public:
+            assert getattr(pe, name) is getattr(importlib.import_module(home), name), name
     assert pe.tie_parameters is pe.training.tie_parameters
-    assert pe.TokenMeanLoss is pe.training.TokenMeanLoss
     assert pe.split_backend is pe.runtime.split_backend
-    assert pe.activation_bytes is pe.runtime.activation_bytes
     assert pe.pipeline_mesh is pe.pipelining.pipeline_mesh
     assert pe.balance_by_time is pe.pipe.balance_by_time
-    for name in set(pe._ELSEWHERE) - {"ScheduleZBV"}:
-        assert getattr(pe, name) is not None, name
-    with pytest.warns(DeprecationWarning, match="ScheduleZBV is ScheduleZBVZeroBubble"):
-        assert pe.ScheduleZBV is pe.ScheduleZBVZeroBubble
+    assert pe._ScheduleForwardOnly is pe.pipelining.schedules._ScheduleForwardOnly
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        pe.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("sub", SUBPACKAGES)
+def test_every_name_a_subpackage_lists_exists(sub):
+    package = importlib.import_module(f"pipeline_ext.{sub}")
+    listed = getattr(package, "__all__", [])
+    missing = [n for n in listed if not hasattr(package, n)]
+    assert not missing, f"pipeline_ext.{sub}.__all__ lists {missing}, which do not resolve"
+    assert len(listed) == len(set(listed)), sub
+
+
+@pytest.mark.parametrize("package", sorted(DERIVED))
+def test_a_derived_table_is_its_modules_all(package):
+    pkg = importlib.import_module(package)
+    want = {}
+    for module in DERIVED[package]:
+        mod = importlib.import_module(f"{package}.{module}")
+        for name in mod.__all__:
+            assert hasattr(mod, name), f"{mod.__name__}.__all__ lists {name}, which it lacks"
+            want[name] = mod.__name__
+    assert pkg._EXPORTS == want
+    for name, module in want.items():
+        assert getattr(pkg, name) is getattr(importlib.import_module(module), name), name
+
+
+def test_a_table_refuses_a_module_without_a_literal_all(tmp_path, monkeypatch):
+    from pipeline_ext._lazy import exports
+
+    (tmp_path / "fake_pkg").mkdir()
+    (tmp_path / "fake_pkg" / "__init__.py").write_text("")
+    (tmp_path / "fake_pkg" / "a.py").write_text("__all__ = [\n    'x',  # a comment ] with a bracket\n    'y',\n]\n")
+    (tmp_path / "fake_pkg" / "b.py").write_text("__all__ = sorted(['z'])\n")
+    (tmp_path / "fake_pkg" / "c.py").write_text("__all__ = ('x',)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("fake_pkg")
+    assert exports("fake_pkg", ["a"]) == {"x": "fake_pkg.a", "y": "fake_pkg.a"}
+    with pytest.raises(ImportError, match="literal list"):
+        exports("fake_pkg", ["b"])
+    with pytest.raises(ImportError, match="'x' is in the __all__ of both fake_pkg.a and c"):
+        exports("fake_pkg", ["a", "c"])
+    monkeypatch.delitem(sys.modules, "fake_pkg")
 
 
 def test_one_timeout_error_for_both_front_ends():
@@ -35,180 +120,32 @@ def test_one_timeout_error_for_both_front_ends():
     assert issubclass(pe.ChannelTimeout, TimeoutError) and issubclass(pe.ChannelTimeout, pe.ChannelError)
 
 
-def test_the_old_package_name_dist_still_imports_the_same_objects_and_warns(monkeypatch):
-    import importlib
-    import sys
-
-    import pytest
-
-    import pipeline_ext.comm.launch
-    import pipeline_ext.comm.shm
-
-    # import the alias afresh (an earlier test may have imported it), and put everything back after
-    if "dist" in vars(pe):  # (not hasattr: that would import it through the lazy names)
-        monkeypatch.delattr(pe, "dist")
-    for name in [n for n in sys.modules if n == "pipeline_ext.dist" or n.startswith("pipeline_ext.dist.")]:
-        monkeypatch.delitem(sys.modules, name)
-    with pytest.warns(DeprecationWarning, match=r"pipeline_ext\.dist is now pipeline_ext\.comm"):
-        import pipeline_ext.dist.launch
-    from pipeline_ext.dist.launch import spawn
-    from pipeline_ext.dist.shm import make_channel
-
-    assert spawn is pipeline_ext.comm.launch.spawn
-    assert make_channel is pipeline_ext.comm.shm.make_channel
-    assert pipeline_ext.dist.launch is pipeline_ext.comm.launch
-    assert pe.dist is sys.modules["pipeline_ext.dist"]
-    for module in pe.dist.__all__:  # every submodule, by both names
-        comm_module = importlib.import_module(f"pipeline_ext.comm.{module}")
-        assert importlib.import_module(f"pipeline_ext.dist.{module}") is comm_module
-        assert getattr(pe.dist, module) is comm_module
-    assert {"launch", "shm", "session", "agreement"} <= set(pe.dist.__all__)
-    assert "dist" not in pe.__all__ and "comm" in pe.__all__
+def test_microbatch_and_ops_are_second_names_of_their_modules_in_a_fresh_interpreter():
+    script = textwrap.dedent("""
+        import sys
+        import pipeline_ext.microbatch
+        from pipeline_ext.ops import even_sizes
+        import pipeline_ext as pe
+        assert sys.modules["pipeline_ext.microbatch"] is sys.modules["pipeline_ext.runtime.microbatch"]
+        assert pipeline_ext.microbatch.__spec__.name == "pipeline_ext.runtime.microbatch"
+        assert even_sizes is pe.runtime.ops.even_sizes and pe.ops is pe.runtime.ops
+        assert pe.microbatch is pe.runtime.microbatch
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-def test_names_moved_out_of_a_module_still_import_from_it():
-    from pipeline_ext.comm import shm, transport
-
-    for name in ("TRANSPORTS", "TRANSPORT_ENV", "UnsettledTransport", "check_request", "decide_transport",
-                 "ipc_unavailable", "probe_verdict", "requested_transport"):
-        assert getattr(shm, name) is getattr(transport, name), name
-        assert name in shm.__all__
-    from pipeline_ext.runtime import executor, group_run
-
-    assert executor.GroupRun is group_run.GroupRun and "GroupRun" in executor.__all__
-    from pipeline_ext.pipe import pipe, placement
-
-    assert pipe.MULTI_STAGE_SCHEDULES is placement.MULTI_STAGE_SCHEDULES is pe.pipe.MULTI_STAGE_SCHEDULES
-    assert pipe.Partition is placement.Partition
+@pytest.mark.parametrize("path", ["pipeline_ext.dist", "pipeline_ext.distributed", "pipeline_ext.launch",
+                                  "pipeline_ext.schedule_classes", "pipeline_ext.tracer",
+                                  "pipeline_ext.pipelining.schedule", "pipeline_ext.pipelining.schedule_classes"])
+def test_the_module_paths_of_earlier_releases_are_gone(path):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(path)
 
 
-#: every module path an earlier release had that moved: new home, and the names it exported (its ``__all__``)
-MOVED_PATHS = {
-    "pipeline_ext.microbatch": ("pipeline_ext.runtime.microbatch", [
-        "TensorChunkSpec", "Replicate", "REPLICATE", "Reduce", "split_args_kwargs", "split_args_kwargs_into_chunks",
-        "merge_chunks", "microbatch_sizes", "microbatch_weights", "split_target", "split_step_inputs",
-        "split_step_target", "to_device"]),
-    "pipeline_ext.ops": ("pipeline_ext.runtime.ops", [
-        "split", "concat", "pack", "unpack", "PackLayout", "even_sizes", "PACK_ALIGNMENT"]),
-    "pipeline_ext.launch": ("pipeline_ext.comm.launch", ["free_port", "spawn", "RankError"]),
-    "pipeline_ext.distributed": ("pipeline_ext.pipelining", [
-        "PipelineStage", "PipelineSchedule", "PipeliningMetadataError", "PipeliningShapeError"]),
-    "pipeline_ext.schedule_classes": ("pipeline_ext.pipelining.schedule_classes", [
-        "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime", "ScheduleGPipe",
-        "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS",
-        "ScheduleZBH1", "ScheduleZBH2", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class"]),
-    "pipeline_ext.tracer": ("pipeline_ext.pipelining.model_split", [
-        "pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "as_stage"]),
-    "pipeline_ext.mesh": ("pipeline_ext.pipelining.mesh", ["pipeline_mesh", "pipeline_layout", "PipelineLayout"]),
-    "pipeline_ext.partition": ("pipeline_ext.pipe.partition", [
-        "balance_by_params", "balance_by_time", "balance_by_size", "split_min_max"]),
-    "pipeline_ext.checkpoint": ("pipeline_ext.pipe.recompute", [
-        "CHECKPOINT_MODES", "checkpoint_predicate", "CallRng", "uses_randomness", "is_checkpointing",
-        "is_recomputing", "checkpoint_phase"]),
-    "pipeline_ext.batchnorm": ("pipeline_ext.pipe.batchnorm", ["DeferredStats"]),
-    "pipeline_ext.demo_model": ("pipeline_ext.demo.model", ["GPTConfig", "gpt_stages", "synthetic_batch", "lm_loss"]),
-    "pipeline_ext.training.balance": ("pipeline_ext.training.profiling", [
-        "profile_layers", "balance_layers", "LayerChain", "stage_modules", "block_ranges", "sizes_with_ends"]),
-    "pipeline_ext.demo": ("pipeline_ext.demo", ["main", "train"]),  # a module then, a package now
-}
-
-#: imports one old path and reports what it found; run in a forked child of ``_ZYGOTE`` per path
-_IMPORT_ONE = """
-import importlib, json, sys, warnings
-def import_one(old, new, names):
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        exec(f"import {old}", {})
-        scope = {}
-        exec(f"from {old} import " + ", ".join(names), scope)
-        module = importlib.import_module(old)
-    home = importlib.import_module(new)
-    return {"same_module": module is home and sys.modules[old] is home,
-            "spec": module.__spec__.name, "same": [n for n in names if scope[n] is getattr(home, n)],
-            "warned": [str(w.message) for w in said if issubclass(w.category, DeprecationWarning)
-                       and w.filename == "<string>"]}
-"""
-
-#: imports torch once (not pipeline_ext), then forks one child per path: each child's interpreter has never
-#: imported any of pipeline_ext, as a fresh one, without paying torch's import per path
-_ZYGOTE = _IMPORT_ONE + """
-import os, traceback
-import torch  # noqa: F401
-cases = json.loads(sys.argv[1])
-results = {}
-for old, (new, names) in cases.items():
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            out = json.dumps(import_one(old, new, names))
-        except BaseException:
-            out = json.dumps({"error": traceback.format_exc()})
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    chunks = []
-    while True:
-        chunk = os.read(r, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    results[old] = json.loads(b"".join(chunks) or b'{"error": "the child wrote nothing"}')
-print(json.dumps(results))
-"""
-
-
-@pytest.fixture(scope="module")
-def moved_imports():
-    """Every old path imported in an interpreter that has never imported pipeline_ext (one forked child each)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(MOVED_PATHS)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("old", sorted(MOVED_PATHS))
-def test_every_module_path_of_an_earlier_release_imports_in_a_fresh_interpreter(old, moved_imports):
-    new, names = MOVED_PATHS[old]
-    got = moved_imports[old]
-    assert "error" not in got, got.get("error")
-    assert got["same_module"] and got["spec"] == new, got
-    assert got["same"] == names, got
-    if old in pe._MOVED_DEPRECATED:  # an old path of an earlier release warns, naming the new one, at the import
-        assert got["warned"] and all(f"{old} is now {new}" in w for w in got["warned"]), got
-    else:  # the paths torch users write (pipeline_ext.microbatch, .ops) and packages are current names
-        assert got["warned"] == [], got
-
-
-def test_moved_top_level_modules_are_attributes_too():
-    for old in pe._MOVED_DEPRECATED:
-        name = old.split(".", 1)[1]
-        if "." not in name:
-            assert name in pe._DEPRECATED and name not in pe.__all__, name
-    assert pe.ops is pe.runtime.ops and pe.microbatch is pe.runtime.microbatch
-
-
-def test_an_old_module_path_that_names_a_package_now_runs_none_of_its_modules_twice():
-    import sys
-    import warnings
-
-    import pipeline_ext.pipelining.stage
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import pipeline_ext.distributed
-    assert pipeline_ext.distributed is sys.modules["pipeline_ext.pipelining"]
-    with pytest.raises(ModuleNotFoundError, match="pipeline_ext.distributed.stage"):
-        import pipeline_ext.distributed.stage  # noqa: F401
-    assert "pipeline_ext.distributed.stage" not in sys.modules
+def test_the_short_name_of_zbv_is_gone():
+    with pytest.raises(AttributeError):
+        pe.ScheduleZBV  # noqa: B018  (torch's name is ScheduleZBVZeroBubble)
+    assert "ScheduleZBV" not in dir(pe.pipelining.schedules)

@@ -609,3 +609,119 @@ def _declared_grads_and_defer(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_declared_gradients_are_checked_and_defer_pp_recv_is_exact():
     no_complaints(_declared_grads_and_defer, 2, timeout=90)
+
+
+# -- torch's modules, module for module (issue 55, item 5) ------------------------------------------------------
+
+#: torch's pipelining modules and their twins here: ``torch.distributed.pipelining`` -> ``pipeline_ext.pipelining``
+TWINS = ["", ".schedules", ".stage", ".microbatch"]
+
+
+def _torchs_own_names(module) -> set[str]:
+    """Every name of a torch pipelining module that belongs to torch's pipelining, private ones included.
+
+    A module's ``dir()`` also holds what it imported from elsewhere (``typing``,
+    ``logging``, ``FSDPModule``, ``DTensor``): those are not its interface and
+    are found at their own homes, so a name counts when its object is defined
+    in ``torch.distributed.pipelining`` (or is one of its modules), or is a
+    plain constant (``DEFAULT_CHUNK_DIM``).
+    """
+    import types
+
+    names = set()
+    for name in dir(module):
+        if name.startswith("__"):
+            continue
+        value = getattr(module, name)
+        if isinstance(value, (bool, int, float, str)):
+            names.add(name)
+            continue
+        home = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(home, str) and home.startswith("torch.distributed.pipelining"):
+            names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("suffix", TWINS)
+def test_every_name_of_torchs_module_is_ours_or_refused_with_the_reason(suffix):
+    """Replacing ``torch.distributed.pipelining`` by ``pipeline_ext.pipelining`` in an import gives the name, or
+    a ``NotProvidedError`` that says why not (the module's ``_GAPS``, listed in docs/parity.md)."""
+    import importlib
+
+    from pipeline_ext._lazy import NotProvidedError
+
+    theirs = importlib.import_module("torch.distributed.pipelining" + suffix)
+    ours = importlib.import_module("pipeline_ext.pipelining" + suffix)
+    gaps = getattr(ours, "_GAPS", {})
+    wanted = _torchs_own_names(theirs)
+    assert set(gaps) <= wanted, f"refused names torch does not have: {sorted(set(gaps) - wanted)}"
+    missing = []
+    for name in sorted(wanted - set(gaps)):
+        try:
+            getattr(ours, name)
+        except AttributeError:
+            missing.append(name)
+    assert not missing, f"pipeline_ext.pipelining{suffix} lacks torch's {missing}"
+    assert not (wanted - set(gaps)) - set(dir(ours)), "a provided name is missing from dir()"
+    assert set(theirs.__all__) <= set(ours.__all__), "import * gives less than torch's"
+    for name, why in gaps.items():
+        with pytest.raises(NotProvidedError, match=f"does not provide {name}: ") as refused:
+            exec(f"from pipeline_ext.pipelining{suffix} import {name}", {})
+        assert why in str(refused.value) and name not in dir(ours)
+
+
+TORCHTITAN_IMPORTS = """
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    ScheduleZBVZeroBubble, get_schedule_class, PipelineScheduleSingle, PipelineScheduleMulti, ScheduleDualPipeV,
+    _PipelineSchedule, _PipelineScheduleRuntime, _Action, _PipelineContext, _wait_batch_p2p, FORWARD, FULL_BACKWARD,
+    BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD, REDUCE_GRAD)
+from torch.distributed.pipelining.stage import PipelineStage as PipelineStage2, _normalize_model_output_as_tuple
+from torch.distributed.pipelining.microbatch import _split_block_mask
+"""
+
+
+def test_torchtitans_imports_work_with_pipeline_ext_and_mean_the_same():
+    """torchtitan 0.3.0's trainer and its graph_pp experiments import these; with the import swapped they are ours
+    where they are classes that run (same objects as at the top), torch's own where they are torch's action and
+    context objects, which our schedules hand out (``pipeline_order``, custom functions)."""
+    import torch.distributed.pipelining.microbatch as tmb
+    import torch.distributed.pipelining.schedules as ts
+    import torch.distributed.pipelining.stage as tst
+
+    mine: dict = {}
+    exec(TORCHTITAN_IMPORTS.replace("torch.distributed.pipelining", "pipeline_ext.pipelining"), mine)
+    assert mine["PipelineStage"] is mine["PipelineStage2"] is pe.PipelineStage
+    for name in ("ScheduleZBVZeroBubble", "get_schedule_class", "PipelineScheduleSingle", "PipelineScheduleMulti",
+                 "ScheduleDualPipeV", "_PipelineScheduleRuntime"):
+        assert mine[name] is getattr(pe, name), name
+    assert mine["_PipelineSchedule"] is pe.PipelineSchedule
+    assert issubclass(pe.ScheduleDualPipeV, mine["_PipelineScheduleRuntime"])
+    assert issubclass(pe.ScheduleDualPipeV, ts._PipelineSchedule)  # and torch's base class, registered
+    for name in ("_Action", "_PipelineContext", "_wait_batch_p2p", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT",
+                 "BACKWARD_WEIGHT", "OVERLAP_F_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"):
+        assert mine[name] is getattr(ts, name), name
+    assert mine["_split_block_mask"] is tmb._split_block_mask
+    # our stages' convention, which is torch's: a tuple or list is its entries, anything else one value
+    norm = mine["_normalize_model_output_as_tuple"]
+    for out in (torch.ones(2), (torch.ones(2), 3), [torch.ones(1)], None):
+        assert norm(out) == tst._normalize_model_output_as_tuple(out) or all(
+            a is b for a, b in zip(norm(out), tst._normalize_model_output_as_tuple(out)))
+    # the orders our schedules hand out are made of the _Action and kinds torchtitan imports
+    sched = pe.ScheduleDualPipeV([_StandIn(4, 2) for _ in range(2)], 4)
+    kinds = {a.computation_type for acts in sched.pipeline_order.values() for a in acts}
+    assert all(isinstance(a, mine["_Action"]) for acts in sched.pipeline_order.values() for a in acts)
+    assert {mine["FORWARD"], mine["OVERLAP_F_B"]} <= kinds
+
+
+def test_torchs_microbatch_specs_split_and_merge_here():
+    from pipeline_ext.pipelining.microbatch import (DEFAULT_CHUNK_DIM, TensorChunkSpec, _CustomReducer, _Replicate,
+                                                    merge_chunks, split_args_kwargs_into_chunks, sum_reducer)
+
+    x, mask = torch.arange(8.0).reshape(4, 2), torch.ones(3)
+    for replicate in (_Replicate, _Replicate()):  # torch writes the class itself; an instance works too
+        args, _ = split_args_kwargs_into_chunks((x, mask), {}, 2, (TensorChunkSpec(DEFAULT_CHUNK_DIM), replicate))
+        assert [a[0].shape[0] for a in args] == [2, 2] and all(a[1] is mask for a in args)
+    parts = [torch.tensor(1.0), torch.tensor(2.0)]
+    assert merge_chunks(parts, sum_reducer) == 3.0
+    assert merge_chunks(parts, _CustomReducer(torch.tensor(0.0), max)) == 2.0

@@ -74,10 +74,10 @@ def test_swap_moves_provided_names_and_keeps_the_rest():
     }
     out, kept = tool.swap_imports(SOURCE, provided)
     ast.parse(out)
-    assert "from pipeline_ext import PipelineStage, ScheduleGPipe as GPipe" in out
+    assert "from pipeline_ext.pipelining import PipelineStage, ScheduleGPipe as GPipe" in out
     assert "from torch.distributed.pipelining import pipeline\n" in out
-    assert "from pipeline_ext.runtime.microbatch import merge_chunks, TensorChunkSpec" in out
-    assert "from pipeline_ext import get_schedule_class" in out
+    assert "from pipeline_ext.pipelining.microbatch import merge_chunks, TensorChunkSpec" in out
+    assert "from pipeline_ext.pipelining.schedules import get_schedule_class" in out
     assert "from torch.distributed.pipelining.schedules import _Action\n" in out
     # an import inside a function keeps its indentation and, unprovided, stays torch's
     assert "        from torch.distributed.pipelining.schedules import _wait_batch_p2p" in out

@@ -26,11 +26,12 @@ unless ``--keep``):
    pick "cpu" and "gloo" themselves when no accelerator is present.
 3. In the second copy only, swaps the imports (``swap_imports``): every name
    imported from ``torch.distributed.pipelining`` or one of its submodules
-   becomes ``from pipeline_ext import NAME`` (``pipeline_ext.runtime.microbatch`` for
-   the ``microbatch`` module) when pipeline_ext provides that name. A name it
-   does not provide stays torch's, and is listed: the test then mixes torch's
-   object with ours, which is what a user who changed the import would get as
-   an ImportError.
+   comes from its twin, ``pipeline_ext.pipelining`` or the same submodule of it
+   (``from pipeline_ext.pipelining.schedules import NAME``), when pipeline_ext
+   provides that name. A name it does not provide (or refuses, saying why:
+   ``NotProvidedError``) stays torch's, and is listed: the test then mixes
+   torch's object with ours, which is what a user who changed the import would
+   get as an ImportError.
 4. Runs pytest on both copies, each test under a watchdog (``--timeout``
    seconds without progress kills the run; the test counts as a timeout and
    the remaining tests continue in a fresh process). A failing test also ends
@@ -117,8 +118,8 @@ def port_cpu_gloo(source: str, world_size: int = 2) -> str:
 
 
 def pipeline_ext_module(torch_module: str) -> str:
-    """Where pipeline_ext keeps what a torch pipelining module exports: ``microbatch`` has its twin."""
-    return "pipeline_ext.runtime.microbatch" if torch_module == f"{TORCH_PKG}.microbatch" else "pipeline_ext"
+    """The twin of a torch pipelining module: ``torch.distributed.pipelining[.x]`` -> ``pipeline_ext.pipelining[.x]``."""
+    return "pipeline_ext.pipelining" + torch_module[len(TORCH_PKG):]
 
 
 def imported_pipelining_names(source: str) -> set[tuple[str, str]]:

@@ -43,8 +43,8 @@ from pipeline_ext import schedules as S
 from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.call import Call, CallerContext, stage_call
 from pipeline_ext.pipe.lockstep import Lockstep, LockstepRunner
-from pipeline_ext.pipe.placement import (MULTI_STAGE_SCHEDULES, Device, Partition, build_schedule, check_chunks,
-                                         check_shared_layers, fit_balance, resolve_devices)
+from pipeline_ext.pipe.placement import (Device, Partition, build_schedule, check_chunks, check_shared_layers,
+                                         fit_balance, resolve_devices)
 from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
                                              split_step_inputs, split_step_target)
@@ -59,8 +59,7 @@ from pipeline_ext.runtime.skips import SkipRoutes
 from pipeline_ext.skip import verify_skippables
 
 
-# MULTI_STAGE_SCHEDULES and Partition live in placement.py; they stay importable from here
-__all__ = ["Pipe", "MULTI_STAGE_SCHEDULES", "PipeBusyError"]
+__all__ = ["Pipe", "PipeBusyError"]
 
 
 class PipeBusyError(RuntimeError):

@@ -1,31 +1,29 @@
 """The ``torch.distributed.pipelining`` front end: one process per rank, started by ``torchrun``.
 
-``stage.py`` is ``PipelineStage``; ``schedule.py`` is ``PipelineSchedule``,
-which runs any schedule on this rank's stages through a ``dist.Session``;
-``schedule_classes.py`` holds torch's ``Schedule*`` names over it;
-``model_split.py`` is torch's tracer front end (``pipeline``, ``SplitPoint``,
-``build_stage``); ``dw_builder.py`` runs torch's custom weight-gradient
-builders; ``mesh.py`` lays pipeline and data-parallel ranks out on a DeviceMesh.
+torch's twin, module for module: replacing ``torch.distributed.pipelining`` by
+``pipeline_ext.pipelining`` in any import gives the name, or an error saying
+why not (docs/parity.md). ``stage.py`` is ``PipelineStage`` and
+``build_stage``; ``schedules.py`` holds torch's ``Schedule*`` classes over
+``PipelineSchedule`` (``_schedule_base.py``), which runs any schedule on this
+rank's stages through a ``comm.Session``; ``microbatch.py`` is torch's
+microbatch names over ``runtime/microbatch.py``; ``model_split.py`` is
+torch's tracer front end (``pipeline``, ``SplitPoint``); ``dw_builder.py``
+runs torch's custom weight-gradient builders; ``custom_function.py``
+adapts torch's ``register_custom_function``; ``mesh.py`` lays pipeline and
+data-parallel ranks out on a DeviceMesh.
+
+The names here are those modules' ``__all__`` (read from their sources,
+``_lazy.exports``), so nothing is listed twice.
 """
 
-from pipeline_ext._lazy import lazy_names
+from pipeline_ext._lazy import exports, lazy_names
 
-_SC = "pipeline_ext.pipelining.schedule_classes"
-_EXPORTS = {
-    "PipelineStage": "pipeline_ext.pipelining.stage",
-    "PipeliningMetadataError": "pipeline_ext.pipelining.stage",
-    "PipeliningShapeError": "pipeline_ext.pipelining.stage",
-    "PipelineSchedule": "pipeline_ext.pipelining.schedule",
-    "PipelineScheduleSingle": _SC,
-    "PipelineScheduleMulti": _SC,
-    "get_schedule_class": _SC,
-    "pipeline": "pipeline_ext.pipelining.model_split",
-    "SplitPoint": "pipeline_ext.pipelining.model_split",
-    "pipe_split": "pipeline_ext.pipelining.model_split",
-    "build_stage": "pipeline_ext.pipelining.model_split",
-    "pipeline_mesh": "pipeline_ext.pipelining.mesh",
-    "pipeline_layout": "pipeline_ext.pipelining.mesh",
-    "PipelineLayout": "pipeline_ext.pipelining.mesh",
-}
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__)
+_EXPORTS = exports(__name__, ["stage", "schedules", "microbatch", "model_split", "mesh"])
+#: the modules torch's package has as attributes, with the same names
+_SUBMODULES = {name: f"{__name__}.{name}" for name in ("schedules", "stage", "microbatch")}
+#: torch's private modules: nothing of theirs is here under their names
+_GAPS = {name: f"torch's private module {name}; its public names are in pipeline_ext.pipelining's modules, and torch's "
+               "tracer (pipeline, Pipe, SplitPoint) is used as it is (model_split.py)"
+         for name in ("_IR", "_backward", "_debug", "_unflatten", "_utils")}
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__, _SUBMODULES, gaps=_GAPS)

@@ -1,8 +1,12 @@
-"""``PipelineStage``: one model chunk of a multi-process pipeline, as torch's manual-stage API has it.
+"""``PipelineStage``: one model chunk of a multi-process pipeline; torch's ``torch.distributed.pipelining.stage``.
 
 A stage says where it sits (index, count, device, process group) and what it
-runs; a schedule (``schedule.py``) drives it. Declared shapes (torch's
+runs; a schedule (``schedules.py``) drives it. Declared shapes (torch's
 ``input_args``/``output_args``) are checked on every microbatch when given.
+``build_stage`` makes one from a traced pipeline's module. The module's other
+names are torch's (its types and helpers, lent on first use) or refused with
+the reason (its stage internals): replacing ``torch.distributed.pipelining``
+by ``pipeline_ext.pipelining`` in an import gives either the name or why not.
 """
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_ext._lazy import lazy_names
 from pipeline_ext.comm.data_parallel import gradient_sync_for
 from pipeline_ext.pipelining.dw_builder import DwBuilderRunner
 from pipeline_ext.runtime.declared import Declared, check_grads, errors
 from pipeline_ext.runtime.dtensor_wire import MeshFinder
 from pipeline_ext.runtime.stage import StagePosition, StageRunner
 
-__all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError"]
+__all__ = ["PipelineStage", "PipeliningMetadataError", "PipeliningShapeError", "build_stage"]
 
 
 class PipelineStage(StagePosition):
@@ -212,7 +217,9 @@ class PipelineStage(StagePosition):
 
         The input is the one the schedule has for this stage and microbatch
         (the step's microbatch on stage 0, the received or handed-over
-        activation elsewhere), so ``args``/``kwargs`` are not read; on the last
+        activation elsewhere, with this rank's keyword arguments for that
+        microbatch on every stage, as torch passes ``kwarg_mbs[mb]``), so
+        ``args``/``kwargs`` are not read; on the last
         stage the loss is computed here (torch's ``_maybe_compute_loss`` then
         has nothing to do). The output goes on to the next stage by itself.
         """
@@ -266,10 +273,72 @@ class PipelineStage(StagePosition):
         self.output_chunks.clear()
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: the error classes are made on first use (runtime/declared.py)
-    if name in ("PipeliningMetadataError", "PipeliningShapeError"):
+#: torch's base class of stages; here the one stage class is the base (``isinstance`` checks in torch-style code)
+_PipelineStageBase = PipelineStage
+
+
+def build_stage(stage_module: nn.Module, stage_index: int, pipe_info: Any, device: Union[torch.device, str, int],
+                group: Optional[dist.ProcessGroup] = None) -> PipelineStage:
+    """torch's ``build_stage``: a stage of a traced pipeline (``pipe.info()`` gives ``pipe_info``)."""
+    num_stages = getattr(pipe_info, "num_stages", None)
+    if not isinstance(num_stages, int):
+        raise TypeError(f"pipe_info must be torch's PipeInfo (pipe.info()), got {type(pipe_info).__name__}")
+    return PipelineStage(stage_module, stage_index, num_stages, device, group=group)
+
+
+def as_stage(stage: Any) -> PipelineStage:
+    """Ours as is; a stage torch built (``PipelineStage`` or ``pipe.build_stage``) becomes ours, same module."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    needed = ("submod", "stage_index", "num_stages", "device", "group")
+    if all(hasattr(stage, a) for a in needed):
+        return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+                             dw_builder=getattr(stage, "dw_builder", None))
+    raise TypeError(f"expected a PipelineStage, got {type(stage).__name__}")
+
+
+def _normalize_model_output_as_tuple(output: Any) -> tuple:
+    """A stage's output as the tuple of values the next stage is called with (torch's helper of that name).
+
+    A tuple or list is its entries, anything else one value: what a stage's
+    output becomes here too (``runtime/stage.py``, ``as_output_tuple``), so
+    code written against torch's helper (torchtitan's graph runner) splits
+    outputs as this library's stages do.
+    """
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
+#: torch.distributed.pipelining.stage's names that mean the same here, lent as they are on first use (torch's
+#: pipelining costs a rank about a second to import): types that our stage accepts or raises (``PipeInfo`` for
+#: ``build_stage``, ``get_mesh`` callbacks, torch's metadata error) and torch's pure helpers on tensors and pytrees,
+#: which compute the same whoever calls them (our stages run their backward without them)
+_TORCHS = dict.fromkeys([
+    "PipeliningMetadataError", "PipeInfo", "GetMeshCallback", "InferenceMode",
+    "extract_tensor_meta", "extract_tensor_metas", "flatten_args", "map_debug_info", "to_local_if_dtensor",
+    "validate_and_normalize_to_tuple", "validate_static_arg_grad_correspondence", "validate_tensors_metadata",
+    "stage_backward", "stage_backward_input", "stage_backward_weight",
+], "torch.distributed.pipelining.stage")
+#: torch's stage internals, with nothing here to stand for them: importing one says why (docs/parity.md)
+_GAPS = {
+    "_PipelineStage": "torch's stage of a traced Pipe; build_stage(...) and pipe.build_stage(...) give a PipelineStage "
+                      "here",
+    **dict.fromkeys(["_RecvInfo", "_StageMeta", "_StageForwardMeta", "_StageBackwardMeta", "_TensorMeta", "_DTensorMeta",
+                     "_MeshCache", "_make_tensor_from_meta", "_derive_grad_metas", "_autograd_grad_for_inputs"],
+                    "torch's stage bookkeeping (receive buffers sized from metadata, its autograd calls); stages here "
+                    "learn their layouts from the step (comm/comm_plan.py, runtime/declared.py) and run their own "
+                    "backward (runtime/stage.py)"),
+}
+_lent, _listed = lazy_names(__name__, _TORCHS, gaps=_GAPS)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562
+    if name == "PipeliningShapeError":  # made on first use, over torch's error class (runtime/declared.py)
         return errors()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _lent(name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*_listed(), "PipeliningShapeError"})
 
 
 def _grads_arg(value: Any, name: str) -> Optional[tuple]:

@@ -16,27 +16,9 @@ Names load lazily (as in ``pipeline_ext``): the schedules import
 """
 from __future__ import annotations
 
-from pipeline_ext._lazy import lazy_names
+from pipeline_ext._lazy import exports, lazy_names
 
-_EXPORTS = {
-    "TiedParameters": "tied",
-    "tie_parameters": "tied",
-    "clip_grad_norm_": "clip",
-    "total_grad_norm": "clip",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "unsplit_name": "checkpoint",
-    "FQNMap": "checkpoint",
-    "TokenMeanLoss": "loss",
-    "loss_weights": "loss",
-    "profile_layers": "profiling",
-    "balance_layers": "profiling",
-    "LayerChain": "profiling",
-    "stage_modules": "profiling",
-    "block_ranges": "profiling",
-    "sizes_with_ends": "profiling",
-}
-
+#: the modules' ``__all__``, read unimported (``_lazy.exports``); ``stages`` is the tools' own, not listed
+_EXPORTS = exports(__name__, ["tied", "clip", "checkpoint", "loss", "profiling"])
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_names(__name__, {n: f"pipeline_ext.training.{m}" for n, m in _EXPORTS.items()},
-                                  __all__)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.schedules import PipelineSchedule
 from pipeline_ext.pipelining.stage import PipelineStage
 
 from pipeline_ext.training.stages import local_stages

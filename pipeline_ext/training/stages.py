@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.schedules import PipelineSchedule
 from pipeline_ext.pipelining.stage import PipelineStage
 
 __all__ = ["LocalStages", "local_stages", "unwrap"]

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline_ext.pipelining.schedule import PipelineSchedule
+from pipeline_ext.pipelining.schedules import PipelineSchedule
 from pipeline_ext.comm.groups import GroupMaker
 from pipeline_ext.training.stages import LocalStages, local_stages, unwrap
 

@@ -1,27 +1,38 @@
-"""torch.distributed.pipelining's schedule classes, by name, over the one ``PipelineSchedule``.
+"""torch's ``torch.distributed.pipelining.schedules``: its schedule classes, by name, over one ``PipelineSchedule``.
 
-A torch script changes one import and keeps its class names, its keyword
+A torch script changes one import (``torch.distributed.pipelining`` to
+``pipeline_ext.pipelining``) and keeps its class names, its keyword
 arguments and ``get_schedule_class`` lookups: ``PipelineScheduleSingle`` (one
 stage per rank) and ``PipelineScheduleMulti`` (several) take torch's
 parameters, and every ``Schedule*`` class only names which built-in schedule
 (data, ``pipeline_ext.schedules``) it runs. The engine behind all of them is
-``pipeline_ext.pipelining.schedule.PipelineSchedule``; nothing here runs anything.
+``PipelineSchedule`` (``_schedule_base.py``), torch's ``_PipelineSchedule``
+here; nothing in this file runs anything.
+
+torch's action objects (``_Action``, ``FORWARD``, ``OVERLAP_F_B``, ...) and
+``_PipelineContext`` are torch's own, lent on first use: they are what the
+schedules here hand out (``pipeline_order``, a registered custom function's
+arguments), so torch code compares and builds them as it does with torch.
+torch's helpers that build its own orders or batch its own messages are
+refused by name, saying what does that work here (``_GAPS``).
 """
 from __future__ import annotations
 
-import warnings
 from types import ModuleType
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
 from pipeline_ext import schedules as S
-from pipeline_ext._lazy import when_imported
-from pipeline_ext.pipelining.schedule import PipelineSchedule
-from pipeline_ext.pipelining.stage import PipelineStage
+from pipeline_ext._lazy import lazy_names, when_imported
+from pipeline_ext.pipelining._schedule_base import PipelineSchedule
+# merge_chunks, split_args_kwargs_into_chunks and _PipelineStageBase: torch's schedules module has them too
+from pipeline_ext.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks  # noqa: F401
+from pipeline_ext.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
 from pipeline_ext.schedules.csv_io import torch_order
 
 __all__ = [
+    "PipelineSchedule",
     "PipelineScheduleSingle",
     "PipelineScheduleMulti",
     "_PipelineScheduleRuntime",
@@ -34,6 +45,9 @@ __all__ = [
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV",
+    "ScheduleVHalf",
+    "ScheduleVMin",
+    "_ScheduleForwardOnly",
     "get_schedule_class",
 ]
 
@@ -321,14 +335,6 @@ class ScheduleZBVZeroBubble(_BuiltinRuntime):
     schedule_name = "zbv"
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: a deprecated name that still resolves
-    if name == "ScheduleZBV":
-        warnings.warn("ScheduleZBV is ScheduleZBVZeroBubble (torch's name); the short name goes away in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        return ScheduleZBVZeroBubble
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class ScheduleDualPipeV(_BuiltinRuntime):
     """DualPipeV: DeepSeek's DualPipe on a V placement, two stages per rank."""
 
@@ -347,9 +353,9 @@ class ScheduleVMin(_BuiltinRuntime):
     schedule_name = "v_min"
 
 
-def _register_with_torch(schedules: ModuleType) -> None:
+def _register_with_torch(torch_schedules: ModuleType) -> None:
     """``issubclass(cls, torch's _PipelineSchedule)`` holds for every class here, as torch code checks it."""
-    schedules._PipelineSchedule.register(PipelineSchedule)
+    torch_schedules._PipelineSchedule.register(PipelineSchedule)
 
 
 # once a program imports torch's pipelining (only code that does can ask), not before: see pipeline_ext/_lazy.py
@@ -384,3 +390,42 @@ def get_schedule_class(name: str) -> type:
     if key not in _BY_NAME:
         raise ValueError(f"unknown schedule {name!r}; known: {sorted({c.__name__ for c in _BY_NAME.values()})}")
     return _BY_NAME[key]
+
+
+#: torch's base class of every schedule; here ``PipelineSchedule`` is (torchtitan annotates with it)
+_PipelineSchedule = PipelineSchedule
+#: how torch cuts a step's target into microbatches: along dim 0, as here
+_TARGET_CHUNK_SPEC = TensorChunkSpec(0)
+
+#: torch's objects, lent on first use (torch's pipelining costs a rank about a second to import): the action
+#: kinds and ``_Action`` that ``pipeline_order`` and custom functions hand out, the context and ``_wait_batch_p2p``
+#: a custom function uses (the receives it waits on are done: ``custom_function.ReceivedView``), stage
+#: placement helpers, and torch's pure functions over an order of ``_Action`` objects (format, validate, simulate,
+#: add sends and receives), which read ``pipeline_order`` here as they read torch's
+_TORCHS = dict.fromkeys([
+    "_Action", "_ComputationType", "F", "B", "I", "W", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT", "OVERLAP_F_B", "UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+    "_PipelineContext", "_CustomFunctionProtocol", "_wait_batch_p2p", "InferenceMode",
+    "generate_rank_to_stage_mapping", "generate_stage_to_rank_mapping",
+    "_format_pipeline_order", "_validate_schedule", "_simulate_comms_compute", "_dump_chrometrace", "_add_send_recv",
+    "_merge_bw", "_add_unshard_reshard", "_add_reduce_grad",
+], "torch.distributed.pipelining.schedules")
+#: torch's names with no counterpart here, and what does their work instead (docs/parity.md)
+_GAPS = {
+    **dict.fromkeys(["_batch_p2p", "_sorted_batch_p2p"],
+                    "torch's batching of its send/recv ops; the executor here posts each message itself (comm/)"),
+    "_RecvInfo": "torch's stage receive buffers; stages here receive into buffers of the layouts the step learnt "
+                 "(comm/comm_plan.py)",
+    "_check_torch_compile_compatibility": "torch refuses a torch.compile'd stage under a zero-bubble schedule; "
+                                          "here it runs (docs/parity.md)",
+    "_defer_recv_ops": "each receive already sits right before its consumer: [Note: defer_pp_recv] in "
+                       "pipeline_ext/pipelining/schedules.py",
+    **dict.fromkeys(["_get_1f1b_rank_ops", "_get_warmup_ops"],
+                    "torch's builders of its own orders; orders here are pipeline_ext.schedules.build(name, ...)"),
+    "_requires_reduce_grad": "torch's FSDP REDUCE_GRAD bookkeeping; schedules here have no FSDP actions "
+                             "(gradients sync once per step: comm/data_parallel.py)",
+    "_get_profiler_function_name": "torch's record_function labels; traces here: trace=True, write_trace()",
+    "_split_tensor": "torch's cut of one tensor; split_args_kwargs_into_chunks cuts each tensor here "
+                     "(runtime/microbatch.py)",
+}
+__getattr__, __dir__ = lazy_names(__name__, _TORCHS, gaps=_GAPS)

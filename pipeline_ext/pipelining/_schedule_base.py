@@ -1,7 +1,11 @@
 """``PipelineSchedule``: runs any schedule on this process's stages, one ``step()`` at a time.
 
-Shaped like ``torch.distributed.pipelining``'s manual-stage API, so that moving
-a script over is a one-line import change::
+The engine behind every schedule class of ``pipelining/schedules.py``, which
+is where it is imported from (``pipeline_ext.pipelining.schedules``, torch's
+``torch.distributed.pipelining.schedules``); its own module only so that
+neither file is twice the size of the others. Shaped like
+``torch.distributed.pipelining``'s manual-stage API, so that moving a script
+over is a one-line import change::
 
     stage = pe.PipelineStage(submodule, stage_index, num_stages, device)
     sched = pe.Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
@@ -12,12 +16,11 @@ a script over is a one-line import change::
 Each process holds one stage (or several, for interleaved and V schedules).
 A step is: ``Session.begin`` (check and post this rank's part) -> step
 pre-hooks -> ``Executor.run`` over the returned ``Step`` -> step post-hooks
--> merge the last stage's outputs. The schedule classes
-(``schedule_classes.py``) only choose which schedule (data) to build. torch's
-custom functions (``register_custom_function``) are translated to and from
-torch's objects in ``custom_function.py``; torch's order and CSV format
-(``pipeline_order``, ``_dump_csv``, ``_load_csv``) are read and written by
-``schedules/csv_io.py``.
+-> merge the last stage's outputs. The schedule classes only choose which
+schedule (data) to build. torch's custom functions
+(``register_custom_function``) are translated to and from torch's objects in
+``custom_function.py``; torch's order and CSV format (``pipeline_order``,
+``_dump_csv``, ``_load_csv``) are read and written by ``schedules/csv_io.py``.
 
 Differences from torch, on purpose: batches that do not divide into the
 microbatches are allowed (losses are weighted by each microbatch's rows, so the
@@ -42,8 +45,7 @@ from pipeline_ext.comm.groups import group_timeout
 from pipeline_ext.comm.session import FORWARD, TRAIN, Session
 from pipeline_ext.comm.trace import gather_trace
 from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_functions, custom_key
-from pipeline_ext.pipelining.model_split import as_stage
-from pipeline_ext.pipelining.stage import PipelineStage
+from pipeline_ext.pipelining.stage import PipelineStage, as_stage
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
@@ -54,13 +56,18 @@ from pipeline_ext.runtime.trace import Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
-# torch's Schedule* names are in schedule_classes.py
+# imported from schedules.py, with torch's Schedule* classes over it
 __all__ = ["PipelineSchedule"]
 
 
 def _is_stand_in(stage: Any) -> bool:
-    """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so)."""
-    return (not isinstance(stage, PipelineStage) and getattr(stage, "submod", False) is None
+    """A stage object without a module that only says where it sits (torch's tests mock ``_PipelineStageBase`` so).
+
+    A subclass of ours counts too: ``_PipelineStageBase`` is ``PipelineStage``
+    here, and torch's mocks subclass it without calling its ``__init__``; a
+    stage built by that ``__init__`` always has a module.
+    """
+    return (getattr(stage, "submod", False) is None
             and all(hasattr(stage, a) for a in ("num_stages", "group_size", "group_rank")))
 
 
