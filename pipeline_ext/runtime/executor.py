@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
-from pipeline_ext.runtime.channel import ChannelTimeout, Handle, Messages, StepContext
+from pipeline_ext.runtime.channel import Handle, Messages, StepContext
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
@@ -74,14 +74,11 @@ from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
 from pipeline_ext.skip.tracker import SkipKey
 
-__all__ = ["Runner", "Executor", "GroupRun", "StepInputs", "PeerError", "PipelineTimeoutError", "RaisedAt", "raised_at"]
+__all__ = ["Runner", "Executor", "StepInputs", "PeerError", "RaisedAt", "raised_at"]
 
 _MESSAGES = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 
-
-#: another name for the one timeout error both front ends raise: ``ChannelTimeout`` (a ``TimeoutError``)
-PipelineTimeoutError = ChannelTimeout
 
 
 class PeerError(RuntimeError):
