@@ -1,7 +1,7 @@
 """A 2 x 2 job (two hosts, two ranks each): every edge over the process group vs the transport chosen per edge.
 
 Four ranks on this machine; ranks 2 and 3 act as a second host
-(``$PIPELINE_EXT_TEST_HOST``, comm/transport.py: it only splits a host's
+(``$PIPELINE_EXT_TEST_HOST``, comm/transport/setup.py: it only splits a host's
 identity, for tests and benchmarks), so with ``transport="auto"`` the edges
 0<->1 and 2<->3 go over shared memory and 1<->2 over Gloo, while
 ``transport="process_group"`` sends every edge over Gloo, as ``"auto"`` did

@@ -54,7 +54,7 @@ def worker(rank: int, world: int, sizes: list[int], n: int, repeats: int, idle_s
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
 
     from pipeline_ext.runtime._ext import _C
-    from pipeline_ext.comm.shm import make_channel
+    from pipeline_ext.comm.transport import make_channel
 
     peer = 1 - rank
     torch_name, pg_name, same_host_name = COLUMNS[device]

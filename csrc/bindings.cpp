@@ -210,7 +210,7 @@ void bind_channels(py::module_& m) {
            "Issue the operations since the outermost begin_batch (coalesced when `batches`).");
 
   py::class_<ShmChannel, Channel, std::shared_ptr<ShmChannel>>(
-      m, "ShmChannel", "A Channel over same-host shared memory (pipeline_ext/comm/shm.py).")
+      m, "ShmChannel", "A Channel over same-host shared memory (pipeline_ext/comm/transport/channels.py).")
       .def(py::init<int, int, int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("size"), py::arg("ring_bytes"),
            py::arg("spin_us") = 20, py::arg("slice_ms") = 50)
       .def_property_readonly("name", &ShmChannel::name)
@@ -223,7 +223,7 @@ void bind_channels(py::module_& m) {
 
 #ifdef WITH_CUDA
   py::class_<IpcChannel, Channel, std::shared_ptr<IpcChannel>>(
-      m, "IpcChannel", "A Channel for GPU tensors between the processes of one host over CUDA IPC (comm/shm.py).")
+      m, "IpcChannel", "A Channel for GPU tensors between the processes of one host over CUDA IPC (comm/transport/channels.py).")
       .def(py::init<std::shared_ptr<ShmChannel>, std::shared_ptr<ShmChannel>, at::Device, int64_t, int64_t>(),
            py::arg("control"), py::arg("acks"), py::arg("device"), py::arg("pool_blocks") = 4,
            py::arg("cache_entries") = 64)

@@ -39,7 +39,7 @@ isolated = False
 
 #: what the fork server imports once, so that a fresh rank does not: torch (and its distributed package),
 #: the library and the test helpers the rank functions use
-_PRELOAD = ["torch", "torch.distributed", "pipeline_ext", "pipeline_ext.comm.shm", "pytest", "mp_utils", "models"]
+_PRELOAD = ["torch", "torch.distributed", "pipeline_ext", "pipeline_ext.comm.transport.channels", "pytest", "mp_utils", "models"]
 
 _ctx = None
 _rendezvous_dir = None

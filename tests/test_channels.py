@@ -12,11 +12,10 @@ import torch
 from loopback_pg import Loopback
 from mp_utils import _fresh_rendezvous, fresh_context
 from pipeline_ext.runtime import streams
-from pipeline_ext.comm.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError
 from pipeline_ext.runtime.local import LocalHub
 from pipeline_ext.comm.comm_plan import PlanCache
-from pipeline_ext.comm.shm import AutoChannel, make_channel
+from pipeline_ext.comm.transport import AutoChannel, DistChannel, make_channel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -117,7 +116,9 @@ def _scenario_roundtrip(rank: int, channel: DistChannel) -> dict:
             )
             out[f"empty{step}"] = ch.recv(0, 5).wait(10.0, "recv empty")
         plans.commit(ch)
-    sub = PlanCache().step(make_channel(dist.new_group([0, 1]), "cpu", None), None)  # any group, peers are its ranks
+    other = make_channel(dist.new_group([0, 1]), "cpu", None)  # any group, peers are its ranks
+    other.connect()  # a same-host channel settles its group's transport first (collective), as a step's opening does
+    sub = PlanCache().step(other, None)
     if rank == 0:
         sub.send([torch.ones(2, 2)], 1, 0).wait(10.0, "send on new_group")
     else:

@@ -23,7 +23,7 @@ import pipeline_ext as pe
 from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from pipeline_ext.pipe.recompute import CHECKPOINT_MODES
-from pipeline_ext.comm.channels import DistChannel
+from pipeline_ext.comm.transport import DistChannel
 from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 
 pytestmark = [

@@ -1,6 +1,6 @@
-"""The transport chosen per edge (comm/transport.py, [Note: transport per edge]).
+"""The transport chosen per edge (comm/transport/decide.py, [Note: transport per edge]).
 
-From plain descriptions (``_Setup._describe``): every branch of
+From plain descriptions (``setup._Setup._describe``): every branch of
 ``decide_edges`` (one host, two hosts, one hostname on two hosts, a rank
 without an inbox, rings of different sizes), the group's kind, the summary
 line, the digest the step records carry and the agreement's check of it,
@@ -22,6 +22,7 @@ import torch
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import run_ranks
 from pipeline_ext.comm import transport as T
+from pipeline_ext.comm.transport import setup
 from pipeline_ext.comm.agreement import StepAgreementError, StepRecord, agree
 from pipeline_ext.comm.transport import (HOST_ENV, PerEdgeChannel, decide_edges, edges_digest, edges_kind,
                                          edges_summary)
@@ -131,8 +132,8 @@ def test_the_summary_is_said_once_by_group_rank_0_and_only_when_an_edge_leaves_t
         def rank(self) -> int:
             return self._rank
 
-    mixed = T._GroupTransport("per_edge", None, edges=_table([A, A, B, B]))
-    one = T._GroupTransport("shm", None, edges=_table([A, A, A, A]))
+    mixed = T.Settled("per_edge", None, edges=_table([A, A, B, B]))
+    one = T.Settled("shm", None, edges=_table([A, A, A, A]))
     zero, other = Group(0), Group(1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -147,9 +148,9 @@ def test_the_summary_is_said_once_by_group_rank_0_and_only_when_an_edge_leaves_t
 
 def test_the_simulated_host_splits_a_host_and_is_named(monkeypatch):
     monkeypatch.delenv(HOST_ENV, raising=False)
-    real = T._host_id()
+    real = setup._host_id()
     monkeypatch.setenv(HOST_ENV, "b")
-    simulated = T._host_id()
+    simulated = setup._host_id()
     name, _, rest = real.partition("|")
     assert simulated == f"{name}~b|{rest}" != real
 

@@ -39,7 +39,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 def _messages(rank: int, world: int) -> dict:
-    from pipeline_ext.comm.shm import make_channel
+    from pipeline_ext.comm.transport import make_channel
 
     ch = make_channel(None, DEV, 2, "ipc", timeout=30.0)
     out = {"transport": ch.connect()}

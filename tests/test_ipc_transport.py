@@ -1,4 +1,4 @@
-"""The same-host CUDA IPC transport's choice, on CPU (comm/transport.py: check_request, ipc_unavailable, decide_transport).
+"""The same-host CUDA IPC transport's choice, on CPU (comm/transport/: check_request, ipc_unavailable, decide_transport).
 
 What only a GPU can show (the copies, the events, the handle cache on real
 handles, a peer killed mid-copy) runs in ``tools/gpu_check.sh`` (step
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from mp_utils import run_ranks
-from pipeline_ext.comm.shm import make_channel
-from pipeline_ext.comm.transport import (TRANSPORT_ENV, check_request, decide_transport, ipc_unavailable,
+from pipeline_ext.comm.transport import (TRANSPORT_ENV, make_channel, check_request, decide_transport, ipc_unavailable,
                                          probe_verdict, requested_transport)
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError
@@ -126,7 +125,7 @@ def _setup_on_this_build(rank: int, world: int) -> dict:
     """GPU stages' setup over Gloo, as a Session runs it, on a build and machine without CUDA IPC."""
     import torch.distributed as dist
 
-    import pipeline_ext.comm.transport as transport
+    import pipeline_ext.comm.transport.setup as transport
 
     out = {}
     auto = make_channel(dist.new_group([0, 1]), "cuda:0", 2, "auto", timeout=20.0)

@@ -25,7 +25,7 @@ from loopback_pg import Loopback
 from models import build, loss_fn, make_batch, run_stages
 from mp_utils import no_complaints
 from pipeline_ext import schedules as S
-from pipeline_ext.comm.channels import DistChannel
+from pipeline_ext.comm.transport import DistChannel
 from pipeline_ext.runtime.local import LocalChannel
 from pipeline_ext.comm.groups import matches_by_order, message_pairs
 

@@ -21,7 +21,7 @@ def _disturb(rank: int, world: int, marker: str) -> dict:
     """Reports what it found, then changes everything a worker must put back."""
     import torch.distributed as dist
 
-    import pipeline_ext.comm.transport as transport
+    import pipeline_ext.comm.transport.setup as transport
 
     found = {
         "pid": os.getpid(),

@@ -1,4 +1,4 @@
-"""Same-host shared-memory transport (comm/transport.py, comm/shm.py, csrc/runtime/shm_channel.*): choice and crashes.
+"""Same-host shared-memory transport (comm/transport/, csrc/runtime/shm_channel.*): choice and crashes.
 
 Messages themselves are tested under both transports by test_channels.py,
 test_distributed.py, test_robustness.py and test_step_agreement.py (the
@@ -18,8 +18,7 @@ import pipeline_ext as pe
 from models import build, loss_fn, make_batch
 from mp_utils import no_complaints, run_ranks
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.comm.shm import make_channel
-from pipeline_ext.comm.transport import TRANSPORT_ENV, requested_transport
+from pipeline_ext.comm.transport import TRANSPORT_ENV, make_channel, requested_transport
 
 SEGMENT_PREFIX = "pipeline_ext_shm."
 
@@ -46,7 +45,7 @@ def _choices(rank: int, world: int) -> dict:
     """auto on one host is shared memory; with rank 1 pretending to be elsewhere, Gloo, and 'shm' an error."""
     import torch.distributed as dist
 
-    import pipeline_ext.comm.transport as transport
+    import pipeline_ext.comm.transport.setup as transport
 
     out = {"auto": make_channel(None, "cpu", 2, "auto").connect()}
     if rank == 1:
@@ -70,6 +69,7 @@ def _choices(rank: int, world: int) -> dict:
     transport._C = _C
     # Gloo underneath the fallback really moves the data
     ch = make_channel(group, "cpu", 2, "auto")
+    ch.connect()  # the group's transport, settled above: nothing to wait for
     if rank == 0:
         handle, layout = ch.send([torch.arange(5.0)], 1, 3)
         handle.wait(10.0, "send")
@@ -188,20 +188,21 @@ def test_hosts_note_says_which_rank_runs_where():
     """What a failed step adds to its error once the transport setup has exchanged every rank's host: each host's
     ranks; two hosts of one hostname (containers, namespaces) told apart by the rest of their identity."""
     from pipeline_ext.comm import transport as T
+    from pipeline_ext.comm.transport import setup
 
-    class Group:  # stands for a process group: a key of the setups (weakly held)
+    class Group:  # stands for a process group: the key of its registry (weakly held)
         pass
 
-    two, one_name, alone = Group(), Group(), Group()
-    T._setups[two] = T._GroupTransport("process_group", None, "hosts",
-                                       hosts={0: "a|boot1|shm|1", 1: "a|boot1|shm|1", 2: "b|boot2|shm|2"})
-    T._setups[one_name] = T._GroupTransport("process_group", None, "hosts", hosts={0: "a|boot|s1|1", 1: "a|boot|s2|2"})
-    T._setups[alone] = T._GroupTransport("process_group", None, "no inbox", hosts={0: "a|b|s|1", 1: "a|b|s|1"})
-    try:
-        assert T.hosts_note(two) == "pipeline_ext: the ranks' hosts: ranks 0, 1 on host a; rank 2 on host b"
-        assert T.hosts_note(one_name) == ("pipeline_ext: the ranks' hosts: rank 0 on host a (boot|s1|1); "
-                                          "rank 1 on host a (boot|s2|2)")
-        assert T.hosts_note(alone) == "" and T.hosts_note(None) == "" and T.hosts_note(Group()) == ""
-    finally:
-        for g in (two, one_name, alone):
-            del T._setups[g]
+    def settled(hosts: dict) -> Group:
+        group = Group()
+        T.GroupTransport.of(group)._setups["cpu"] = T.Settled("process_group", None, "hosts", hosts=hosts)
+        return group
+
+    two = settled({0: "a|boot1|shm|1", 1: "a|boot1|shm|1", 2: "b|boot2|shm|2"})
+    one_name = settled({0: "a|boot|s1|1", 1: "a|boot|s2|2"})
+    alone = settled({0: "a|b|s|1", 1: "a|b|s|1"})
+    assert T.hosts_note(two) == "pipeline_ext: the ranks' hosts: ranks 0, 1 on host a; rank 2 on host b"
+    assert T.hosts_note(one_name) == ("pipeline_ext: the ranks' hosts: rank 0 on host a (boot|s1|1); "
+                                      "rank 1 on host a (boot|s2|2)")
+    assert T.hosts_note(alone) == "" and T.hosts_note(None) == "" and T.hosts_note(Group()) == ""
+    assert setup.GroupTransport.known(Group()) is None  # a lookup makes no registry

@@ -229,7 +229,7 @@ def _dtensor_stage(rank: int, world: int, through: str) -> str:
     x, y = make_batch("mlp", 4)
     try:
         if through == "channel":  # past the stage's check: the channel itself, as a gradient or skip would go
-            from pipeline_ext.comm.shm import make_channel
+            from pipeline_ext.comm.transport import make_channel
 
             channel = make_channel(None, "cpu", num_stages=2)
             channel.connect()  # settles the transport: collective

@@ -9,7 +9,7 @@ the two) and PID namespace (``unshare --pid --fork --kill-child``: killing
 the ``unshare`` kills the whole host, agent and ranks). Gloo runs over the
 veth (``GLOO_SOCKET_IFNAME``).
 
-What the library's same-host detection (``comm/transport._host_id``) sees:
+What the library's same-host detection (``comm/transport/setup._host_id``) sees:
 the hostnames differ, the boot id is the same (one kernel), the /dev/shm
 directories differ and so do the PID namespaces. Two ranks are on one host
 only when all four agree, so these are two hosts: every edge between them

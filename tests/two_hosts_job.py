@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
-from pipeline_ext.comm.transport import _host_id
+from pipeline_ext.comm.transport.setup import GroupTransport, _host_id
 
 MODE, OUT = os.environ["JOB_MODE"], os.environ["JOB_OUT"]
 TIMEOUT = float(os.environ.get("JOB_TIMEOUT", "30"))
@@ -69,9 +69,8 @@ def exact(rank: int, world: int) -> dict:
         for name in SCHEDULES:
             bad += _check_step(rank, world, name, "blocks", 2 * world, 8 * world + 3)
             ran.append(name)
-    from pipeline_ext.comm.transport import _setups
-
-    settled = _setups.get(dist.group.WORLD)
+    registry = GroupTransport.known(dist.group.WORLD)
+    settled = registry.settled("cpu") if registry is not None else None
     return dict(ran=ran, bad=bad, transport=getattr(settled, "kind", None),
                 edges={f"{a}<->{b}": kind for (a, b), (kind, _) in getattr(settled, "edges", {}).items()},
                 said=[str(w.message) for w in said if "transport per edge" in str(w.message)])

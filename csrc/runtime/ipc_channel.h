@@ -24,7 +24,7 @@
 // Known limits: a block whose message no receive ever took (a failed step's
 // leftover) stays with the sender until the channel goes; whether a peer's
 // memory can be mapped is checked once, at setup, on one buffer per peer
-// (comm/shm.py); the copy is issued when the receive is waited on, not when the
+// (comm/transport/setup.py); the copy is issued when the receive is waited on, not when the
 // control message arrives; closing an evicted handle waits on the host for the
 // last copy out of it (only when the cache overflows); a torch IPC handle
 // longer than 128 bytes (expandable segments may give one) is refused with a
@@ -88,7 +88,7 @@ class IpcChannel : public Channel {
   std::shared_ptr<IpcState> state_;
 };
 
-// The setup's probe (comm/transport.py): whether this process can open memory another
+// The setup's probe (comm/transport/setup.py): whether this process can open memory another
 // process exported. ipc_export_probe: the IPC handle of `tensor`'s memory (a CUDA
 // tensor from the caching allocator; bytes to send to the peers).
 // ipc_open_probe: opens a peer's handle on `device` and closes it again; empty

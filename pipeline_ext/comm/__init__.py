@@ -24,10 +24,11 @@ module doc walks through one step). Around it, everything said on the wire:
    buffers preallocated from them. When the ranks' caches differ (the
    agreement compares their digests) every rank rediscovers.
 
-The channels (``channels.DistChannel`` over C++ ``ProcessGroupChannel``;
-``shm.AutoChannel`` over shared memory or the group, ``shm.IpcChannel`` over CUDA IPC) keep
-no state: one message per send, a receive into a buffer of a given layout;
-``transport.py`` decides, together with the peers, which one a group uses.
+The transport (``transport/``: its pure decisions, the setup over the group,
+and the channels, ``DistChannel`` over C++ ``ProcessGroupChannel``,
+``AutoChannel`` over shared memory or the group, ``IpcChannel`` over CUDA IPC)
+keeps no state in a channel: one message per send, a receive into a buffer of
+a given layout; the peers settle together which one a group uses.
 ``groups.py`` makes the groups (NCCL: one per direction), ``data_parallel.py``
 syncs DDP/FSDP2 stages once per step, ``skips.py`` gathers skip declarations,
 ``trace.py`` gathers traces, ``launch.py`` starts local ranks for the demo,

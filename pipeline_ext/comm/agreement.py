@@ -246,7 +246,7 @@ def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
     if len({r.edges for r in settled}) > 1:
         said = ", ".join(f"rank {r.rank}: {r.edges:016x}" for r in settled)
         return (f"the ranks settled different transports per edge (digests {said}): their descriptions of "
-                "themselves differed (comm/transport.py decide_edges); report it with every rank's "
+                "themselves differed (comm/transport/decide.py decide_edges); report it with every rank's "
                 "PipelineSchedule.transport_per_edge")
     if differ(lambda r: (r.schedule_key, r.n_microbatches, r.num_stages)):
         # Two schedules of one name and size (hand-written ones) differ in their actions: say which is whose.

@@ -39,7 +39,7 @@ from typing import Callable, ContextManager, Hashable, Optional, Sequence, Union
 import torch
 
 from pipeline_ext.runtime._ext import _C
-from pipeline_ext.comm.channels import DistChannel
+from pipeline_ext.comm.transport.channels import DistChannel
 from pipeline_ext.runtime.channel import ChannelError, ChannelHandle, ChannelTimeout, _ms
 from pipeline_ext.comm.identity import stable_hash
 from pipeline_ext.runtime.tags import SKIP_LANE, describe_tag, message_of, split_microbatch

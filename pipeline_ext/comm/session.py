@@ -21,7 +21,8 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
 2. The executor runs the step's compute; at its first message it calls
    ``Step.open()``, which settles the step: ``agree`` over every rank's record (every rank takes the same
-   decision, and learns every microbatch's signature), skip routes gathered if
+   decision, and learns every microbatch's signature), the channel's
+   ``connect()`` (the transport, settled over the group once), skip routes gathered if
    the declarations are new, the channel's ``begin_step`` (shared memory drops
    earlier steps' leftovers), and the step kind's layouts opened
    (``PlanCache.step``: known when every microbatch's signature was seen, else
@@ -50,8 +51,7 @@ from pipeline_ext.comm.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, Pendin
 from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
 from pipeline_ext.comm.identity import GroupSteps, stable_hash
-from pipeline_ext.comm.shm import make_channel
-from pipeline_ext.comm.transport import announce_edges, edges_digest, hosts_note
+from pipeline_ext.comm.transport import announce_edges, edges_digest, hosts_note, make_channel
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
@@ -160,9 +160,10 @@ class Step:
         """
         if self._messages is None:
             agreement = self._decide(self._pending.records())
+            self._channel.connect()  # [Note: a channel connects at the step's opening] (transport/channels.py)
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.number)
-            # the transport is settled now: which edge uses what, said once (transport.py [Note: transport per edge])
+            # which edge uses what, said once (transport/decide.py [Note: transport per edge])
             announce_edges(self._channel.group, self._channel.settled, self._edges)
             self._messages = self._plans.step(self._channel, agreement.microbatches, agreement.rediscover,
                                               self._explain)
@@ -210,7 +211,7 @@ class Session:
     declares now (``runtime/declared.py``; a function, since a stage may learn
     its shapes on its first step; None when this rank does not hold it):
     each of its microbatches is checked against it before the step is posted. ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
-    (``comm/shm.make_channel``).
+    (``comm/transport/channels.make_channel``).
     """
 
     def __init__(self, *, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, num_stages: int,
@@ -224,7 +225,7 @@ class Session:
         self._local = frozenset(local_stages)
         self._declared_first = declared_first
         records = host_group(group, device)
-        #: the transport (``comm/transport.py`` chooses shared memory, CUDA IPC or the process group); GPU stages
+        #: the transport (``comm/transport/`` chooses shared memory, CUDA IPC or the process group); GPU stages
         #: describe themselves to each other over the records' (Gloo) group
         self.channel = make_channel(group, device, num_stages, transport, timeout, setup_group=records)
         # NCCL: each direction between two ranks on a group of its own (comm/groups.py); not when CUDA IPC is forced

@@ -128,7 +128,7 @@ class PipelineSchedule:
         self._session: Optional[Session] = None
         if not self.inspect_only:
             first_stage = self.stages.get(0)
-            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport.py)
+            # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport/)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
@@ -297,7 +297,7 @@ class PipelineSchedule:
     def transport_per_edge(self) -> dict[str, str]:
         """Which transport each of the pipeline's edges (pairs of ranks holding consecutive stages) uses, once the
         first step settled it: ``{"0<->1": "shm", "1<->2": "process_group (hosts a|b)"}``; the same on every rank
-        (comm/transport.py, [Note: transport per edge]). Empty before the first step; on
+        (comm/transport/decide.py, [Note: transport per edge]). Empty before the first step; on
         ``transport="process_group"`` every edge is the process group."""
         session = self._session
         if session is None or not session.edges:
