@@ -12,15 +12,16 @@ own inputs raises here at once (a peer may never come: it exited, or runs
 something else); the record it posted tells every other rank, which raises
 ``StepRejectedError`` naming it, and the exchange is waited for with the next
 step's (``PendingExchange.abandon``). An accepted step does not wait: the ``Step``
-waits for the records right before its first message (or before a stage that
-moves skips runs, or before the last stage needs loss weights only the
-agreement knows), so the exchange travels while rank 0 runs its first forward.
+waits for the records when the executor opens it, right before its first
+message (or before a stage that moves skips runs), so the exchange travels
+while rank 0 runs its first forward.
 
 [Note: one step, in order]
 1. ``begin``: step number from the group (``GroupSteps``), inputs checked and
    split, record posted (``StepAgreement.post``); rejection raised on every rank.
-2. The executor runs the step's compute; at its first message it calls
-   ``Step.open()``, which settles the step: ``agree`` over every rank's record (every rank takes the same
+2. The executor runs the step's compute; at its first message (or skip; after
+   its last action on a rank with neither) it calls ``Step.open()``, the one
+   trigger, which settles the step: ``agree`` over every rank's record (every rank takes the same
    decision, and learns every microbatch's signature), the channel's
    ``connect()`` (the transport, settled over the group once), skip routes gathered if
    the declarations are new, the channel's ``begin_step`` (shared memory drops
@@ -32,8 +33,7 @@ agreement knows), so the exchange travels while rank 0 runs its first forward.
 4. Leaving the ``with step:`` block commits the plan a completed step
    discovered, or drops the send buffers of a failed one (a send may still be
    reading them) and tells the peers where it failed (``raised_at``: the
-   executor's data on the exception). A rank that sent nothing still settles
-   the agreement there.
+   executor's data on the exception).
 """
 from __future__ import annotations
 
@@ -156,7 +156,8 @@ class Step:
     def open(self) -> StepMessages:
         """Settle the step (see the class doc) once; the plan's messages every send and receive goes through.
 
-        The executor calls it right before the step's first message (or skip).
+        The executor calls it, once, right before the step's first message or skip (``Executor._open_due``);
+        nothing else does.
         """
         if self._messages is None:
             agreement = self._decide(self._pending.records())
@@ -171,7 +172,7 @@ class Step:
 
     # -- what the executor asks ---------------------------------------------------------------
     def skip_routes(self) -> Optional[SkipRoutes]:
-        self.open()
+        """What ``open()`` settled (the executor opens the step before a stage that moves skips runs)."""
         return self._routes
 
     def loss_weights(self) -> Weights:
@@ -184,7 +185,10 @@ class Step:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self._plans.commit(self.open())  # a rank without messages still takes part in the agreement
+            if self._messages is None:  # the executor opens every step it runs, one without messages at its end
+                self._pending.abandon()
+                raise RuntimeError(f"step {self.number} ended without being opened (Step.open)")
+            self._plans.commit(self._messages)
             return
         if self._messages is not None:
             self._plans.abandon(self._messages)

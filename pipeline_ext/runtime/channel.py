@@ -119,14 +119,16 @@ class StepContext(Protocol):
     """One step, as the executor sees it: everything the step needs besides the compute.
 
     ``number`` (the step's number) is part of every message's tag (``runtime/tags.py``). ``open()``
-    is called once, right before the step's first message, and returns the
-    ``Messages`` the executor sends and receives through: what messages need
-    is settled there (across processes, the ranks' agreement), so its errors
-    are the step's own, not a failed send's. ``skip_stages`` are this rank's
-    stages that declare skip connections; ``skip_routes()`` says where their
-    skips go (it may wait for what the ranks agreed on). ``loss_weights()`` is
-    each microbatch's weight in the loss (read on the last stage, again
-    possibly after the agreement).
+    is called once, by the executor alone (``Executor._open_due``): right
+    before the step's first message or the first F/B/I of one of its
+    ``skip_stages``, else after its last action. It returns the ``Messages``
+    the executor sends and receives through: what messages need is settled
+    there (across processes, the ranks' agreement and the transport), so its
+    errors are the step's own, not a failed send's. ``skip_stages`` are this
+    rank's stages that declare skip connections; ``skip_routes()`` says where
+    their skips go (what ``open()`` settled: asked only after it).
+    ``loss_weights()`` is each microbatch's weight in the loss (read on the
+    last stage).
     """
 
     number: int

@@ -24,10 +24,13 @@ and the step's messages (a ``StepContext``: ``runtime/local.LocalStep`` in one
 process, ``comm/session.Step`` across processes). The executor only computes
 and hands messages to that object; when they may move (the ranks' agreement),
 which layouts they have and where skips go are the step object's business.
-At the first message action the executor calls ``step.open()``, which returns
-the ``Messages`` every send and receive of the step goes through, and posts the
-receive window; the compute before it runs while the step settles (across
-processes: the ranks' agreement travels during rank 0's first forward).
+The executor opens the step (``step.open()``, which returns the ``Messages``
+every send and receive of the step goes through) at one point of its run,
+``_open_due``: right before the first action that needs it (a message, or an
+F/B/I of a stage that moves skips, whose routes the opening settles), or after
+the last action on a rank that has neither; the compute before it runs while
+the step settles (across processes: the ranks' agreement travels during rank
+0's first forward). Receives are posted ahead from the first message action on.
 
 Skip connections (``pipeline_ext.skip``): for the stages the step says move
 skips (``step.skip_stages``, routes from ``step.skip_routes()``), a stage's
@@ -162,6 +165,7 @@ class _StepState:
     inputs: StepInputs
     step: StepContext
     messages: Optional[Messages] = None  # what ``step.open()`` returned: every send and receive goes through it
+    opens_at: int = 0  # the position of the action the step is opened before (``Executor._opening``)
     posting: bool = False  # receives are posted (from the step's first message action on)
     activations: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -227,6 +231,7 @@ class Executor:
             ActionKind.RECV_B: self._recv,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        self._first_message = next((i for i, a in enumerate(self.actions) if a.kind in _MESSAGES), len(self.actions))
         # [Note: receives are never batched]
         # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing
         # waits on one of them alone. Receives are never batched: a batched receive completes when its
@@ -296,7 +301,7 @@ class Executor:
         function says (see ``GroupRun``).
         """
         st = _StepState(inputs=inputs, step=step, pending=deque(self._recv_actions), step_bits=step_bits(step.number),
-                        in_step=f" in step {step.number}")
+                        in_step=f" in step {step.number}", opens_at=self._opening(step.skip_stages))
         clock = time.perf_counter
         sends = contextlib.ExitStack()  # an open batch of back-to-back sends
         custom = custom or {}
@@ -311,6 +316,7 @@ class Executor:
                 skip_to = self._pair_end[i]
                 group, fn = (action, self.actions[skip_to]), custom[OVERLAP_F_B]
                 between = self._pair_between[i]
+            self._open_due(st, skip_to if len(group) > 1 else i)
             if not st.posting and action.kind in _MESSAGES:
                 self._start_posting(st)
             begin = clock() if on_action is not None else 0.0
@@ -340,11 +346,34 @@ class Executor:
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")
+        self._open_due(st, len(self.actions))  # a rank without messages still takes part in the agreement
+
+    def _opening(self, skip_stages: frozenset) -> int:
+        """Where a step opens: its first message action or, before it, the first F/B/I of a stage that moves skips
+        (their routes are settled by the opening); ``len(actions)`` (after the last) when the rank has neither."""
+        at = self._first_message
+        if skip_stages:
+            at = next((i for i, a in enumerate(self.actions[:at])
+                       if a.kind in (ActionKind.F, ActionKind.B, ActionKind.I) and a.stage in skip_stages), at)
+        return at
+
+    @staticmethod
+    def _open_due(st: _StepState, upto: int) -> None:
+        """Open the step once the run reaches ``st.opens_at`` (``upto``: the last position about to run).
+
+        [Note: a step opens in one place]
+        This is the one place a step is opened (``step.open()``: across
+        processes the ranks' agreement, the transport's connection, skip
+        routes and layouts settle there): not a send, a skip, a question
+        (``skip_routes``) or the step's exit, so its errors come before any
+        message of the step, and settling never hides inside another call.
+        """
+        if st.messages is None and upto >= st.opens_at:
+            st.messages = st.step.open()
 
     def _start_posting(self, st: _StepState) -> None:
         """From the step's first message on, receives are posted ahead."""
         st.posting = True
-        self._opened(st)
         self._post(st)
 
     def _message(self, action: Action, st: _StepState) -> None:
@@ -392,13 +421,6 @@ class Executor:
         note = f"pipeline_ext: raised on rank {self.rank} {where}"
         if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)
-
-    @staticmethod
-    def _opened(st: _StepState) -> Messages:
-        """The step's messages, opening the step first if no message moved yet (a skip can come first)."""
-        if st.messages is None:
-            st.messages = st.step.open()
-        return st.messages
 
     def _post(self, st: _StepState) -> None:
         pending, messages = st.pending, st.messages
@@ -542,7 +564,7 @@ class Executor:
                 values.update(self._take(st.skips, msg, msg))
                 continue
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.number)
-            handle = self._start(msg, st, lambda: self._opened(st).recv(self._peer(msg), tag))
+            handle = self._start(msg, st, lambda: st.messages.recv(self._peer(msg), tag))
             tensors = handle.wait(self.timeout, self._what(msg, st.step.number))
             values.update(zip(keys, tensors) if gradient else unpack_skips(keys, tensors))
         return values
@@ -558,8 +580,8 @@ class Executor:
                 continue
             tensors = pack_skip_grads(keys, values) if gradient else pack_skips(keys, values)
             tag = skip_tag(msg.src, msg.dst, m, gradient, self.num_stages, st.step.number)
-            st.sends.append((msg, self._start(msg, st, lambda: self._opened(st).send(tensors, self._peer(msg), tag,
-                                                                                      gradient))))
+            st.sends.append((msg, self._start(msg, st, lambda: st.messages.send(tensors, self._peer(msg), tag,
+                                                                                gradient))))
 
     def _take(self, d: dict, key: Any, a: Any) -> Any:
         try:
