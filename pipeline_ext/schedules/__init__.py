@@ -13,6 +13,7 @@ from pipeline_ext.schedules.builtin import available, build, default_stages_per_
 from pipeline_ext.schedules.csv_io import dump_csv, from_cells, load_csv
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import check_deadlock, forward_only, lower
+from pipeline_ext.schedules.nccl_order import Collectives, IssuePolicy, OrderReport, check_fifo_order, model_order
 from pipeline_ext.schedules.render import render_ascii, render_png, to_chrome_trace
 from pipeline_ext.schedules.select import Selection, select
 from pipeline_ext.schedules.simulate import Costs, SimResult, simulate
@@ -27,4 +28,5 @@ __all__ = [
     "check_deadlock", "forward_only", "lower", "render_ascii", "render_png", "select", "Selection", "simulate",
     "to_chrome_trace", "validate",
     "Balance", "LayerCost", "balance_stages", "equal_sizes", "evaluate_split", "split_min_max", "stage_costs",
+    "Collectives", "IssuePolicy", "OrderReport", "check_fifo_order", "model_order",
 ]
