@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+from pipeline_ext.runtime.split import backward_input, backward_weight
 
 
 def time_whole(model: nn.Module, x: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ its backward into I and W (SAC's cache hands each saved value out once, and
 W recomputed the region a second time), so ZB-H1 and ZBV fell back to a
 whole backward at I on every such stage and kept 1F1B's bubble. Now I and W
 share one recomputation and I keeps what W reads ([Note: what I keeps for W]
-in ``runtime/split_keep.py``). This benchmark shows what that buys, side by
+in ``runtime/split/keep.py``). This benchmark shows what that buys, side by
 side in one run:
 
 - the model: ``--blocks`` pre-norm transformer blocks (causal attention with

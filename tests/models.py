@@ -121,10 +121,10 @@ class SplitRun(NamedTuple):
 
 def split_vs_whole(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
                    reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> SplitRun:
-    """I then W (``runtime/split_backward``) on ``run(x)``, against one whole backward of ``reference`` (default
+    """I then W (``runtime/split/backward.py``) on ``run(x)``, against one whole backward of ``reference`` (default
     ``run``) on a copy of ``x``: the input's and every parameter's gradient must match. ``params`` start with no
     ``.grad``; they are left with the reference's."""
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+    from pipeline_ext.runtime.split import backward_input, backward_weight
 
     out = run(x)
     g = torch.randn_like(out)

@@ -193,7 +193,7 @@ def test_checkpointed_stages_exact_under_zero_bubble():
     no_complaints(_checkpointed_run, 2, cases, timeout=100)
 
 
-# -- single process: what split_backward decides, and why -------------------------------------------
+# -- single process: what the I/W split decides, and why --------------------------------------------
 def _split_vs_whole(make_out, x: torch.Tensor, net: nn.Module):
     """I then W on ``make_out(x)`` against one full backward: (deferred.unsplit, weight branches)."""
     run = split_vs_whole(make_out, x, list(net.parameters()))
@@ -266,7 +266,7 @@ def test_whole_backward_with_a_non_leaf_input_stops_at_that_input():
 
 
 def test_runner_warns_once_per_stage():
-    from pipeline_ext.runtime.split_backward import UnsplitBackwardWarning
+    from pipeline_ext.runtime.split import UnsplitBackwardWarning
     from pipeline_ext.runtime.stage import StageRunner
 
     torch.manual_seed(0)
@@ -286,7 +286,7 @@ def test_cut_backward_computes_each_node_once():
     """A Linear's backward by hand: dx = g @ W (kept), dW = g'.T @ x (deferred), g' = g * s shared."""
     from torch import fx
 
-    from pipeline_ext.runtime.compiled_split import cut_backward
+    from pipeline_ext.runtime.split.compiled import cut_backward
 
     def bw(x, w, s, g):
         h = g * s
@@ -310,7 +310,7 @@ def test_split_backend_i_computes_no_weight_grad_and_w_completes_it():
     import copy
 
     import pipeline_ext as pe
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+    from pipeline_ext.runtime.split import backward_input, backward_weight
 
     torch.manual_seed(0)
     body = Stage()
@@ -396,7 +396,7 @@ def _split_backend_dtensor_run(rank: int, world: int, plans: list[str]) -> list[
                                                    parallelize_module)
 
     import pipeline_ext as pe
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+    from pipeline_ext.runtime.split import backward_input, backward_weight
 
     torch._dynamo.config.cache_size_limit = 64
     mesh = init_device_mesh("cpu", (world,))
@@ -461,5 +461,5 @@ def test_split_backend_on_dtensors_splits_after_a_whole_backward():
     before the first I, as DualPipeV orders a stage's backwards (B0 B1 B2, then I3): that I failed with torch's
     "compiled with non-empty donated buffers", because the metadata AOTAutograd checks, the outer one of a
     tensor-subclass graph, never said "donates nothing" ([Note: no donated buffers, in both metadata] in
-    compiled_split.py). Every backward must be exact, and I/W must split (no fallback)."""
+    split/compiled.py). Every backward must be exact, and I/W must split (no fallback)."""
     no_complaints(_split_backend_dtensor_run, 2, ["replicate", "sequence"], timeout=280)

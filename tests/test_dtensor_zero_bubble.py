@@ -13,7 +13,7 @@ whose replicas disagree), silently: W re-entered the boundary nodes in a set's
 order, which follows node addresses and so differs between processes, and the
 two norms' all-reduces paired one block's gradient on one tp rank with the
 other block's on the other ([Note: W's order is the same on every rank] in
-pipeline_ext/runtime/split_backward.py). Everything is checked against the unsplit
+pipeline_ext/runtime/split/graph.py). Everything is checked against the unsplit
 model: the loss, every full gradient, the parameters after each of two SGD
 steps, and that a replicated parameter's gradient is the same on every tp rank.
 """
@@ -162,7 +162,7 @@ def test_w_reenters_the_boundary_nodes_in_the_order_a_backward_runs_them():
     (sequence numbers, descending: B's order), not a set's iteration order, which follows node addresses and
     differs between processes ([Note: W's order is the same on every rank]). One process, plain tensors: the
     order is what matters, a node's collectives are only what makes it matter."""
-    from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+    from pipeline_ext.runtime.split import backward_input, backward_weight
 
     torch.manual_seed(0)
     model = nn.Sequential(*[NormBlock(residual=True) for _ in range(4)])

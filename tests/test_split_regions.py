@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import pipeline_ext as pe
-from pipeline_ext.runtime.split_backward import UnsplitBackwardWarning, backward_input, backward_weight
+from pipeline_ext.runtime.split import UnsplitBackwardWarning, backward_input, backward_weight
 from pipeline_ext.runtime.stage import StageRunner
 from models import split_vs_whole
 
@@ -466,7 +466,7 @@ def test_split_function_halves_are_cut_where_its_inputs_lead(fn, said):
     """A SplitFunction whose halves do not match where its inputs lead (an activation's gradient from
     backward_weight, a weight's from backward_input) keeps the split exact: I runs both halves of that node,
     passes on what leads to the stage input, W gets the rest; one warning names the input to move."""
-    from pipeline_ext.runtime import split_function
+    from pipeline_ext.runtime.split import function as split_function
 
     torch.manual_seed(0)
     lin, w = nn.Linear(D, D), nn.Parameter(torch.randn(D, D) / math.sqrt(D))
@@ -765,7 +765,7 @@ def test_a_torch_whose_checkpoint_state_differs_falls_back_naming_it():
     """The SAC split reads torch's checkpoint frames and holders; anything else gets the whole backward at I."""
     from types import SimpleNamespace
 
-    from pipeline_ext.runtime.split_obstacles import _unknown_checkpoint_internals
+    from pipeline_ext.runtime.split.obstacles import _unknown_checkpoint_internals
 
     frame = SimpleNamespace(recomputed={}, recomp_counter={}, is_recomputed={}, weak_holders=[])
     assert _unknown_checkpoint_internals([frame], [SimpleNamespace(handles={})]) is None

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_ext.runtime.split_backward import backward_input, backward_weight
+from pipeline_ext.runtime.split import backward_input, backward_weight
 from pipeline_ext.runtime.stage import StageError, StageRunner
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pipeline_ext.pipe.recompute import CallRng, checkpoint_phase
-from pipeline_ext.runtime.split_function import SplitFunction
+from pipeline_ext.runtime.split.function import SplitFunction
 
 __all__ = ["Call", "CallerContext", "stage_call"]
 

@@ -176,7 +176,7 @@ class Pipe(nn.Module):
         #: per stage, the most microbatches whose activations were held at once in the last step()
         self.peak_live_microbatches: list[int] = []
         #: per stage whose I ran in the last step(): None where the I/W split held, else why it fell back
-        #: to a whole backward at I (``runtime/split_obstacles.py``)
+        #: to a whole backward at I (``runtime/split/obstacles.py``)
         self.split_report: dict[int, Optional[str]] = {}
 
     def _init_empty(self) -> None:

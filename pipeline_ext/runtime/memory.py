@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pipeline_ext.runtime.split_obstacles import checkpoint_frame, frame_inputs, sac_storage_tensors
+from pipeline_ext.runtime.split.obstacles import checkpoint_frame, frame_inputs, sac_storage_tensors
 from pipeline_ext.runtime.stage import _storage_key
 
 __all__ = ["ActivationMeter", "activation_bytes", "saved_tensors"]

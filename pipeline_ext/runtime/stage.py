@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipeline_ext.runtime.split_backward import (
+from pipeline_ext.runtime.split.backward import (
     DeferredWeightGrad,
     UnsplitBackwardWarning,
     backward_input,
@@ -218,7 +218,7 @@ class StageRunner(StagePosition):
     accounting (``ActivationMeter.track``).
 
     ``split_fallback``: why this stage's I ran the whole backward (the
-    ``split_obstacles`` reason of the first I that had to), None while every I
+    ``split/obstacles.py`` reason of the first I that had to), None while every I
     split; ``split_seen``: whether an I ran at all. ``split_report`` of the
     front ends collects them per stage.
 

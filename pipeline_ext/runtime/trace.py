@@ -45,7 +45,7 @@ class Tracer:
     """Collects one rank's spans, step by step. ``record`` is the executor's ``on_action``.
 
     ``split``: per local stage whose I ran, None where the I/W split held, else
-    why it fell back to a whole backward (``split_obstacles``' reason); the
+    why it fell back to a whole backward (``split/obstacles.py``' reason); the
     front end fills it after each traced step (``note_split``).
     """
 

@@ -22,7 +22,7 @@ candidate that cannot be built for (p, m) is listed with the constraint it
 breaks; one over the budget with its peak.
 
 The zero-bubble schedules count on each stage's backward splitting into I
-and W. Where it cannot (``runtime/split_obstacles.py``: a reentrant
+and W. Where it cannot (``runtime/split/obstacles.py``: a reentrant
 checkpoint, a ``torch.compile``'d region, an unknown once-only hook or custom
 Function; ``pe.runtime.split_check`` asks a stage, a run's ``split_report``
 says what happened), I runs the whole backward and W nothing. ``split`` tells

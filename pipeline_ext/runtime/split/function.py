@@ -6,7 +6,7 @@ computes every gradient each time (the weight grads at I are thrown away, the
 input grads at W too), or does something once-only (accumulates into a
 ``main_grad``, frees a buffer). So the split treats an unknown one on a
 boundary node as an obstacle and falls back to a whole backward at I
-(``split_obstacles``).
+(``obstacles.py``).
 
 A ``SplitFunction`` says what its halves are::
 
@@ -26,7 +26,7 @@ A ``SplitFunction`` says what its halves are::
             dqkv, attn_out = SplitFunction.saved_for_weight(ctx)
             return None, x.T @ dqkv, attn_out.T @ grad_out
 
-The runtime marks the node before each engine call (``PHASE_ATTR`` on the
+The runtime marks the node before each engine call (``marks.PHASE`` on the
 node, which is the ``ctx``): at I its ``backward`` runs ``backward_input``,
 at W ``backward_weight``. Anywhere else (a plain ``loss.backward()``, B, the
 first stage's W, a whole-backward fallback) it runs the whole backward:
@@ -37,11 +37,11 @@ read ``ctx.saved_tensors`` (each half once). Do not override ``backward``:
 a subclass that does is an unknown Function again.
 
 What ``save_for_weight`` stashes is kept from I to W and counted by the
-memory accounting ([Note: what I keeps for W] in ``split_keep``).
+memory accounting ([Note: what I keeps for W] in ``keep.py``).
 
 The halves are cut by where each forward input leads, not by its name: I
 owes a gradient to every input that leads to a stage input (the runtime
-marks those, ``INPUT_EDGES_ATTR``), W's gradients reach the parameters only.
+marks those, ``marks.INPUT_EDGES``), W's gradients reach the parameters only.
 An argument passed as a "weight" that is an activation (a gate computed from
 the stage input) gets its gradient from ``backward_weight`` in the whole
 backward, which at W would reach no stage input. So where ``backward_input``
@@ -58,15 +58,11 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline_ext.runtime.split_keep import PHASE_ATTR, STASH_ATTR
+from pipeline_ext.runtime.split.marks import INPUT_EDGES, PHASE, SHARED_SAVED, WEIGHT_STASH
 
-__all__ = ["SplitFunction", "is_split_function", "INPUT_EDGES_ATTR", "input_positions"]
+__all__ = ["SplitFunction", "is_split_function", "input_positions"]
 
-_SAVED_ATTR = "_pipeline_ext_saved"
-#: set by the runtime on a node before I: the indices of the forward inputs that lead to a stage input
-INPUT_EDGES_ATTR = "_pipeline_ext_input_edges"
-
-#: ``_SAVED_ATTR`` while I runs: ``saved`` unpacks at its first read and shares the tuple with a second half
+#: ``SHARED_SAVED`` while I runs: ``saved`` unpacks at its first read and shares the tuple with a second half
 _UNPACK_ON_FIRST_READ = object()
 
 _warned: set[type] = set()
@@ -92,52 +88,50 @@ class SplitFunction(torch.autograd.Function):
     @staticmethod
     def save_for_weight(ctx: Any, *tensors: Optional[torch.Tensor]) -> None:
         """From ``backward_input``: tensors ``backward_weight`` will need (kept until then, then freed)."""
-        setattr(ctx, STASH_ATTR, tensors)
+        WEIGHT_STASH.set(ctx, tensors)
 
     @staticmethod
     def saved_for_weight(ctx: Any) -> tuple:
         """In ``backward_weight``: what ``backward_input`` saved for it (taken: the ctx no longer holds it)."""
-        stash = getattr(ctx, STASH_ATTR, None)
+        stash = WEIGHT_STASH.take(ctx)
         if stash is None:
             raise RuntimeError(f"{type(ctx).__name__}: backward_weight found nothing saved by backward_input "
                                "(save_for_weight), or read it twice")
-        delattr(ctx, STASH_ATTR)
         return stash
 
     @staticmethod
     def saved(ctx: Any) -> tuple:
         """``ctx.saved_tensors``, unpacked once per engine call: in the whole backward both halves get the same
         tuple (a checkpointed or once-only saved tensor can be unpacked once per backward)."""
-        shared = getattr(ctx, _SAVED_ATTR, None)
+        shared = SHARED_SAVED.get(ctx)
         if shared is _UNPACK_ON_FIRST_READ:
             shared = ctx.saved_tensors
-            setattr(ctx, _SAVED_ATTR, shared)
+            SHARED_SAVED.set(ctx, shared)
         return shared if shared is not None else ctx.saved_tensors
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         cls = ctx._forward_cls
-        phase = getattr(ctx, PHASE_ATTR, None)
+        phase = PHASE.get(ctx)
         if phase == "I":
             return _input_half(cls, ctx, grad_outputs)
         if phase == "W":
-            stash = getattr(ctx, STASH_ATTR, None)
+            stash = WEIGHT_STASH.get(ctx)
             if isinstance(stash, _WeightGrads):  # I ran backward_weight already
-                delattr(ctx, STASH_ATTR)
+                WEIGHT_STASH.clear(ctx)
                 return tuple(stash)
             gw = cls.backward_weight(ctx, *grad_outputs)
-            owed = getattr(ctx, INPUT_EDGES_ATTR, frozenset())
+            owed = INPUT_EDGES.get(ctx, frozenset())
             for i, g in enumerate(_as_tuple(gw)):
                 if g is not None and i in owed:  # I gave it one (else it would have run backward_weight itself)
                     raise RuntimeError(_both(cls, i))
             return gw
-        setattr(ctx, _SAVED_ATTR, ctx.saved_tensors)
+        SHARED_SAVED.set(ctx, ctx.saved_tensors)
         try:
             return _whole(cls, ctx, grad_outputs)
         finally:
-            delattr(ctx, _SAVED_ATTR)
-            if hasattr(ctx, STASH_ATTR):
-                delattr(ctx, STASH_ATTR)
+            SHARED_SAVED.clear(ctx)
+            WEIGHT_STASH.clear(ctx)
 
 
 def _whole(cls: Any, ctx: Any, grad_outputs: tuple) -> tuple:
@@ -163,10 +157,10 @@ def _both(cls: Any, i: int) -> str:
 
 
 def _input_half(cls: Any, ctx: Any, grad_outputs: tuple) -> Any:
-    """I: ``backward_input``; where its gradients do not match the inputs I owes (``INPUT_EDGES_ATTR``), both
+    """I: ``backward_input``; where its gradients do not match the inputs I owes (``INPUT_EDGES``), both
     halves, passing on what leads to the stage inputs and keeping the rest for W (see the module docstring)."""
-    owed = getattr(ctx, INPUT_EDGES_ATTR, None)
-    setattr(ctx, _SAVED_ATTR, _UNPACK_ON_FIRST_READ)  # one unpack for both halves, should I run both
+    owed = INPUT_EDGES.get(ctx)
+    SHARED_SAVED.set(ctx, _UNPACK_ON_FIRST_READ)  # one unpack for both halves, should I run both
     try:
         gi = _as_tuple(cls.backward_input(ctx, *grad_outputs))
         if owed is None:
@@ -178,13 +172,12 @@ def _input_half(cls: Any, ctx: Any, grad_outputs: tuple) -> Any:
             return gi
         merged = _merged(cls, gi, _as_tuple(cls.backward_weight(ctx, *grad_outputs)))
     finally:
-        delattr(ctx, _SAVED_ATTR)
-    if hasattr(ctx, STASH_ATTR):  # what backward_input stashed and backward_weight did not take
-        delattr(ctx, STASH_ATTR)
+        SHARED_SAVED.clear(ctx)
+    WEIGHT_STASH.clear(ctx)  # what backward_input stashed and backward_weight did not take
     moved = [i for i in missing if merged[i] is not None]
     if moved or extra:
         _warn_once(cls, moved, extra)
-    setattr(ctx, STASH_ATTR, _WeightGrads(None if i in owed else g for i, g in enumerate(merged)))
+    WEIGHT_STASH.set(ctx, _WeightGrads(None if i in owed else g for i, g in enumerate(merged)))
     return tuple(g if i in owed else None for i, g in enumerate(merged))
 
 

@@ -1,7 +1,7 @@
 """What I keeps for W: saved values that may be produced once only, unpacked at I and handed to W.
 
 [Note: what I keeps for W]
-The I/W split (``split_backward``) runs the *boundary* nodes twice: at I for
+The I/W split (``backward.py``) runs the *boundary* nodes twice: at I for
 their input edges, at W for their weight edges (a Linear's ``AddmmBackward``:
 ``g @ W`` at I, ``g.T @ x`` at W). Every other node runs once: the input-only
 ones at I, the weight-only ones at W. So a saved value is read twice only
@@ -30,7 +30,7 @@ the value twice is impossible or wrong:
   box is marked ``keep`` before I; I's unpack calls the user's unpack (once)
   and keeps the value in the box; W's unpack takes it from there and empties
   the box. An unknown hook pair on a boundary node is an obstacle (it may be
-  once-only; ``split_obstacles``); on any other node it is unpacked once and
+  once-only; ``obstacles.py``); on any other node it is unpacked once and
   harmless.
 - once-only hooks around a plain checkpoint
   (``with once_only_hooks(...): checkpoint(block, x)``): inside the region the
@@ -45,15 +45,28 @@ the value twice is impossible or wrong:
   is kept is the region's inputs, not its activations. An unknown pair there
   is an obstacle; a region recomputed once (under the shared group, or only
   at I) unpacks its inputs once and needs nothing.
+- ``SplitFunction``s: what ``backward_input`` hands ``backward_weight``
+  (``save_for_weight``, or the weight gradients I had to compute) waits on
+  the node (``marks.WEIGHT_STASH``).
+- regions compiled by ``split_backend``: the node's first call (I) runs the
+  first part of the cut backward and leaves the rest, with the values the
+  first part computed for it (for a Linear, the gradient at its output), on
+  the node (``marks.CUT_STASH``) for its second call (W).
 
 What is kept is real memory between I and W; ``KeptForWeight.tensors`` lists
-it for the memory accounting (``ActivationMeter``, via ``StageRunner.on_kept``).
+the first three for the memory accounting (``ActivationMeter``, via
+``StageRunner.on_kept``). ``KeptForWeight`` also sets, before I, the marks
+that tell those nodes what I owes (``marks.INPUT_EDGES``, ``marks.DEFER``),
+and its ``release`` leaves none on any node ([Note: marks on autograd nodes]).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
+
+from pipeline_ext.runtime.split.function import input_positions
+from pipeline_ext.runtime.split.marks import CUT_STASH, DEFER, INPUT_EDGES, WEIGHT_STASH
 
 __all__ = ["OnceOnlyPacked", "once_only_hooks", "KeptForWeight"]
 
@@ -143,25 +156,29 @@ class KeptForWeight:
     ``OnceOnlyPacked`` boxes; ``split_nodes``: the boundary nodes of
     ``SplitFunction``s, whose stash for W (``save_for_weight``) counts too;
     ``held``: the boxes of checkpointed regions' inputs that more than one
-    recomputation unpacks.
+    recomputation unpacks; ``compiled``: the boundary nodes of regions
+    compiled by ``split_backend`` (``marks.DEFER`` and ``marks.CUT_STASH``).
     """
 
     def __init__(self, group: Any = None, frames: Iterable[Any] = (), holders: Iterable[Any] = (),
                  boxes: Iterable[OnceOnlyPacked] = (), split_nodes: Iterable[Any] = (),
-                 held: Iterable[OnceOnlyPacked] = ()) -> None:
+                 held: Iterable[OnceOnlyPacked] = (), compiled: Iterable[Any] = ()) -> None:
         self.group = group
         self.frames = list(frames)
         self.holders = list(holders) if group is not None else []
         self.boxes = list(boxes)
         self.split_nodes = list(split_nodes)
         self.held = list(held)
+        self.compiled = list(compiled)
 
     def __bool__(self) -> bool:
-        return bool(self.group is not None or self.boxes or self.split_nodes or self.held)
+        return bool(self.group is not None or self.boxes or self.split_nodes or self.held or self.compiled)
 
-    def arm(self) -> None:
-        """Before I: boundary holders keep their value past I's unpack, boundary boxes keep theirs for W's read,
-        held boxes theirs for every later recomputation."""
+    def arm(self, region: Collection[Any]) -> None:
+        """Before I (``region``: the nodes I runs): boundary holders keep their value past I's unpack, boundary
+        boxes keep theirs for W's read, held boxes theirs for every later recomputation; ``SplitFunction`` nodes
+        learn which inputs' gradients I owes, compiled nodes which output slots to leave for W (those outside
+        ``region``)."""
         for h in self.holders:
             if not isinstance(h.handles, _SpareFirst) or h.handles.gid is not self.group:
                 h.handles = _SpareFirst(h.handles, self.group)
@@ -169,6 +186,11 @@ class KeptForWeight:
             b.keep = True
         for b in self.held:
             b.hold = True
+        for node in self.split_nodes:
+            INPUT_EDGES.set(node, input_positions(node, region))
+        for node in self.compiled:
+            DEFER.set(node, frozenset(i for i, (c, _) in enumerate(node.next_functions)
+                                      if c is not None and c not in region))
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors kept now (after I): recomputed values W will read, once-only values, SplitFunction stashes."""
@@ -179,18 +201,21 @@ class KeptForWeight:
                 out.extend(t for t in list(got.values()) if isinstance(t, torch.Tensor))
         out.extend(b.kept for b in (*self.boxes, *self.held) if b.kept is not None)
         for node in self.split_nodes:
-            out.extend(t for t in getattr(node, STASH_ATTR, ()) if isinstance(t, torch.Tensor))
+            out.extend(t for t in WEIGHT_STASH.get(node, ()) if isinstance(t, torch.Tensor))
         return out
 
     def release(self) -> None:
-        """After W (or when it will not run): drop everything still kept."""
+        """After W (or when it will not run): drop everything still kept, and every mark ``arm`` set."""
         for b in self.boxes:
             b.keep, b.kept = False, None
         for b in self.held:
             b.hold, b.kept = False, None
         for node in self.split_nodes:
-            if hasattr(node, STASH_ATTR):
-                delattr(node, STASH_ATTR)
+            WEIGHT_STASH.clear(node)
+            INPUT_EDGES.clear(node)
+        for node in self.compiled:
+            DEFER.clear(node)
+            CUT_STASH.clear(node)
         g = self.group
         if g is not None:
             for f in self.frames:
@@ -204,10 +229,4 @@ class KeptForWeight:
                         h.handles[g] = None
                 for table in (f.recomputed, f.recomp_counter, f.is_recomputed):
                     table.pop(g, None)
-        self.frames, self.holders, self.boxes, self.split_nodes, self.held = [], [], [], [], []
-
-
-#: where a SplitFunction's backward_input leaves tensors for its backward_weight (on the node, which is its ctx)
-STASH_ATTR = "_pipeline_ext_for_weight"
-#: which half a SplitFunction node runs in the current engine call: "I", "W", or absent (the whole backward)
-PHASE_ATTR = "_pipeline_ext_phase"
+        self.frames, self.holders, self.boxes, self.split_nodes, self.held, self.compiled = [], [], [], [], [], []

@@ -1,7 +1,7 @@
 """What in an autograd graph stops the I/W split from re-entering it node by node.
 
 [Note: what stops the I/W split]
-``split_backward`` runs a stage's backward in two engine calls: I, then W
+``backward.py`` runs a stage's backward in two engine calls: I, then W
 re-entering the *boundary* nodes (input-region nodes with a weight-only
 subgraph below them) with the gradient recorded at I. A boundary node runs in
 both calls (its input edges at I, its weight edges at W); every other node
@@ -20,7 +20,7 @@ every node of ``twice`` gives the same answer when run again with
 - on a node of ``twice``, a saved tensor under a ``saved_tensors_hooks``
   unpack hook we do not know: it may be once-only (offload and delete).
   Hooks wrapped in ``once_only_hooks`` are known: I unpacks once and keeps
-  the value for W ([Note: what I keeps for W] in ``split_keep``);
+  the value for W ([Note: what I keeps for W] in ``keep.py``);
   ``save_on_cpu``'s can be unpacked any number of times;
 - on a node of ``twice``, a custom ``autograd.Function`` we do not know: its
   ``backward`` computes every gradient each time, or does something once
@@ -55,15 +55,11 @@ from typing import Any, Collection, Iterable, Iterator, Optional
 import torch
 from torch.utils import checkpoint as _ckpt
 
-from pipeline_ext.runtime.split_function import SplitFunction, is_split_function
-from pipeline_ext.runtime.split_keep import OnceOnlyPacked
+from pipeline_ext.runtime.split.function import SplitFunction, is_split_function
+from pipeline_ext.runtime.split.keep import OnceOnlyPacked
+from pipeline_ext.runtime.split.marks import splittable
 
-__all__ = ["GraphTraits", "graph_traits", "split_aware", "SPLITTABLE_MARK", "checkpoint_frame", "frame_inputs",
-           "sac_storage_tensors"]
-
-#: attribute of a compiled forward (``CompiledFunction.compiled_fw``) whose backward
-#: can be cut into I and W graphs (``runtime/compiled_split.py``)
-SPLITTABLE_MARK = "_pipeline_ext_splittable"
+__all__ = ["GraphTraits", "graph_traits", "checkpoint_frame", "frame_inputs", "sac_storage_tensors"]
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 _REENTRANT_SAFE_HOOKS = {"save_on_cpu.__init__.<locals>.unpack_from_cpu"}
@@ -203,7 +199,7 @@ def _recomputed_inputs(frames: Iterable[Any], held: list) -> Optional[str]:
 
 
 #: what keeping a selective checkpoint's recomputed values from I to W reads of torch's checkpoint objects
-#: (runtime/split_keep.py); a torch whose objects differ gets the whole backward at I, not a guess
+#: (keep.py); a torch whose objects differ gets the whole backward at I, not a guess
 _FRAME_ATTRS = ("recomputed", "recomp_counter", "is_recomputed", "weak_holders")
 
 
@@ -217,15 +213,9 @@ def _unknown_checkpoint_internals(frames: Iterable[Any], holders: Iterable[Any])
             "recomputation")
 
 
-def split_aware(node: Any) -> bool:
-    """A region compiled by ``compiled_split.split_backend``: its backward can be cut into I and W."""
-    fwd = getattr(type(node), "_forward_cls", None)
-    return getattr(getattr(fwd, "compiled_fw", None), SPLITTABLE_MARK, False) is True
-
-
 def _opaque(node: Any, again: bool) -> Optional[str]:
     fwd = getattr(type(node), "_forward_cls", None)  # set on the nodes of Python autograd.Functions
-    if fwd is None or split_aware(node):
+    if fwd is None or splittable(node):
         return None
     if fwd.__name__ == "CompiledFunction" or type(node).__name__ == "CompiledFunctionBackward":
         return (

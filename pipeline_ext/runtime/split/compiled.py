@@ -3,12 +3,12 @@
 With the default inductor backend a compiled region is one opaque autograd
 node, ``CompiledFunctionBackward``: its compiled backward computes every
 gradient at once, so the zero-bubble I/W split cannot run the input-grad half
-alone and falls back to a whole backward at I (``split_obstacles``).
+alone and falls back to a whole backward at I (``obstacles.py``).
 
 ``split_backend`` is inductor (``compile_fx``) with two changes:
 
 - the backward graph AOTAutograd hands to inductor is kept as an FX graph
-  besides being compiled whole (for B). When ``split_backward`` asks a compiled
+  besides being compiled whole (for B). When ``backward.py`` asks a compiled
   node for its input-grad outputs only, the graph is cut in two: the *first*
   part computes those outputs plus the intermediate values the remaining
   outputs need (for a Linear, the gradient at its output), the *rest* computes
@@ -20,13 +20,14 @@ alone and falls back to a whole backward at I (``split_obstacles``).
   cache is off for these graphs (a cache hit would bring back an unsplittable
   backward).
 
-The protocol with ``split_backward``: before I it sets ``DEFER_ATTR`` on the
-node (the output slots, i.e. ``next_functions`` indices, to leave for W); the
-first call computes the others and leaves ``STASH_ATTR``; W re-enters the node
-and the second call computes the deferred slots from the stash. A node without
-``DEFER_ATTR`` (B, 1F1B) runs the whole compiled backward. ``split_obstacles``
-accepts a compiled region only if its forward was compiled here (it carries
-``SPLITTABLE_MARK``).
+The protocol with the split goes by marks on the node
+([Note: marks on autograd nodes] in ``marks.py``): before I the split sets
+``DEFER`` (the output slots, i.e. ``next_functions`` indices, to leave for W);
+the first call computes the others and leaves a ``CutForWeight`` in
+``CUT_STASH``; W re-enters the node and the second call computes the deferred
+slots from it. A node without
+``DEFER`` (B, 1F1B) runs the whole compiled backward. ``obstacles.py`` accepts
+a compiled region only if its forward was compiled here (``mark_splittable``).
 
 Use: ``torch.compile(module, backend=pipeline_ext.split_backend)``.
 """
@@ -38,12 +39,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from pipeline_ext.runtime.split_obstacles import SPLITTABLE_MARK
+from pipeline_ext.runtime.split.marks import CUT_STASH, DEFER, CutForWeight, mark_splittable
 
-__all__ = ["split_backend", "DEFER_ATTR", "STASH_ATTR"]
-
-DEFER_ATTR = "_pipeline_ext_defer"
-STASH_ATTR = "_pipeline_ext_stash"
+__all__ = ["split_backend", "cut_backward"]
 
 
 # [Note: no donated buffers, in both metadata]
@@ -62,7 +60,7 @@ STASH_ATTR = "_pipeline_ext_stash"
 # from the start, whichever backward comes first. Each backward call also empties its node's outer list
 # if it is not empty (a torch that stopped sharing the list), so that later calls pass the check.
 def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """``torch.compile`` backend: inductor, with a backward that ``split_backward`` can split (see module doc)."""
+    """``torch.compile`` backend: inductor, with a backward that the I/W split can cut (see module doc)."""
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -93,7 +91,7 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     if kwargs.get("is_backward"):
         return SplitBackward(gm, example_inputs, kwargs)
     compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    setattr(compiled, SPLITTABLE_MARK, True)  # reached as CompiledFunction.compiled_fw
+    mark_splittable(compiled)  # reached as CompiledFunction.compiled_fw
     return compiled
 
 
@@ -121,21 +119,17 @@ class SplitBackward:
         outer = getattr(getattr(type(node), "_forward_cls", None), "metadata", None)
         if getattr(outer, "bw_donated_idxs", []) != []:  # [Note: no donated buffers, in both metadata]
             outer.bw_donated_idxs = []
-        stash = getattr(node, STASH_ATTR, None)
-        if stash is not None:  # W: the deferred outputs, from the stash
-            delattr(node, STASH_ATTR)
-            deferred, rest, values = stash
-            got = _call(rest, list(args) + values)
+        cut: Optional[CutForWeight] = CUT_STASH.take(node)
+        if cut is not None:  # W: the deferred outputs, from what I left
+            got = _call(cut.rest, list(args) + cut.values)
             args.clear()
-            return _scatter(self._n_outputs, sorted(deferred), got)
-        defer: Optional[frozenset[int]] = getattr(node, DEFER_ATTR, None)
-        if defer is not None:
-            delattr(node, DEFER_ATTR)
+            return _scatter(self._n_outputs, sorted(cut.slots), got)
+        defer: Optional[frozenset[int]] = DEFER.take(node)
         if not defer or len(node.next_functions) != self._n_outputs:  # (slots must map one to one)
             return _call(self._whole, args)
         first, rest, n_kept = self._cut(defer)
         got = _call(first, args)
-        setattr(node, STASH_ATTR, (defer, rest, list(got[n_kept:])))
+        CUT_STASH.set(node, CutForWeight(defer, rest, list(got[n_kept:])))
         kept = [i for i in range(self._n_outputs) if i not in defer]
         return _scatter(self._n_outputs, kept, got[:n_kept])
 
