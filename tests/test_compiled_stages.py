@@ -336,6 +336,66 @@ def test_split_backend_i_computes_no_weight_grad_and_w_completes_it():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_split_backend_values_held_from_i_to_w_are_counted_under_zb_h1(monkeypatch):
+    """Under ZB-H1, what a split_backend region's I hands its W (the values its first part computed for the rest,
+    on the node between the two calls) is memory held from I to W: each I reports exactly those tensors to the
+    runner's ``on_kept``, the ActivationMeter counts their bytes while they are held, and W frees them.
+
+    Two compiled stages in a Pipe (one thread per stage), M microbatches; the second stage's I is the one that
+    splits (the first stage's inputs need no grad: its whole backward is W). Before, ``on_kept`` got nothing
+    for a compiled stage, so the meter left those bytes out (and could not walk a compiled forward's saved
+    tensors at all)."""
+    import pipeline_ext as pe
+    from pipeline_ext.runtime.memory import ActivationMeter
+    from pipeline_ext.runtime.split import marks
+    from pipeline_ext.runtime.stage import StageRunner
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}  # per stage, per I: (reported, held, counted)
+    held_refs: list[StorageWeakRef] = []
+
+    class Metered(StageRunner):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.meter = ActivationMeter()  # one per stage: each runs on its own thread
+            self.meter.watch(self)
+            track = self.on_kept
+            self.reported: list[torch.Tensor] = []
+            self.on_kept = lambda tensors: (self.reported.extend(tensors), track(tensors))
+
+        def backward_input(self, mb, *args, **kwargs):
+            self.reported.clear()
+            out = super().backward_input(mb, *args, **kwargs)
+            keep = self._states[mb].deferred.keep
+            held = [v for node in keep.compiled for v in marks.CUT_STASH.get(node).values]
+            held_refs.extend(StorageWeakRef(v.untyped_storage()) for v in held)
+            counted = all(StorageWeakRef(v.untyped_storage()).cdata in self.meter._refs for v in held)
+            same = sorted(map(id, held)) == sorted(map(id, self.reported))
+            seen[self.stage_index].append((_nbytes(self.reported), _nbytes(held), counted and same))
+            self.reported.clear()
+            self.meter.sample()
+            return out
+
+    monkeypatch.setattr("pipeline_ext.pipe.pipe.StageRunner", Metered)
+    torch.manual_seed(0)
+    stages = [torch.compile(Body(), backend=pe.split_backend) for _ in range(2)]
+    pipe = pe.Pipe(nn.Sequential(*stages), balance=[1, 1], devices=["cpu", "cpu"], chunks=M, schedule="zb_h1",
+                   checkpoint="never")
+    x, y = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pe.UnsplitBackwardWarning)
+        pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+    assert pipe.split_report == {0: None, 1: None}, pipe.split_report
+    assert seen[0] == [(0, 0, True)] * M, seen[0]  # nothing held: the first stage's I has nothing to do
+    # the second's holds the gradient at the first Linear's output (ROWS / M rows of D floats), reported and counted
+    assert seen[1] == [(ROWS // M * D * 4, ROWS // M * D * 4, True)] * M, seen[1]
+    assert held_refs and all(ref.expired() for ref in held_refs), "W did not free what I held for it"
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
 def test_split_backend_is_exact_when_a_new_batch_size_recompiles():
     """A new batch size recompiles the stage (dynamic shapes), and the recompiled backward is built
     lazily at the first backward, outside split_backend's compile: it must still not donate buffers

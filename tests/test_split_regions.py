@@ -517,6 +517,23 @@ def test_runner_accounts_for_what_i_keeps_until_w():
     assert meter.live_bytes() == 0 < at_forward and runner.split_seen and runner.split_fallback is None
 
 
+def test_activation_bytes_counts_what_a_custom_function_saved():
+    """A custom Function's node keeps its saved tensors as ``saved_tensors`` (a C++ node as ``_saved_<name>``): the
+    meter reads both. It used to stop with an AttributeError on any custom Function, a ``SplitFunction`` or a
+    region compiled by ``split_backend`` included."""
+    torch.manual_seed(0)
+    lin, w = nn.Linear(D, D), nn.Parameter(torch.randn(D, D))
+
+    class Gated(nn.Module):
+        def forward(self, x):
+            return GatedLinear.apply(x, w, 0.5, torch.sigmoid(lin(x)))
+
+    rows = 3 * D * 4  # one (3, D) float32 tensor
+    # the input, the output and the gate (sigmoid's saved result); w only GatedLinear saved (no parameter of the
+    # module, so counted: it stands for what only a custom Function keeps)
+    assert pe.runtime.activation_bytes(Gated(), torch.randn(3, D)) == 3 * rows + D * D * 4
+
+
 # -- every zero-bubble schedule, three optimizer steps, against the unsplit model -------------------
 def _train_pipe(kind: str, name: str, p: int, m: int, steps: int = 3, checkpoint: str = "never") -> None:
     v = 2 if name in pe.pipe.MULTI_STAGE_SCHEDULES else 1

@@ -19,8 +19,9 @@ is what ``ActivationMeter`` counts:
 
 - what a zero-bubble I keeps for its W beyond the graph's saved tensors
   (values of a selective checkpoint recomputed at I, once-only hooks' values,
-  a ``SplitFunction``'s stash; [Note: what I keeps for W]) is recorded when I
-  hands it over: ``watch(runner)`` sets the runner's ``on_kept`` to ``track``.
+  a ``SplitFunction``'s stash, the values a ``split_backend`` region's first
+  part hands its rest; [Note: what I keeps for W]) is recorded when I hands it
+  over: ``watch(runner)`` sets the runner's ``on_kept`` to ``track``.
 
 Liveness is reference counting, so the count is the same on every run of the
 same schedule. What it leaves out: parameters, gradients (the gradients I
@@ -68,7 +69,10 @@ def saved_tensors(roots: Sequence[Any]) -> Iterator[torch.Tensor]:
                             yield from frame_inputs(frame)
                             yield from sac_storage_tensors(frame)
                     continue
-                value = getattr(node, name[len("_raw"):])
+                unpacked = name[len("_raw"):]  # a C++ node's _raw_saved_self unpacks as _saved_self
+                if not hasattr(node, unpacked):  # a custom Function's (a compiled region's) as saved_tensors
+                    unpacked = unpacked[1:]
+                value = getattr(node, unpacked)
             except RuntimeError:  # freed already (a backward ran)
                 continue
             for t in value if isinstance(value, (list, tuple)) else (value,):

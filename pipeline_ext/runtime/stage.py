@@ -214,8 +214,9 @@ class StageRunner(StagePosition):
     ``on_kept`` (an attribute, default None): called after each I with the
     tensors that I keeps for W beyond the graph's own saved ones (values of a
     selective checkpoint recomputed at I, once-only hooks' values, a
-    ``SplitFunction``'s stash; [Note: what I keeps for W]), for the memory
-    accounting (``ActivationMeter.track``).
+    ``SplitFunction``'s stash, what a ``split_backend`` region's first part
+    hands its rest; [Note: what I keeps for W]), for the memory accounting
+    (``ActivationMeter.track``).
 
     ``split_fallback``: why this stage's I ran the whole backward (the
     ``split/obstacles.py`` reason of the first I that had to), None while every I

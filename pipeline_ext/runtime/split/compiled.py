@@ -14,7 +14,8 @@ alone and falls back to a whole backward at I (``obstacles.py``).
   outputs need (for a Linear, the gradient at its output), the *rest* computes
   the weight grads from the saved tensors and those values. Each part is
   dead-code eliminated and compiled by inductor (once per cut, cached); nothing
-  is computed twice. The values wait on the autograd node between I and W;
+  is computed twice. The values wait on the autograd node between I and W,
+  where the memory accounting counts them ([Note: what I keeps for W]);
 - buffers are not donated (W runs the node a second time, with the graph
   retained; [Note: no donated buffers, in both metadata]) and AOTAutograd's
   cache is off for these graphs (a cache hit would bring back an unsplittable

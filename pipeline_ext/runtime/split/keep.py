@@ -54,7 +54,7 @@ the value twice is impossible or wrong:
   the node (``marks.CUT_STASH``) for its second call (W).
 
 What is kept is real memory between I and W; ``KeptForWeight.tensors`` lists
-the first three for the memory accounting (``ActivationMeter``, via
+all of it for the memory accounting (``ActivationMeter``, via
 ``StageRunner.on_kept``). ``KeptForWeight`` also sets, before I, the marks
 that tell those nodes what I owes (``marks.INPUT_EDGES``, ``marks.DEFER``),
 and its ``release`` leaves none on any node ([Note: marks on autograd nodes]).
@@ -157,7 +157,7 @@ class KeptForWeight:
     ``SplitFunction``s, whose stash for W (``save_for_weight``) counts too;
     ``held``: the boxes of checkpointed regions' inputs that more than one
     recomputation unpacks; ``compiled``: the boundary nodes of regions
-    compiled by ``split_backend`` (``marks.DEFER`` and ``marks.CUT_STASH``).
+    compiled by ``split_backend``, whose cut (``marks.CUT_STASH``) counts too.
     """
 
     def __init__(self, group: Any = None, frames: Iterable[Any] = (), holders: Iterable[Any] = (),
@@ -193,7 +193,8 @@ class KeptForWeight:
                                       if c is not None and c not in region))
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors kept now (after I): recomputed values W will read, once-only values, SplitFunction stashes."""
+        """The tensors kept now (after I): recomputed values W will read, once-only values, SplitFunction stashes,
+        the values compiled regions' first parts handed their rests."""
         out: list[torch.Tensor] = []
         for f in self.frames:
             got = f.recomputed.get(self.group) if self.group is not None else None
@@ -202,6 +203,10 @@ class KeptForWeight:
         out.extend(b.kept for b in (*self.boxes, *self.held) if b.kept is not None)
         for node in self.split_nodes:
             out.extend(t for t in WEIGHT_STASH.get(node, ()) if isinstance(t, torch.Tensor))
+        for node in self.compiled:
+            cut = CUT_STASH.get(node)
+            if cut is not None:
+                out.extend(t for t in cut.values if isinstance(t, torch.Tensor))
         return out
 
     def release(self) -> None:
