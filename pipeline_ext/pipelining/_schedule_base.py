@@ -315,7 +315,7 @@ class PipelineSchedule:
     @property
     def split_report(self) -> dict[int, Optional[str]]:
         """Per local stage whose I ran: None where the I/W split held, else why it fell back to a whole backward
-        at I (``runtime/split_obstacles.py``'s reason; ``UnsplitBackwardWarning`` says it once too)."""
+        at I (``runtime/split/obstacles.py``'s reason; ``UnsplitBackwardWarning`` says it once too)."""
         return split_report(self._runners)
 
     @property
