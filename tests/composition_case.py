@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
+from models import sac_context
 
 D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
 #: per microbatch sequence lengths with ``shapes="per_microbatch"`` (even: Shard(1) over tp=2)
@@ -74,19 +75,6 @@ class Block(nn.Module):
         return x + self.w2(torch.relu(self.w1(self.norm(x))))
 
 
-def _sac_policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _sac_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_sac_policy)
-
-
 class Stage(nn.Module):
     def __init__(self, index: int, num_stages: int, split_fn: bool, ckpt: str = "none") -> None:
         super().__init__()
@@ -109,7 +97,7 @@ class Stage(nn.Module):
             if self.ckpt == "user":
                 x = checkpoint(block, x, use_reentrant=False)
             elif self.ckpt == "sac":
-                x = checkpoint(block, x, use_reentrant=False, context_fn=_sac_context)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=sac_context)
             else:
                 x = block(x)
         return self.out(x) if self.out is not None else x
@@ -207,11 +195,8 @@ def run_case(case: dict, mesh) -> list[str]:
     from pipeline_ext import schedules as S
 
     name = case["schedule"]
-    pp, dp_mesh, tp = mesh["pp"], mesh["dp"], mesh["tp"]
-    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     plan = S.build(name, 2, M, stages_per_rank=2 if name in MULTI_STAGE else 1)
-    ns = plan.num_stages
-    mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+    mine = [s for s, r in enumerate(plan.stage_to_rank) if r == mesh["pp"].get_local_rank()]
     runs = [True, False] if case["family"] == "dualpipev" else [None]
     results = [_train(case, mesh, plan, mine, overlap) for overlap in runs]
     bad = results[0][0]

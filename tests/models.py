@@ -109,6 +109,23 @@ def reference(model: str, num_stages: int, x: torch.Tensor, y: torch.Tensor, see
 
 loss_fn = nn.functional.mse_loss
 
+#: the ops selective activation checkpointing keeps (their outputs are saved; everything else is recomputed)
+SAC_SAVED = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def sac_policy(ctx, func, *args, **kwargs):
+    """The suite's selective-checkpointing policy: matmul outputs saved, the rest (dropout included) recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in SAC_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sac_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: selective activation checkpointing under ``sac_policy``."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(sac_policy)
+
 
 class SplitRun(NamedTuple):
     """What an I/W split did, read right after I (``split_vs_whole``)."""

@@ -9,18 +9,18 @@ those masks. Gradients from recomputation with other masks would differ.
 from __future__ import annotations
 
 import _thread
-import functools
 import sys
 import threading
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import pipeline_ext as pe
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.recompute import CallRng, is_recomputing
+from models import sac_context
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -209,11 +209,6 @@ def test_failure_before_any_backward_keeps_accumulated_gradients():
 
 
 # -- the user's own torch.utils.checkpoint inside a stage, with dropout ------------------------------
-def _save_matmuls(ctx, op, *args, **kwargs):
-    """A selective-checkpoint policy: keep matmul outputs, recompute the rest (dropout included)."""
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class UserCheckpointed(nn.Module):
     """A Linear, then a residual region with dropout under the user's own ``torch.utils.checkpoint``."""
 
@@ -228,8 +223,7 @@ class UserCheckpointed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pre(x)
         if self.kind == "sac":
-            ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-            return h + checkpoint(self.region, h, use_reentrant=False, context_fn=ctx)
+            return h + checkpoint(self.region, h, use_reentrant=False, context_fn=sac_context)
         return h + checkpoint(self.region, h, use_reentrant=self.kind == "reentrant")
 
 
