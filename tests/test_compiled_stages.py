@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import split_vs_whole
+from models import sac_context, split_vs_whole
 from mp_utils import no_complaints
 
 D, ROWS, M = 8, 8, 4
@@ -43,20 +43,6 @@ class Body(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _sac_policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _sac_context():
-    """Selective activation checkpointing: matmul outputs saved, the rest recomputed."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_sac_policy)
-
-
 class Stage(nn.Module):
     """One stage: ``Body`` plus a residual, run plainly or under one of the checkpoint flavours."""
 
@@ -72,7 +58,7 @@ class Stage(nn.Module):
         elif self.wrap == "reentrant":
             h = checkpoint(self.body, x, use_reentrant=True)
         elif self.wrap == "sac":
-            h = checkpoint(self.body, x, use_reentrant=False, context_fn=_sac_context)
+            h = checkpoint(self.body, x, use_reentrant=False, context_fn=sac_context)
         else:
             h = self.body(x)
         return x + h
@@ -214,7 +200,7 @@ def test_checkpoint_splits_and_recomputes_once_per_group(selective):
         return body(x)
 
     def run(x):
-        return checkpoint(counted, x, use_reentrant=False, **({"context_fn": _sac_context} if selective else {}))
+        return checkpoint(counted, x, use_reentrant=False, **({"context_fn": sac_context} if selective else {}))
 
     unsplit, boundaries = _split_vs_whole(run, torch.randn(3, D, requires_grad=True), body)
     assert unsplit is None and boundaries == 2

@@ -39,12 +39,12 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import pipeline_ext as pe
 from pipeline_ext.runtime.split import UnsplitBackwardWarning, backward_input, backward_weight
 from pipeline_ext.runtime.stage import StageRunner
-from models import split_vs_whole
+from models import sac_context, split_vs_whole
 
 D, HEADS, T = 8, 2, 4
 ZB = ["zb_h1", "zb_h2", "zbv", "dualpipev"]
@@ -57,16 +57,6 @@ FALLS = {"reentrant": "reentrant", "unknown_hook_checkpoint": "checkpoint region
 
 
 # -- what the stages contain -------------------------------------------------------------------------
-def _sac_policy(ctx, func, *args, **kwargs):
-    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def sac_context():
-    """Selective activation checkpointing: matmul outputs saved, the rest recomputed."""
-    return create_selective_checkpoint_contexts(_sac_policy)
-
-
 class Offload:
     """An offload-and-delete hook pair: pack moves the tensor into a store, unpack takes it out (once only)."""
 
