@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["build", "versions", "nccl_probe", "pytest_multiprocess_cuda", "pytest_tp_cuda", "ipc_suites", "bench_pipeline_nccl",
-         "bench_zb_cuda", "bench_transport_cuda",
-         "sync_count_multiprocess", "pytest_cuda", "sync_count", "bench_kernels", "bench_overlap",
+ORDER = ["build", "versions", "nccl_probe", "pytest_multiprocess_cuda", "pytest_tp_cuda", "nccl_order",
+         "steady_state_cuda", "pytest_cuda", "ipc_suites", "bench_pipeline_nccl", "bench_zb_cuda", "bench_transport_cuda",
+         "sync_count_multiprocess", "sync_count", "bench_kernels", "bench_overlap",
          "sanitizer_memcheck", "sanitizer_racecheck", "pytest_all"]
 
 
@@ -37,13 +38,41 @@ def test_a_budgeted_plan_runs_the_never_run_paths_first_and_fits_the_budget(tmp_
     assert rc == 0 and "dry run: nothing was built or run" in out, out
     assert [name for name, _ in steps] == ORDER, out
     started = [(name, t) for name, t in steps if t]
-    assert [name for name, _ in started][:6] == ORDER[:6], out  # build, versions, NCCL probe, NCCL tests, pp x tp, IPC
+    assert [name for name, _ in started][:8] == ORDER[:8], out  # up to the single-process suite: see the 420 s plan
     assert all(0 < t <= 480 - 15 for _, t in started), out
     assert dict(steps)["pytest_multiprocess_cuda"] <= 480 * 2 // 5 and dict(steps)["ipc_suites"] <= 480 // 4, out
     assert dict(steps)["pytest_tp_cuda"] <= 480 // 5, out
     assert dict(steps)["pytest_all"] == 0, out  # nothing left for it in 8 minutes
     assert not (tmp_path / "report" / "report.md").exists()  # nothing ran, so nothing was reported
     assert not list((tmp_path / "report" / "logs").iterdir())
+
+
+def test_seven_minutes_check_nccl_first_then_its_ordering_and_steady_steps_then_the_single_process_suite(tmp_path):
+    """What a 7-minute lease checks, in this order: the multi-process pipelines over NCCL and DTensor stages on
+    cuda (never passed on a GPU), the NCCL ordering model with its verdict against NCCL, the steady-state steps
+    on cuda (no host synchronisation, the same messages every step), then the single-process CUDA suite."""
+    rc, steps, out = _plan(tmp_path, "--budget", "420")
+    assert rc == 0, out
+    started = [name for name, t in steps if t]
+    assert started == ["build", "versions", "nccl_probe", "pytest_multiprocess_cuda", "pytest_tp_cuda", "nccl_order",
+                       "steady_state_cuda", "pytest_cuda"], out
+    assert dict(steps)["pytest_cuda"] >= 30, out  # started, with what is left
+    lines = {m.group(1): line for line in out.splitlines() if (m := re.match(r"^  (\w+): ", line))}
+    assert "tests/test_nccl_order.py" in lines["nccl_order"], out
+    assert "test_the_ordering_models_hang_case" in lines["nccl_order"], out
+    assert "-m cuda -k steady_step" in lines["steady_state_cuda"] and "tests/test_steady_state.py" in lines[
+        "steady_state_cuda"], out
+
+
+def test_the_tests_the_script_names_exist():
+    """A test the script names by node id (its GPU parameter) is collected here too (skipped without a GPU): a
+    renamed one would fail the GPU step with "not found", on a lease."""
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    ids = sorted(set(re.findall(r'"(tests/\w+\.py::[^"]+)"', script)))
+    assert ids, "the script names no test by node id"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_without_a_budget_every_step_gets_its_cap(tmp_path):

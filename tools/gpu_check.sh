@@ -17,14 +17,20 @@
 #   2. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
 #   2b. pipeline x tensor parallel on cuda ranks: pp=2 x tp=1 (DTensor activations cross stages over NCCL;
 #      pp=2 x tp=2 needs 4 GPUs, pp=1 x tp=2 is no pipeline): tests/test_tensor_parallel.py -m cuda
-#   3. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/test_ipc_gpu.py,
+#   2c. the NCCL ordering model (tests/test_nccl_order.py, on the CPU) and its verdict against NCCL itself:
+#      torch PR 195760's looped schedule (4 ranks sharing cuda:0), which the model says cycles on one shared
+#      communicator and not under the runtime's choices, trains (tests/test_steady_state.py)
+#   2d. steady-state steps on cuda:0 over NCCL (tests/test_steady_state.py -m cuda): 1F1B, ZB-H1 and
+#      interleaved 1F1B, no host synchronisation after the discovery steps (set_sync_debug_mode("error"))
+#      and the same messages every step
+#   3. pytest -m "cuda and not slow" (single process: Pipe on cuda:0, every schedule x checkpoint mode x fp32/bf16)
+#   4. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/test_ipc_gpu.py,
 #      tests/test_ipc_transport.py
-#   4. benchmarks/bench_pipeline.py --device cuda: 2-rank 1F1B, ours vs torch over NCCL
-#   4b. benchmarks/bench_zb_sac.py --device cuda: the zero-bubble gain over 1F1B, measured and simulated,
+#   5. benchmarks/bench_pipeline.py --device cuda: 2-rank 1F1B, ours vs torch over NCCL
+#   5b. benchmarks/bench_zb_sac.py --device cuda: the zero-bubble gain over 1F1B, measured and simulated,
 #      with SAC and without (2 ranks sharing cuda:0)
-#   5. benchmarks/bench_transport.py --device cuda: IPC vs NCCL round trips, 4 B .. 64 MiB
-#   6. tools/gpu_sync_count.py --ranks 2: host-device synchronisations in a known multi-process step
-#   7. pytest -m cuda (single process: Pipe on cuda:0, every schedule x checkpoint mode x fp32/bf16)
+#   6. benchmarks/bench_transport.py --device cuda: IPC vs NCCL round trips, 4 B .. 64 MiB
+#   7. tools/gpu_sync_count.py --ranks 2: host-device synchronisations in a known multi-process step
 #   8. tools/gpu_sync_count.py: synchronisations in one Pipe.step
 #   9. benchmarks/bench_kernels.py and benchmarks/bench_overlap.py on CUDA
 #  10. compute-sanitizer memcheck and racecheck over the CUDA tests
@@ -186,6 +192,12 @@ write_report() {
     tail -n 8 "$LOGS/bench_pipeline_nccl.log" 2>/dev/null || echo "(not run)"
     echo '```'
     echo
+    echo "## NCCL ordering model and steady-state steps on cuda:0"
+    echo
+    echo "- tests/test_nccl_order.py, and torch PR 195760's looped schedule on 4 NCCL ranks: $(verdict "$LOGS/nccl_order.log")"
+    echo "- steady-state steps (no host synchronisation under set_sync_debug_mode(\"error\"), same messages every step): $(verdict "$LOGS/steady_state_cuda.log")"
+    grep -E '(FAILED|ERROR) tests/' "$LOGS/nccl_order.log" "$LOGS/steady_state_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
+    echo
     echo "## Pipeline x tensor parallel on cuda:0 (pp=2 x tp=1, tests/test_tensor_parallel.py -m cuda)"
     echo
     echo "- $(verdict "$LOGS/pytest_tp_cuda.log")"
@@ -213,7 +225,8 @@ export CXX=${GPU_CHECK_CXX:-c++} CC=${GPU_CHECK_CC:-cc}
 
 # pip may refuse (an old pip, a setuptools that re-enters pip with isolation):
 # then an in-place build against the same torch, found through PYTHONPATH.
-if ! step build 900 90 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation -e .; then
+# Its usual 80 s: the build on an H200 with 16 jobs (CONTRIBUTING.md).
+if ! step build 900 80 env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation -e .; then
   step build_inplace 900 90 env MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace || {
     printf '# GPU check\n\nThe build failed; see `logs/build.log` and `logs/build_inplace.log`.\n' >"$REPORT"
     tail -n 40 "$LOGS/build_inplace.log"
@@ -270,32 +283,19 @@ fi
 # 2b. pipeline x tensor parallel: pp=2 x tp=1 on cuda:0, DTensor activations between stages over NCCL
 step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -s --timeout 120 -p no:cacheprovider tests/test_tensor_parallel.py
 
-# 3. the CUDA IPC transport: its multi-process suites on cuda:0
-step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -s --timeout 60 -p no:cacheprovider \
-  --junitxml="$LOGS/ipc_suites.xml"
+# 2c. the NCCL ordering model: its CPU tests, then its verdict on PR 195760's schedule against NCCL itself
+step nccl_order 180 25 "$PY" -m pytest -v -s --timeout 120 -p no:cacheprovider tests/test_nccl_order.py \
+  "tests/test_steady_state.py::test_the_ordering_models_hang_case_trains_under_the_runtimes_choices[cuda-nccl]"
 
-# 4. 2-rank 1F1B, ours vs torch over NCCL, in the same processes
-pipeline_args=(--device cuda --schedules 1f1b --dims 4096 --repeats 3 --steps 3)
-[ "$QUICK" = 1 ] && pipeline_args=(--device cuda --schedules 1f1b --dims 1024 --repeats 2 --steps 2)
-step bench_pipeline_nccl 600 60 "$PY" benchmarks/bench_pipeline.py "${pipeline_args[@]}"
+# 2d. steady-state steps on cuda:0 over NCCL: no host synchronisation, the same messages every step
+step steady_state_cuda 180 30 "$PY" -m pytest -m cuda -k steady_step -v -s --timeout 120 -p no:cacheprovider \
+  tests/test_steady_state.py
 
-# 4b. the zero-bubble gain table on the GPU (2 ranks on cuda:0 over NCCL), with SAC and without
-zb_args=(--device cuda --ranks 2 --d 1024 --heads 8 --seq 256 --rows 4 --blocks 8 --microbatches 8 --both --repeats 3 --steps 2)
-[ "$QUICK" = 1 ] && zb_args=(--device cuda --ranks 2 --d 256 --seq 64 --blocks 4 --microbatches 4 --both --repeats 1 --steps 1)
-step bench_zb_cuda 300 60 "$PY" benchmarks/bench_zb_sac.py "${zb_args[@]}"
+# 3. single-process CUDA tests (the multi-process ones ran in step 2); -v: a run cut short by the budget still
+# names each result it got to
+step pytest_cuda 900 150 "$PY" -m pytest -m "cuda and not slow" -v -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
 
-# 5. IPC vs NCCL round trips
-transport_args=(--device cuda)
-[ "$QUICK" = 1 ] && transport_args+=(--n 20 --repeats 3)
-step bench_transport_cuda 900 60 "$PY" benchmarks/bench_transport.py "${transport_args[@]}"
-
-# 6. synchronisations in a known multi-process step
-step sync_count_multiprocess 300 30 "$PY" tools/gpu_sync_count.py --ranks 2 --markdown "$OUT_DIR/syncs_multiprocess.md"
-
-# 7. single-process CUDA tests (the multi-process ones ran in step 2)
-step pytest_cuda 900 150 "$PY" -m pytest -m "cuda and not slow" -q -p no:cacheprovider --junitxml="$LOGS/cuda.xml"
-
-# Pipe equivalence table (the tests ran in step 7; this lists them one by one)
+# Pipe equivalence table (the tests ran in step 3; this lists them one by one)
 if [ -f "$LOGS/cuda.xml" ]; then
   "$PY" - "$LOGS/cuda.xml" >"$OUT_DIR/equivalence.md" 2>>"$LOGS/equivalence.log" <<'EOF'
 import re, sys, xml.etree.ElementTree as ET
@@ -317,6 +317,28 @@ for name, cells in rows.items():
 EOF
   write_report
 fi
+
+# 4. the CUDA IPC transport: its multi-process suites on cuda:0
+step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -s --timeout 60 -p no:cacheprovider \
+  --junitxml="$LOGS/ipc_suites.xml"
+
+# 5. 2-rank 1F1B, ours vs torch over NCCL, in the same processes
+pipeline_args=(--device cuda --schedules 1f1b --dims 4096 --repeats 3 --steps 3)
+[ "$QUICK" = 1 ] && pipeline_args=(--device cuda --schedules 1f1b --dims 1024 --repeats 2 --steps 2)
+step bench_pipeline_nccl 600 60 "$PY" benchmarks/bench_pipeline.py "${pipeline_args[@]}"
+
+# 5b. the zero-bubble gain table on the GPU (2 ranks on cuda:0 over NCCL), with SAC and without
+zb_args=(--device cuda --ranks 2 --d 1024 --heads 8 --seq 256 --rows 4 --blocks 8 --microbatches 8 --both --repeats 3 --steps 2)
+[ "$QUICK" = 1 ] && zb_args=(--device cuda --ranks 2 --d 256 --seq 64 --blocks 4 --microbatches 4 --both --repeats 1 --steps 1)
+step bench_zb_cuda 300 60 "$PY" benchmarks/bench_zb_sac.py "${zb_args[@]}"
+
+# 6. IPC vs NCCL round trips
+transport_args=(--device cuda)
+[ "$QUICK" = 1 ] && transport_args+=(--n 20 --repeats 3)
+step bench_transport_cuda 900 60 "$PY" benchmarks/bench_transport.py "${transport_args[@]}"
+
+# 7. synchronisations in a known multi-process step
+step sync_count_multiprocess 300 30 "$PY" tools/gpu_sync_count.py --ranks 2 --markdown "$OUT_DIR/syncs_multiprocess.md"
 
 # 8. synchronisations in one Pipe.step
 step sync_count 600 45 "$PY" tools/gpu_sync_count.py --markdown "$OUT_DIR/syncs.md"
