@@ -467,6 +467,22 @@ class Scaled(nn.Module):
         return torch.tanh(self.lin(x)) * scale
 
 
+class IgnoresScale(nn.Module):
+    """A later stage: takes ``scale`` and leaves it unused (torch's ``MultiMLPKwargs`` layers do the same).
+
+    torch hands a rank's keyword arguments to every stage of that rank, so
+    under the interleaved schedule stage 2 (on rank 0) is given ``scale``
+    too ([Note: keyword arguments per rank] in ``runtime/executor.py``).
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor = None) -> torch.Tensor:
+        return self.inner(x)
+
+
 def _per_microbatch_kwarg(rank: int, world: int, name: str) -> list:
     import warnings
 
@@ -474,7 +490,7 @@ def _per_microbatch_kwarg(rank: int, world: int, name: str) -> list:
 
     v = 2 if name == "interleaved_zb" else 1
     torch.manual_seed(0)
-    model = [Scaled()] + _mlp(world * v - 1, seed=1)
+    model = [Scaled()] + [IgnoresScale(m) for m in _mlp(world * v - 1, seed=1)]
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
     mine = [rank + i * world for i in range(v)]

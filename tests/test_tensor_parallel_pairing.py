@@ -38,16 +38,18 @@ class ShiftStage(Stage):
     ``gather``: a DTensor input is gathered first (``full_tensor()``), for microbatches whose rows do not divide over
     the tp ranks: torch 2.13's ``Linear`` refuses an unevenly ``Shard(0)`` 3-D input ("Cannot flatten unevenly
     sharded tensor"), the unsplit model's too; else the blocks take the ``Shard(0)`` DTensor as torch propagates it.
+    ``adds_shift``: the first stage's; a later stage of the same rank (ZBV's last) is given ``shift`` too, as torch
+    gives a rank's keyword arguments to each of its stages, and leaves it unused.
     """
 
-    def __init__(self, gather: bool = False) -> None:
+    def __init__(self, gather: bool = False, adds_shift: bool = True) -> None:
         super().__init__()
-        self.gather = gather
+        self.gather, self.adds_shift = gather, adds_shift
 
     def forward(self, x, shift=None):
         if self.gather and hasattr(x, "full_tensor"):
             x = x.full_tensor()
-        if shift is not None:
+        if shift is not None and self.adds_shift:
             x = x + (shift.full_tensor() if hasattr(shift, "full_tensor") else shift)
         return self.blocks(x)
 
@@ -73,7 +75,7 @@ def _build(mesh, name: str, last_out: str, gather: bool):
     ref = [ShiftStage() for _ in range(ns)]
     modules = {}
     for s in mine:
-        modules[s] = ShiftStage(gather)
+        modules[s] = ShiftStage(gather, adds_shift=s == 0)
         modules[s].load_state_dict(ref[s].state_dict())
         modules[s] = _parallelize(modules[s], s, ns, "replicate", tp, last_out)
     stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]

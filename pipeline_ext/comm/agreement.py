@@ -32,8 +32,10 @@ word   meaning
 15     digest of the target's rows per microbatch (rank of the last stage)
 16-19  schedule name (ASCII)
 20-35  the rejecting rank's reason (UTF-8, truncated)
-36     how many distinct microbatch signatures follow (rank of stage 0;
-       -1: more than fit, the step's layouts are exchanged and not kept)
+36     how many distinct microbatch signatures follow (rank of stage 0: of
+       its inputs; any other rank: of its own keyword arguments, 0 when it
+       has none, [Note: keyword arguments salt the signatures]; -1: more
+       than fit, the step's layouts are exchanged and not kept)
 37-68  the distinct microbatch signatures (at most 32)
 69-100 which of them each microbatch has, one byte per microbatch (at most 256)
 101    this rank's autocast state (``autocast_digest``; 0: off): it salts the
@@ -121,8 +123,9 @@ class StepRecord:
     num_stages: int
     has_loss: bool
     rejected: str = ""  # this rank's reason, empty when it accepts
-    #: each microbatch's signature (rank of stage 0; ``StepAgreement.microbatch_signatures``); None: too many
-    #: distinct ones to describe, the step is not cached
+    #: each microbatch's signature (``StepAgreement.microbatch_signatures``): of the inputs on stage 0's rank, of
+    #: the rank's own keyword arguments on any other (``()``: none); None: too many distinct ones to describe,
+    #: the step is not cached
     microbatches: Optional[tuple[int, ...]] = ()
     rows: int = 0
     sizes: int = 0  # digest of the rows per microbatch (``sizes_digest``)
@@ -226,6 +229,8 @@ class Agreement:
     microbatches: Optional[tuple[int, ...]]  # each microbatch's signature; None: not cached (too many)
     rediscover: bool  # exchange every message's layout again, whatever the caches say
     skips: tuple[int, ...] = ()  # every rank's skip declaration digest, in rank order
+    rows: int = 0  # the batch's rows on stage 0's rank
+    sizes: int = 0  # ``sizes_digest`` of its rows per microbatch (a rank's own keyword arguments are held to it)
 
 
 def _disagreement(records: Sequence[StepRecord]) -> Optional[str]:
@@ -293,8 +298,38 @@ def agree(records: Sequence[StepRecord], first_rank: int, last_rank: int) -> Agr
     # Caches differ when a step failed on some ranks after others had committed
     # its layouts: then every rank exchanges them again (a known step on one
     # side and a discovery step on the other would deadlock).
-    return Agreement(step, _with_autocast(first.microbatches, tuple(r.autocast for r in records)),
-                     len({r.layouts for r in records}) > 1, tuple(r.skips for r in records))
+    kwargs = tuple((r.rank, r.microbatches) for r in records if r.rank != first_rank and r.microbatches != ())
+    signatures = _with_rank_kwargs(first.microbatches, kwargs)
+    return Agreement(step, _with_autocast(signatures, tuple(r.autocast for r in records)),
+                     len({r.layouts for r in records}) > 1, tuple(r.skips for r in records), first.rows, first.sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_rank_kwargs(microbatches: Optional[tuple[int, ...]],
+                      kwargs: tuple[tuple[int, Optional[tuple[int, ...]]], ...]) -> Optional[tuple[int, ...]]:
+    """The signatures the layouts are cached by: stage 0's, salted per microbatch by every other rank's keyword
+    arguments.
+
+    [Note: keyword arguments salt the signatures]
+    Every stage gets its rank's own keyword arguments ([Note: keyword
+    arguments per rank] in ``runtime/executor.py``), so a middle stage's
+    output shapes may follow from a mask or a config given on its rank alone
+    (``width=64``), which stage 0's signature knows nothing of. Each such
+    rank sends its keyword arguments' signature per microbatch in its own
+    record, and microbatch k's signature becomes stage 0's joined with each
+    of theirs (with the rank's number): a new value on any rank is a new
+    signature, so its layouts are exchanged again instead of a known step
+    sending under the old ones (which a sender would refuse, naming the
+    layout, but a step too late). Unchanged where no other rank has keyword
+    arguments, so those steps keep their layouts; None (not cached) when any
+    rank had too many distinct ones to describe.
+    """
+    if not microbatches or not kwargs:
+        return microbatches
+    if any(sigs is None or len(sigs) != len(microbatches) for _, sigs in kwargs):
+        return None
+    return tuple(stable_hash(repr((sig, tuple((rank, sigs[k]) for rank, sigs in kwargs))))
+                 for k, sig in enumerate(microbatches))
 
 
 def autocast_digest(device: torch.device) -> int:
@@ -363,8 +398,10 @@ class StepAgreement:
         A stage's messages for a microbatch have layouts that follow from
         these (that is what a stage must guarantee: shapes from inputs, not
         from tensor data), so layouts are cached by them, wherever the
-        microbatch comes in a step. Only stage 0's rank computes them; the
-        others learn them from its record. Cached per distinct key.
+        microbatch comes in a step. Stage 0's rank computes them over its
+        inputs, any other rank over its own keyword arguments (which salt
+        stage 0's: [Note: keyword arguments salt the signatures]); every rank
+        learns them all from the records. Cached per distinct key.
         """
         out = []
         for args, kwargs in zip(args_chunks, kwargs_chunks):

@@ -39,14 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from pipeline_ext import schedules as S
-from pipeline_ext.comm.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, PendingExchange, StepAgreement,
-                                         StepRecord, agree, autocast_digest, describable,
+from pipeline_ext.comm.agreement import (FORWARD, TRAIN, TRANSPORT_CODES, Agreement, PendingExchange,
+                                         StepAgreement, StepRecord, agree, autocast_digest, describable,
                                          sizes_digest)
 from pipeline_ext.comm.comm_plan import PlanCache, StepMessages
 from pipeline_ext.comm.groups import DirectionGroups, GroupMaker, matches_by_order
@@ -55,8 +56,9 @@ from pipeline_ext.comm.transport import announce_edges, edges_digest, hosts_note
 from pipeline_ext.comm.skips import declarations_digest, gather_routes
 from pipeline_ext.runtime.declared import Declared
 from pipeline_ext.runtime.executor import StepInputs, raised_at
-from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, split_step_inputs,
-                                             split_step_target, target_sizes)
+from pipeline_ext.runtime.microbatch import (given_microbatches, given_rank_kwargs, given_targets, loss_weights,
+                                             split_rank_kwargs, split_step_inputs, split_step_target, target_sizes)
+from pipeline_ext.runtime.ops import even_sizes
 from pipeline_ext.runtime.skips import SkipRoutes, StageSkips
 from pipeline_ext.runtime.stage import LossFn
 from pipeline_ext.runtime.tags import check_tag_space
@@ -143,13 +145,14 @@ class Step:
     def __init__(self, number: int, inputs: StepInputs, weights: list, pending: PendingExchange,
                  decide: Callable[[Sequence[StepRecord]], Any], skips: SkipSettlement, channel: Any,
                  plans: PlanCache, explain: Optional[Callable[[Any], str]] = None,
-                 edges: Sequence[tuple[int, int]] = ()) -> None:
+                 edges: Sequence[tuple[int, int]] = (),
+                 agreed: Optional[Callable[[Agreement], None]] = None) -> None:
         self.number = number
         self.inputs = inputs
         self.skip_stages = skips.stages
         self._weights, self._pending, self._decide, self._skips = weights, pending, decide, skips
         self._channel, self._plans, self._explain = channel, plans, explain
-        self._edges = edges
+        self._edges, self._agreed = edges, agreed
         self._routes: Optional[SkipRoutes] = None
         self._messages: Optional[StepMessages] = None
 
@@ -161,6 +164,8 @@ class Step:
         """
         if self._messages is None:
             agreement = self._decide(self._pending.records())
+            if self._agreed is not None:  # what this rank checks against the others' records (before any compute)
+                self._agreed(agreement)
             self._channel.connect()  # [Note: a channel connects at the step's opening] (transport/channels.py)
             self._routes = self._skips.routes(agreement.skips)
             self._channel.begin_step(self.number)
@@ -294,8 +299,10 @@ class Session:
                             layouts=plans.digest, skips=self._skips.digest,
                             transport=TRANSPORT_CODES[self.channel.requested],
                             autocast=autocast_digest(self.device), edges=self._edges_digest())
-        inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs))
+        # every stage of this rank gets the rank's keyword arguments, as in torch ([Note: keyword arguments per rank])
+        inputs = StepInputs(loss_fn=self._loss_with(loss_kwargs), kwargs_every_stage=True)
         weights: list = []
+        agreed: Optional[Callable[[Agreement], None]] = None
         error: Optional[Exception] = None
         try:
             if refused is not None:
@@ -312,6 +319,15 @@ class Session:
                         declared.check("inputs", mb, tuple(chunk))
                 record.rows, record.sizes = sum(sizes), sizes_digest(sizes)
                 record.microbatches = describable(self.agreement.microbatch_signatures(inputs.args, inputs.kwargs))
+            elif kwargs:  # this rank's own keyword arguments, for its stages (torch's kwargs on every rank)
+                inputs.kwargs, rows = self._rank_kwargs(kwargs, split)
+                if any(inputs.kwargs):
+                    record.microbatches = describable(
+                        self.agreement.microbatch_signatures([()] * len(inputs.kwargs), inputs.kwargs))
+                    if rows is not None:
+                        agreed = functools.partial(self._check_kwarg_rows, rows, kwargs, split)
+                else:
+                    inputs.kwargs = []
             if self._has_last:
                 inputs.targets, rows = self._targets(kind, target, split)
                 if inputs.targets:
@@ -340,7 +356,7 @@ class Session:
                                "that calls it after this process ended is told the rank is gone instead)")
             raise error
         return Step(number, inputs, weights, pending, decide, self._skips, self.channel, plans,
-                    self.agreement.counted_by_value if self._has_first else None, self.edges)
+                    self.agreement.counted_by_value if self._has_first else None, self.edges, agreed)
 
     def _edges_digest(self) -> int:
         """The settled transport table's digest for the step record (0 until the first step settles it; kept then:
@@ -350,12 +366,43 @@ class Session:
         return self._table_digest
 
     def _inputs(self, args: Any, kwargs: Any, split: bool) -> tuple[list, list, list[int]]:
-        """Stage 0's microbatches on this rank's device, and their rows (inputs on other ranks are not used, as in torch)."""
+        """Stage 0's microbatches on this rank's device, and their rows (positional inputs on other ranks are not
+        used, as in torch; their keyword arguments are: ``_rank_kwargs``)."""
         if not split:
             return given_microbatches(args, kwargs, self.n_microbatches, self.device, self.chunk_spec)
         if not args and not kwargs:
             raise ValueError("the rank holding stage 0 must pass the batch to step()")
         return split_step_inputs(args, kwargs, self.n_microbatches, self.device, self.chunk_spec)
+
+    def _rank_kwargs(self, kwargs: Any, split: bool) -> tuple[list, Optional[list[int]]]:
+        """A rank without stage 0: its own keyword arguments per microbatch, cut as stage 0's rank cuts its batch
+        (the chunk spec, uneven rows), and their rows (None: nothing split); see [Note: keyword arguments per
+        rank] in ``runtime/executor.py``."""
+        if not split:
+            return given_rank_kwargs(kwargs, self.n_microbatches, self.device, self.chunk_spec)
+        return split_rank_kwargs(kwargs, self.n_microbatches, self.device, self.chunk_spec)
+
+    def _check_kwarg_rows(self, rows: list[int], kwargs: Any, split: bool, agreement: Agreement) -> None:
+        """Warn when this rank's keyword arguments were cut into other rows than stage 0's batch.
+
+        Held to the rule stage 0's rank keeps for its own inputs
+        (``microbatch_sizes``): each input is cut on its own, as torch cuts
+        it, and part k goes to microbatch k, so rows that differ (a mask of
+        another batch) would pair other rows silently; a tensor with one row
+        per microbatch is legitimate there (torch's own test), hence a
+        warning, not a refusal. Said before any stage of this rank runs.
+        """
+        if sizes_digest(rows) == agreement.sizes:
+            return
+        names = ", ".join(f"{k}=" for k in kwargs) if split else "kwarg_mbs"
+        theirs = (", ".join(map(str, even_sizes(agreement.rows, self.n_microbatches)))
+                  if split and agreement.rows >= self.n_microbatches else f"other rows ({agreement.rows} in all)")
+        warnings.warn(
+            f"pipeline_ext: rank {self.rank}'s keyword arguments ({names}) are cut into microbatches of "
+            f"{', '.join(map(str, rows))} rows, stage 0's batch on rank {self._first_rank} into {theirs}: each is "
+            f"cut on its own, as torch does, and part k of each goes to microbatch k on this rank's stages "
+            f"{sorted(self._local)}. Pass this rank the keyword arguments of the same batch, or mark one that is "
+            "not per-row Replicate() in the chunk spec", UserWarning, stacklevel=2)
 
     def _targets(self, kind: int, target: Any, split: bool) -> tuple[list, list[int]]:
         """The target per microbatch on the last stage's rank, and their rows; ``[]`` when no loss is computed.

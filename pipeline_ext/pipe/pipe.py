@@ -358,7 +358,11 @@ class Pipe(nn.Module):
         Gradients accumulate into the parameters' ``.grad`` (call
         ``zero_grad`` between steps as usual). A failed step leaves no partial
         gradients: it raises, and when some backward work had run, every
-        parameter's ``.grad`` is None.
+        parameter's ``.grad`` is None. Keyword arguments are the model's
+        inputs, as in ``pipe(x, **kwargs)``: cut into microbatches with the
+        positional ones and given to the first partition's first layer only
+        (the multi-process API gives a rank's to each of its stages: [Note:
+        keyword arguments per rank] in ``runtime/executor.py``).
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step runs a backward; call it with autograd enabled (not under no_grad)")
@@ -434,7 +438,12 @@ class Pipe(nn.Module):
         return sum(w * last.losses[k] for k, w in enumerate(weights))  # type: ignore[return-value]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Fill-drain forward; the output is connected to every stage's autograd graph."""
+        """Fill-drain forward; the output is connected to every stage's autograd graph.
+
+        ``kwargs`` are cut into microbatches with ``args`` and go to the first
+        layer of the first partition only, never to a later one (as a
+        Sequential's later layers get only the previous layer's output).
+        """
         if not self.partitions:
             return _identity(args, kwargs)
         self._enter()

@@ -8,8 +8,9 @@ Only the channel differs.
 What it does per action (stage s, microbatch m):
 
 - F: run the stage on its input (the step's microbatch on stage 0, a received
-  or locally handed-over activation otherwise); keep the output for SEND_F or
-  hand it to stage s+1 directly when that stage lives on this rank.
+  or locally handed-over activation otherwise) and, where the step says so, the
+  rank's keyword arguments ([Note: keyword arguments per rank]); keep the output
+  for SEND_F or hand it to stage s+1 directly when that stage lives on this rank.
 - B / I: backward with the gradient of the output (received, handed over, or
   the loss on the last stage); keep the input gradient for SEND_B or hand it to
   stage s-1 on this rank. W: the deferred weight-grad half.
@@ -126,12 +127,29 @@ class Runner(Protocol):
 
 @dataclass
 class StepInputs:
-    """What one step feeds the executor (only the ranks that need each part get it)."""
+    """What one step feeds the executor (only the ranks that need each part get it).
+
+    [Note: keyword arguments per rank]
+    ``kwargs`` (one dict per microbatch) go to stage 0's forward, and with
+    ``kwargs_every_stage`` to every stage this executor runs, beside the
+    activation it received. The two front ends differ here on purpose, each
+    as the library it stands in for: torch's pipelining hands each rank's own
+    keyword arguments (cut on that rank) to every stage of that rank
+    (``forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb])`` on every stage), so
+    a middle or last stage that takes ``mask=`` gets the mask its rank was
+    given, and on a rank of several stages (interleaved, V) each of them does:
+    ``comm/session.py`` sets the flag on every rank. A ``Pipe`` is one call on
+    one batch (torchgpipe's ``GPipe(x)``): its keyword arguments are the first
+    partition's inputs, like its positional ones, and never reach a later one
+    (the flag stays off). Without the flag a later stage given the rank's
+    mask would not be an error: it would run without it, silently.
+    """
 
     args: Sequence[tuple[Any, ...]] = ()  # per microbatch, for stage 0
-    kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0
+    kwargs: Sequence[dict[str, Any]] = ()  # per microbatch, for stage 0 (every stage with kwargs_every_stage)
     targets: Sequence[Any] = ()  # per microbatch, for the last stage
     loss_fn: Optional[LossFn] = None  # this step's loss, for the last stage (the runner's own when None)
+    kwargs_every_stage: bool = False  # ``kwargs`` go to every stage on this rank, not stage 0 alone
 
 
 @dataclass(frozen=True)
@@ -461,10 +479,9 @@ class Executor:
     def _forward(self, a: Action, st: _StepState) -> Any:
         runner, inputs = self.runners[a.stage], st.inputs
         m = a.microbatch
-        if a.stage == 0:
-            args, kwargs = inputs.args[m], (inputs.kwargs[m] if inputs.kwargs else {})
-        else:
-            args, kwargs = self._take(st.activations, (a.stage, m), a), {}
+        args = inputs.args[m] if a.stage == 0 else self._take(st.activations, (a.stage, m), a)
+        # [Note: keyword arguments per rank]
+        kwargs = inputs.kwargs[m] if inputs.kwargs and (a.stage == 0 or inputs.kwargs_every_stage) else {}
         extra: dict[str, Any] = {}
         last = self._is_last[a.stage]
         if last and inputs.targets:

@@ -53,6 +53,8 @@ __all__ = [
     "split_step_target",
     "given_microbatches",
     "given_targets",
+    "split_rank_kwargs",
+    "given_rank_kwargs",
     "to_device",
 ]
 
@@ -299,14 +301,7 @@ def microbatch_sizes(
     than microbatches (some microbatch would get none; torch would cut every
     input into fewer parts than the schedule runs).
     """
-    args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
-    found: list[tuple[_LeafName, int]] = []  # (which leaf, its rows)
-    for what, values, spec in ((args_name, tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
-        leaves = pytree.tree_leaves(values)
-        for i, (x, s) in enumerate(zip(leaves, _flat_specs(values, spec, what))):
-            if isinstance(x, torch.Tensor) and isinstance(s, TensorChunkSpec):
-                name = _LeafName(what, values, i)
-                found.append((name, _rows(x, s, name)))
+    found = _split_rows(args, kwargs, chunk_spec, args_name)
     if not found:
         raise ValueError("no tensor to split into microbatches: pass at least one tensor input")
     (first, rows), *rest = found
@@ -328,6 +323,20 @@ def microbatch_sizes(
             f"({cut}); loss weights follow {first}, the batch. Mark an input that is not per-row Replicate() "
             "in the chunk spec", UserWarning, stacklevel=3)
     return ops.even_sizes(rows, n_microbatches)
+
+
+def _split_rows(args: Sequence[Any], kwargs: dict[str, Any] | None, chunk_spec: tuple[_Spec, _Spec] | None,
+                args_name: str) -> list[tuple[_LeafName, int]]:
+    """Each tensor the chunk spec splits, named, with its rows along its split dim, in argument order."""
+    args_spec, kwargs_spec = chunk_spec if chunk_spec is not None else (None, None)
+    found: list[tuple[_LeafName, int]] = []  # (which leaf, its rows)
+    for what, values, spec in ((args_name, tuple(args), args_spec), ("kwargs", dict(kwargs or {}), kwargs_spec)):
+        leaves = pytree.tree_leaves(values)
+        for i, (x, s) in enumerate(zip(leaves, _flat_specs(values, spec, what))):
+            if isinstance(x, torch.Tensor) and isinstance(s, TensorChunkSpec):
+                name = _LeafName(what, values, i)
+                found.append((name, _rows(x, s, name)))
+    return found
 
 
 def _parts(rows: int, n: int) -> str:
@@ -548,3 +557,53 @@ def given_targets(target_mbs: Any, n_microbatches: Optional[int], device: torch.
         except ValueError as exc:
             raise ValueError(f"target_mbs[{k}]: {exc}") from None
     return to_device(targets, device), sizes
+
+
+def split_rank_kwargs(
+    kwargs: dict[str, Any] | None, n_microbatches: int, device: torch.device,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> tuple[list[dict[str, Any]], Optional[list[int]]]:
+    """The keyword arguments of a rank without stage 0, on ``device``, cut into microbatches: ``(chunks, rows)``.
+
+    Cut as stage 0's rank cuts its batch (``split_step_inputs``: the chunk
+    spec's kwargs part, uneven rows shared out, rows that differ between
+    inputs warned about), because torch hands each rank's own keyword
+    arguments to its stages ([Note: keyword arguments per rank] in
+    ``runtime/executor.py``). ``rows`` per microbatch are those of the first
+    tensor split, for the ranks to check against the batch's; None when
+    nothing is split (plain values, or every tensor ``Replicate()``).
+    """
+    kwargs = dict(kwargs or {})
+    sizes = (microbatch_sizes((), kwargs, n_microbatches, chunk_spec)
+             if _split_rows((), kwargs, chunk_spec, "args") else None)
+    kwargs = to_device(kwargs, device)
+    _, chunks = split_args_kwargs((), kwargs, n_microbatches, chunk_spec)
+    return chunks, sizes
+
+
+def given_rank_kwargs(
+    kwarg_mbs: Any, n_microbatches: Optional[int], device: torch.device,
+    chunk_spec: tuple[_Spec, _Spec] | None = None,
+) -> tuple[list[dict[str, Any]], Optional[list[int]]]:
+    """A rank's own ``kwarg_mbs`` (one dict per microbatch, cut by the caller), on ``device``: ``(chunks, rows)``.
+
+    The keyword half of ``given_microbatches``, for a rank without stage 0
+    (see ``split_rank_kwargs``). ``rows``: each microbatch's, counted as
+    ``given_microbatches`` counts them; None when some microbatch splits no
+    tensor (nothing to compare).
+    """
+    kwarg_mbs = _given_list(kwarg_mbs, n_microbatches, "kwarg_mbs")
+    for k, kw in enumerate(kwarg_mbs):
+        if kw is not None and not isinstance(kw, dict):
+            raise TypeError(f"kwarg_mbs[{k}] must be a dict of keyword arguments, got {type(kw).__name__}")
+    chunks = [dict(kw or {}) for kw in kwarg_mbs]
+    sizes: Optional[list[int]] = []
+    for k, kw in enumerate(chunks):
+        try:
+            if not _split_rows((), kw, chunk_spec, "args"):
+                sizes = None
+            elif sizes is not None:
+                sizes.append(microbatch_sizes((), kw, 1, chunk_spec)[0])
+        except ValueError as exc:
+            raise ValueError(f"microbatch {k}: {exc}") from None
+    return to_device(chunks, device), sizes
