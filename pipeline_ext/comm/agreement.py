@@ -73,6 +73,7 @@ from torch.utils import _pytree as pytree
 
 from pipeline_ext.runtime._ext import _C
 from pipeline_ext.runtime.channel import ChannelError, ChannelTimeout, _ms
+from pipeline_ext.runtime.ops import _is_dtensor
 from pipeline_ext.comm.identity import stable_hash
 
 __all__ = ["AGREEMENT_TAG", "TRAIN", "FORWARD", "STEP_KINDS", "MAX_SIGNATURES", "MAX_MICROBATCHES", "Agreement",
@@ -391,7 +392,8 @@ class StepAgreement:
         return self._ranks[pipeline_rank]
 
     def microbatch_signatures(self, args_chunks: Sequence[Sequence[Any]], kwargs_chunks: Sequence[dict]) -> list[int]:
-        """Each microbatch's 62-bit signature: the hash of its pytree structure, tensor shapes and dtypes, the
+        """Each microbatch's 62-bit signature: the hash of its pytree structure, tensor shapes and dtypes (a
+        DTensor's placements and mesh too: [Note: a DTensor's signature]), the
         values of its plain non-tensor leaves (numbers, strings, booleans, None), and for any other leaf the
         id its value has on this rank (``_ObjectIds``).
 
@@ -563,11 +565,34 @@ def _argument(path: tuple) -> str:
 
 def _leaf_key(x: Any, objects: Optional["_ObjectIds"] = None) -> Any:
     if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor and _is_dtensor(x):
+            return _dtensor_key(x)
         return (tuple(x.shape), x.dtype)
     if isinstance(x, _BY_VALUE):
         return (type(x).__name__, x)
     assert objects is not None, "objects are keyed by the pytree walk, which passes the ids"
     return objects.key(x)
+
+
+def _dtensor_key(x: Any) -> tuple:
+    """A DTensor's key: its global shape and dtype, its placements and its mesh (device type, ranks, dim names).
+
+    [Note: a DTensor's signature]
+    What travels between stages is a DTensor's local shard ([Note: DTensors
+    between stages] in ``runtime/dtensor_wire.py``), whose shape follows from
+    the global shape, the placements and the mesh. Keyed by the global shape
+    alone, a step with the input of an earlier one on other placements
+    (``Shard(1)``, then ``Replicate``) ran as a known step under the earlier
+    layouts, and its first send failed (the sender checks its layout: never a
+    misread, but a correct loop stopped). Placements compare by value
+    (``Shard(dim=1)``, ``Partial(sum)``); the mesh by what decides a local
+    shape and a rebuild, not by object: two meshes of the same ranks and
+    names share layouts.
+    """
+    mesh = x.device_mesh
+    return (tuple(x.shape), x.dtype, tuple(repr(p) for p in x.placements),
+            (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+             tuple(mesh.mesh_dim_names or ())))
 
 
 class _ObjectIds:
