@@ -342,9 +342,11 @@ class PipelineSchedule:
         torch) and the merged output is returned (None with
         ``return_outputs=False``, which also keeps no output: a step that
         returns nothing holds no logits). ``loss_kwargs`` go to every
-        ``loss_fn(output, target, **loss_kwargs)`` call. Inputs given on a rank
-        that does not hold stage 0, and a target on a rank without the last
-        stage, are not used (as in torch). With ``loss_fn=None`` (on every
+        ``loss_fn(output, target, **loss_kwargs)`` call. Positional inputs
+        given on a rank that does not hold stage 0, and a target on a rank
+        without the last stage, are not used (as in torch); keyword arguments
+        go to every stage of the rank they are given on, as in torch ([Note:
+        keyword arguments per rank] in ``runtime/executor.py``). With ``loss_fn=None`` (on every
         rank) the step is forward only, as in torch: no backward, ``.grad``
         untouched.
 
