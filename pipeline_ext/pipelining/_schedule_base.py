@@ -49,7 +49,7 @@ from pipeline_ext.pipelining.stage import PipelineStage, as_stage
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor
 from pipeline_ext.runtime.microbatch import merge_chunks
-from pipeline_ext.runtime.overlap import run_overlapped
+from pipeline_ext.runtime.overlap import OVERLAPPED
 from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.stage import split_report
 from pipeline_ext.runtime.trace import Tracer, TraceReport
@@ -223,13 +223,14 @@ class PipelineSchedule:
         return custom
 
     def _overlap_for_step(self) -> dict[Any, Callable[..., None]]:
-        """``{OVERLAP_F_B: run_overlapped}`` when overlap is on and this rank has a pair, else nothing."""
+        """``{OVERLAP_F_B: OVERLAPPED}`` (``run_overlapped``, a ``PairRunner``) when overlap is on and this rank
+        has a pair, else nothing."""
         if self.overlap is False or self.schedule is None:
             return {}
         mine = set(self.stages)
         if not any(f.stage in mine for f, _ in self.schedule.overlapped):
             return {}
-        return {OVERLAP_F_B: run_overlapped}
+        return {OVERLAP_F_B: OVERLAPPED}
 
     # torch's runtime state that torch-style custom functions read; ours lives in the executor, so these are views
     @property

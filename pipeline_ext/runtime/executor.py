@@ -51,8 +51,8 @@ that runs each through the handler above, once; all must have run when it
 returns. Only when compute runs changes: receives were waited on before
 (for a pair, both actions' receives) and sends go after (both actions'), so
 the messages are those of the plain run. The overlap runner is the one
-exception it allows (``pair_messages``): its halves run their own messages,
-see ``_custom``.
+exception it allows (a ``PairRunner``, ``group_run.py``): its halves run their
+own messages, see ``_custom``.
 The callable is built by the schedule (pipelining/), which keeps torch's
 objects there.
 
@@ -72,7 +72,7 @@ from pipeline_ext.runtime.channel import Handle, Messages, StepContext
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
 from pipeline_ext.schedules.ir import OVERLAP_F_B
-from pipeline_ext.runtime.group_run import CustomFunction, GroupRun
+from pipeline_ext.runtime.group_run import CustomFunction, GroupRun, PairRunner
 from pipeline_ext.runtime.skips import SkipMessage, pack_skip_grads, pack_skips, unpack_skips
 from pipeline_ext.runtime.stage import LossFn, StageError
 from pipeline_ext.schedules.simulate import peak_live_activations
@@ -407,13 +407,13 @@ class Executor:
         """Hand ``group`` to a registered function; each of its actions must have run when it returns.
 
         ``recvs``, ``sends``: the messages the lowering put between a pair's two actions (receives due before the
-        second, the first's sends). A function marked ``pair_messages`` (the overlap runner) has ``GroupRun`` run them
+        second, the first's sends). A ``PairRunner`` (the overlap runner) has ``GroupRun`` run them
         with the pair's actions: the first's sends right after it, the receives right before the second, so a
         pair whose halves never hand over runs as the two actions one after the other. Any other function runs
         the pair as one unit, as torch's runtime does: those receives are waited on before it, those sends go
         after it. Returns each action's measured (start, end), for the trace.
         """
-        if getattr(fn, "pair_messages", False):
+        if isinstance(fn, PairRunner):
             run = GroupRun(self, group, st, before={group[-1]: recvs}, after={group[0]: sends})
             recvs = sends = ()
         else:

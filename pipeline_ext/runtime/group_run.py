@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from pipeline_ext.runtime.stage import StageError
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["GroupRun", "CustomFunction"]
+__all__ = ["GroupRun", "CustomFunction", "PairRunner"]
 
 
 class GroupRun:
@@ -87,3 +87,30 @@ class GroupRun:
 
 
 CustomFunction = Callable[[tuple[Action, ...], GroupRun], None]
+
+
+class PairRunner:
+    """A function for an overlapped pair that runs the messages lowered between its two actions itself.
+
+    Any other function given for ``OVERLAP_F_B`` runs the pair as one unit,
+    as torch's runtime does: the executor waits on those receives before it
+    and posts those sends after it. A ``PairRunner`` is the one exception
+    ([Note: custom functions change when, not what] in ``executor.py``):
+    ``GroupRun`` runs the first action's sends right after it and the
+    receives due before the second right before that one, so each half posts
+    and waits on its own messages and a pair that never hands over runs as the
+    two actions one after the other (``runtime/overlap.py``: [Note: the halves
+    never wait on each other]). A class, not a mark on the function, so that
+    what the executor does differently is said by a type it checks.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: CustomFunction) -> None:
+        self.fn = fn
+
+    def __call__(self, actions: tuple[Action, ...], run: GroupRun) -> None:
+        self.fn(actions, run)
+
+    def __repr__(self) -> str:
+        return f"PairRunner({getattr(self.fn, '__name__', self.fn)!r})"

@@ -4,7 +4,7 @@ DualPipe's point is that a rank runs the forward of one microbatch and the
 backward of another at the same time, so that one half's communication (expert
 all-to-all, tensor-parallel collectives, FSDP all-gathers) hides behind the
 other half's compute. ``run_overlapped`` is the executor's function for such a
-pair (``Executor.run(..., custom={OVERLAP_F_B: run_overlapped})``): the F half
+pair (``Executor.run(..., custom={OVERLAP_F_B: OVERLAPPED})``): the F half
 and the B (or I) half each run in their own thread, and a *baton* says which
 one may compute.
 
@@ -119,7 +119,7 @@ No deadlock
 The halves never wait on each other's messages. Each half waits on its own
 action's receives (holding the baton) and posts its own action's sends as
 soon as that action ran (``GroupRun`` runs the messages the lowering put
-between the two actions with them: ``pair_messages``), and the validator
+between the two actions with them: a ``PairRunner``, ``OVERLAPPED``), and the validator
 checks that a pair completes as one unit: neither action's input needs what
 the other completes, on this rank or any other. So a half waits only on
 messages that come without the other half, on collectives that the same half
@@ -147,9 +147,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from pipeline_ext.runtime.group_run import PairRunner
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["run_overlapped", "comm_region", "overlap_point", "in_overlap", "handover_count", "PAIR_COLLECTIVES"]
+__all__ = ["run_overlapped", "OVERLAPPED", "comm_region", "overlap_point", "in_overlap", "handover_count",
+           "PAIR_COLLECTIVES"]
 
 #: the torch.distributed collectives that are handover points while a pair runs
 PAIR_COLLECTIVES = ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -486,5 +488,6 @@ def run_overlapped(actions: Sequence[Action], run: Callable[[Action], Any]) -> N
         raise exc
 
 
-#: the executor runs the messages lying between a pair's two actions with them (``GroupRun``), not around the pair
-run_overlapped.pair_messages = True  # type: ignore[attr-defined]
+#: what the schedule hands the executor for ``OVERLAP_F_B``: ``run_overlapped`` as a ``PairRunner``, so the executor
+#: runs the messages lying between a pair's two actions with them (``GroupRun``), not around the pair
+OVERLAPPED = PairRunner(run_overlapped)
