@@ -216,23 +216,18 @@ class Session:
     """What every step of one schedule on this rank shares; ``begin`` starts a step.
 
     ``local_stages``: this rank's stage indices; ``skips``: what each declares
-    (``runtime/skips.declared_skips``). ``declared_first``: what stage 0
-    declares now (``runtime/declared.py``; a function, since a stage may learn
-    its shapes on its first step; None when this rank does not hold it):
-    each of its microbatches is checked against it before the step is posted. ``transport``: "auto", "process_group" (or "gloo"), "shm" or "ipc"
-    (``comm/transport/channels.make_channel``).
+    (``runtime/skips.declared_skips``). ``transport``: "auto", "process_group" (or "gloo"), "shm" or
+    "ipc" (``comm/transport/channels.make_channel``).
     """
 
     def __init__(self, *, group: Optional[dist.ProcessGroup], rank: int, num_ranks: int, num_stages: int,
                  device: torch.device, local_stages: Sequence[int], skips: dict[int, StageSkips],
                  n_microbatches: int, loss_fn: Optional[LossFn], chunk_spec: Any, scale_grads: bool,
-                 timeout: float, transport: Optional[str],
-                 declared_first: Optional[Callable[[], Optional[Declared]]] = None) -> None:
+                 timeout: float, transport: Optional[str]) -> None:
         self.rank, self.num_ranks, self.num_stages, self.device = rank, num_ranks, num_stages, device
         self.n_microbatches, self.loss_fn, self.chunk_spec, self.scale_grads = (n_microbatches, loss_fn,
                                                                                 chunk_spec, scale_grads)
         self._local = frozenset(local_stages)
-        self._declared_first = declared_first
         records = host_group(group, device)
         #: the transport (``comm/transport/`` chooses shared memory, CUDA IPC or the process group); GPU stages
         #: describe themselves to each other over the records' (Gloo) group
@@ -273,7 +268,8 @@ class Session:
         return self.num_stages - 1 in self._local
 
     def begin(self, kind: int, args: Any, kwargs: Any, target: Any, loss_kwargs: Optional[dict] = None,
-              split: bool = True, refused: Optional[Exception] = None) -> Step:
+              split: bool = True, refused: Optional[Exception] = None,
+              declared: Optional[Declared] = None) -> Step:
         """Check this rank's part of a step of ``kind`` and post it to every rank, before any stage runs.
 
         ``split``: ``args``/``kwargs``/``target`` are the whole batch, cut
@@ -283,6 +279,11 @@ class Session:
         ``refused``: the caller's own rejection of the step's arguments (the
         front end checks what it alone can, e.g. a mix of whole-batch and
         per-microbatch inputs); it is this rank's rejection like any other.
+
+        ``declared``: what stage 0 declares now (``runtime/declared.py``; it
+        may learn its shapes on its first step, so the front end hands it in
+        each step; None when nothing is declared or this rank does not hold
+        stage 0): each microbatch is checked against it before the step is posted.
 
         Every call takes part in exactly one exchange, a rejected one too: a
         rank that rejects its own inputs raises its own error at once, every
@@ -313,7 +314,6 @@ class Session:
                                    "use eval() to run forward only")
             if self._has_first:
                 inputs.args, inputs.kwargs, sizes = self._inputs(args, kwargs, split)
-                declared = self._declared_first() if self._declared_first is not None else None
                 if declared is not None:  # declared shapes: refuse before any stage runs
                     for mb, chunk in enumerate(inputs.args):
                         declared.check("inputs", mb, tuple(chunk))

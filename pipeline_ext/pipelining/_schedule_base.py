@@ -127,15 +127,13 @@ class PipelineSchedule:
         self.num_stages = num_stages
         self._session: Optional[Session] = None
         if not self.inspect_only:
-            first_stage = self.stages.get(0)
             # transport: "auto" | "process_group" | "shm" | "ipc", default $PIPELINE_EXT_TRANSPORT or "auto" (comm/transport/)
             self._session = Session(
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
                 skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
                 n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
-                scale_grads=scale_grads, timeout=timeout, transport=transport,
-                declared_first=(lambda: first_stage._declared) if first_stage is not None else None)
+                scale_grads=scale_grads, timeout=timeout, transport=transport)
         self.schedule: Optional[S.Schedule] = None
         #: one executor per step kind (a forward-only one is built at the first eval)
         self._executors: dict[int, Executor] = {}
@@ -489,7 +487,9 @@ class PipelineSchedule:
         if losses is not None:
             losses.clear()  # every call: it holds this step's losses, none when the step computes none or fails
         executor = self._executor(kind)
-        step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split, refused=refused)
+        first = self.stages.get(0)  # what stage 0 declares travels down as data, read here each step
+        step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split, refused=refused,
+                                   declared=None if first is None else first._declared)
         for r in self._runners.values():
             r.reset()
         if self.has_last_stage:  # torch's save_forward_output: nothing returned, nothing kept
