@@ -91,13 +91,12 @@ def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str,
         row: dict[str, Any] = {"schedule": name, "rank": rank, "sim": sim[rank] / v, "sim_units": sim[rank]}
         for release in (False, True):
             modules = [mod.to(dev) for mod in stages(d, n)]
-            ps = [pe.PipelineStage(modules[s], s, n, dev, group=group) for s in mine]
+            ps = [pe.PipelineStage(modules[s], s, n, dev, group=group, release_outputs=release) for s in mine]
             sched = pe.get_schedule_class(name)(ps if v > 1 else ps[0], m, loss_fn=nn.functional.mse_loss)
             meter = ActivationMeter()
             for s, r in sched._runners.items():
-                r.release_outputs = release
-                r.call = meter.wrap(r.call, inputs=s > 0)
-            sched._tracer = meter  # the executor's on_action hook: a sample after every action
+                r.instrument(wrap_call=lambda call, first=s == 0: meter.wrap(call, inputs=not first))
+            metered = sched.register_action_hook(meter.on_action)  # a sample after every action
             before = 0
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -113,7 +112,7 @@ def worker(rank: int, world: int, names: list[str], d: int, m: int, device: str,
                 row[f"cuda_{key}"] = torch.cuda.max_memory_allocated(dev) - before
             dist.barrier()
             if release:
-                sched._tracer = None
+                metered.remove()
                 timed[name] = lambda sched=sched, args=args, last=n - 1 in mine: sched.step(
                     *args, target=y if last else None)
         row["bubble"] = S.simulate(sched_ir, S.Costs(1.0, 1.0, 1.0)).bubble_rate

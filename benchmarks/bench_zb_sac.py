@@ -164,10 +164,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
             sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
             # first step: measured memory, checked against the unsplit model
             meter = ActivationMeter()
-            calls = {s: r.call for s, r in sched._runners.items()}
-            for s, r in sched._runners.items():
-                meter.watch(r, inputs=s > 0)
-            sched._tracer = meter  # a sample after every action
+            watched = [meter.watch(r, inputs=s > 0) for s, r in sched._runners.items()]
+            watched.append(sched.register_action_hook(meter.on_action))  # a sample after every action
             losses: list[torch.Tensor] = []
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
@@ -183,8 +181,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[str, s
                 mean = sum(losses) / len(losses)
                 torch.testing.assert_close(mean, ref_loss.detach(), **tol, msg=lambda msg: f"{mode} {name} loss: {msg}")
                 loss_err = float((mean - ref_loss.detach()).abs() / ref_loss.detach().abs())
-            for s, r in sched._runners.items():
-                r.call, r.on_kept = calls[s], None
+            for handle in watched:
+                handle.remove()
             sim = S.simulate(ir, S.Costs(1.0, 1.0, 1.0))
             # the last stage keeps every microbatch's output (detached) until the step returns them to the caller:
             # alive all step, no activation of the schedule's promise; counted next to it

@@ -344,10 +344,9 @@ def test_split_backend_values_held_from_i_to_w_are_counted_under_zb_h1(monkeypat
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.meter = ActivationMeter()  # one per stage: each runs on its own thread
-            self.meter.watch(self)
-            track = self.on_kept
             self.reported: list[torch.Tensor] = []
-            self.on_kept = lambda tensors: (self.reported.extend(tensors), track(tensors))
+            self.instrument(on_kept=self.reported.extend)
+            self.meter.watch(self)
 
         def backward_input(self, mb, *args, **kwargs):
             self.reported.clear()

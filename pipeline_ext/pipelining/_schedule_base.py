@@ -52,7 +52,7 @@ from pipeline_ext.runtime.microbatch import merge_chunks
 from pipeline_ext.runtime.overlap import OVERLAPPED
 from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.stage import split_report
-from pipeline_ext.runtime.trace import Tracer, TraceReport
+from pipeline_ext.runtime.trace import ActionSample, Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
@@ -153,6 +153,7 @@ class PipelineSchedule:
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_post_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._action_hooks: OrderedDict[int, Callable[[ActionSample], None]] = OrderedDict()
 
     def _set_schedule(self, schedule: S.Schedule) -> None:
         """Lower, validate and run ``schedule`` from the next step on (a new one forgets every plan)."""
@@ -266,6 +267,41 @@ class PipelineSchedule:
         self._step_post_hooks[handle.id] = hook
         return handle
 
+    def register_action_hook(self, hook: Callable[[ActionSample], None]) -> RemovableHandle:
+        """Call ``hook(sample)`` after every action this rank runs, in every step (``step()`` and ``eval()``).
+
+        ``sample`` is a ``runtime.trace.ActionSample``: rank, stage, action
+        kind, microbatch and the action's start and end ([Note: one sample per
+        action, after it]). The extension point for per-action recorders (the
+        ``ActivationMeter``'s peak, a user's own timeline), so that none has to
+        take the tracer's place: tracing and any number of hooks run together.
+        Hooks run on the executor's thread, in the order registered; one that
+        raises fails the step as the action would. ``handle.remove()`` stops it.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        handle = RemovableHandle(self._action_hooks)
+        self._action_hooks[handle.id] = hook
+        return handle
+
+    def _on_action(self, training: bool) -> Optional[Callable[[Any, float, float], None]]:
+        """The executor's ``on_action`` for one step: the tracer (training steps) and the action hooks; None when
+        neither is on (the executor then pays one test per action)."""
+        record = self._tracer.record if self._tracer is not None and training else None
+        hooks = list(self._action_hooks.values())
+        if not hooks:
+            return record
+        rank = self.rank
+
+        def on_action(action: Any, start: float, end: float) -> None:
+            if record is not None:
+                record(action, start, end)
+            sample = ActionSample(rank, action, start, end)
+            for hook in hooks:
+                hook(sample)
+
+        return on_action
+
     # -- tracing -------------------------------------------------------------------------------
     def enable_tracing(self, on: bool = True) -> None:
         """Record every executed action of the following steps (off by default; costs ~nothing when off).
@@ -273,6 +309,11 @@ class PipelineSchedule:
         Turning it on again starts a fresh recording. See ``trace_report`` and ``write_trace``.
         """
         self._tracer = Tracer(self.rank) if on else None
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the following training steps are traced (``trace=True`` or ``enable_tracing()``)."""
+        return self._tracer is not None
 
     def trace_report(self, dst: int = 0) -> Optional[TraceReport]:
         """Measured costs and bubble vs. the simulator's, over the traced steps.
@@ -490,18 +531,15 @@ class PipelineSchedule:
         first = self.stages.get(0)  # what stage 0 declares travels down as data, read here each step
         step = self._session.begin(kind, args, kwargs, target, loss_kwargs, split, refused=refused,
                                    declared=None if first is None else first._declared)
-        for r in self._runners.values():
-            r.reset()
-        if self.has_last_stage:  # torch's save_forward_output: nothing returned, nothing kept
-            self._runners[self._last_stage].keep_outputs = return_outputs
+        for r in self._runners.values():  # torch's save_forward_output: nothing returned, nothing kept
+            r.reset(keep_outputs=return_outputs)
         training = kind == TRAIN
         if training:
             for hook in list(self._step_pre_hooks.values()):
                 hook()
-        on_action = None
         if self._tracer is not None and training:
             self._tracer.begin_step()
-            on_action = self._tracer.record
+        on_action = self._on_action(training)
         custom = self._custom_for_step(step.inputs, losses)
         try:
             with step:
@@ -511,9 +549,8 @@ class PipelineSchedule:
                 r.reset()
             raise
         if training:
-            note = getattr(self._tracer, "note_split", None)  # the slot may hold another recorder (ActivationMeter)
-            if note is not None:
-                note(split_report(self._runners))
+            if self._tracer is not None:
+                self._tracer.note_split(split_report(self._runners))
             for hook in list(self._step_post_hooks.values()):
                 hook()
         if not self.has_last_stage:

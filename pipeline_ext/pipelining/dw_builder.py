@@ -27,8 +27,8 @@ class DwBuilderRunner(StageRunner):
         self.dw_builder = dw_builder
         self._dw_runners: dict[int, Callable[[], None]] = {}
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, keep_outputs: bool = True) -> None:
+        super().reset(keep_outputs)
         self._dw_runners.clear()
 
     def backward(self, mb: int, grad_outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,

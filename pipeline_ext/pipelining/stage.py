@@ -48,6 +48,11 @@ class PipelineStage(StagePosition):
     (FSDP2) over the data-parallel group has its gradients reduced exactly once
     per step (comm/data_parallel.py); a wrapper that cannot be made exact
     raises ``UnsupportedWrapperError`` here.
+
+    ``release_outputs`` (default True, ours): the runner frees a sent output's
+    bytes once the send copied them, keeping its autograd edge
+    (``StageRunner``'s argument of that name; off holds every output until its
+    backward, as a baseline for measuring the release).
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class PipelineStage(StagePosition):
         get_mesh: Any = None,
         *,
         mesh: Any = None,
+        release_outputs: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage needs torch.distributed to be initialised (init_process_group) first")
@@ -87,6 +93,7 @@ class PipelineStage(StagePosition):
         self.dw_builder = dw_builder
         #: where DTensor inputs from the previous stage are rebuilt ([Note: DTensors between stages])
         self.mesh, self.get_mesh = mesh, get_mesh
+        self.release_outputs = bool(release_outputs)
         self.input_args, self.output_args = input_args, output_args
         #: torch's static gradient metadata, checked against every microbatch's outputs / inputs ([Note: declared
         #: gradients]); a tuple with None for a tensor without a gradient, or None when not given
@@ -152,13 +159,13 @@ class PipelineStage(StagePosition):
 
     def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
         """This stage's runner for a schedule (the schedule's executor drives it)."""
-        kwargs = dict(call=self._call, grad_sync=self.grad_sync, n_microbatches=n_microbatches)
+        kwargs = dict(call=self._call, grad_sync=self.grad_sync, n_microbatches=n_microbatches,
+                      release_outputs=self.release_outputs, meshes=MeshFinder(self.submod, self.mesh, self.get_mesh))
         if self.dw_builder is not None:
             runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
                                                   dw_builder=self.dw_builder, **kwargs)
         else:
             runner = StageRunner(self.submod, self.stage_index, self.num_stages, loss_fn, **kwargs)
-        runner.meshes = MeshFinder(self.submod, self.mesh, self.get_mesh)
         self._runner, self._has_backward = runner, loss_fn is not None
         return runner
 

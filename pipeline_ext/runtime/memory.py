@@ -14,14 +14,16 @@ is what ``ActivationMeter`` counts:
 - a storage is recorded once (by identity), with its size in bytes, as a
   weak reference: recording keeps nothing alive;
 - ``live_bytes()`` is the sum over the recorded storages still alive, and
-  ``sample()`` keeps the largest value seen; the executor's ``on_action`` hook
-  (``record``, the ``Tracer``'s signature) samples after every action.
+  ``sample()`` keeps the largest value seen; ``on_action``, registered with
+  ``sched.register_action_hook(meter.on_action)``, samples after every action
+  ([Note: one sample per action, after it] in runtime/trace.py).
 
 - what a zero-bubble I keeps for its W beyond the graph's saved tensors
   (values of a selective checkpoint recomputed at I, once-only hooks' values,
   a ``SplitFunction``'s stash, the values a ``split_backend`` region's first
   part hands its rest; [Note: what I keeps for W]) is recorded when I hands it
-  over: ``watch(runner)`` sets the runner's ``on_kept`` to ``track``.
+  over: ``watch(runner)`` attaches to the runner (``StageRunner.instrument``:
+  its forwards wrapped, what I keeps reported to ``track``).
 
 Liveness is reference counting, so the count is the same on every run of the
 same schedule. What it leaves out: parameters, gradients (the gradients I
@@ -111,9 +113,11 @@ class ActivationMeter:
             added += storage.nbytes()
         return added
 
-    def watch(self, runner: Any, inputs: bool = True) -> None:
-        """Measure a ``StageRunner``: its forwards (``wrap`` of its ``call``) and what its I keeps for W."""
-        runner.call = self.wrap(runner.call, inputs=inputs)
+    def watch(self, runner: Any, inputs: bool = True) -> Any:
+        """Measure a ``StageRunner``: its forwards (``wrap`` of its ``call``) and what its I keeps for W.
+
+        Returns the runner's handle (``StageRunner.instrument``): ``remove()`` stops the measuring.
+        """
         module = runner.module
 
         def kept(tensors: list) -> None:
@@ -121,7 +125,7 @@ class ActivationMeter:
             skip = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
             self.track([t for t in tensors if _storage_key(t) not in skip])
 
-        runner.on_kept = kept
+        return runner.instrument(wrap_call=lambda call: self.wrap(call, inputs=inputs), on_kept=kept)
 
     def wrap(self, call: Callable[..., Any], inputs: bool = True) -> Callable[..., Any]:
         """A runner's ``call`` that records each forward's inputs, outputs and saved tensors.
@@ -160,11 +164,9 @@ class ActivationMeter:
         self.peak_bytes = max(self.peak_bytes, live)
         return live
 
-    # the executor's on_action hook, with the Tracer's signature
-    def begin_step(self) -> None:
-        self.sample()
-
-    def record(self, action: Any, start: float, end: float) -> None:
+    def on_action(self, sample: Any) -> None:
+        """The schedule's action hook (``sched.register_action_hook(meter.on_action)``): a sample after each
+        action (``sample``, a ``runtime.trace.ActionSample``, says which; the count needs only the moment)."""
         self.sample()
 
 

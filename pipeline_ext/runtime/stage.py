@@ -33,12 +33,14 @@ Conventions, shared with the executor:
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
 
 from pipeline_ext.runtime.split.backward import (
     DeferredWeightGrad,
@@ -211,19 +213,29 @@ class StageRunner(StagePosition):
     step) syncs a data-parallel wrapped stage once per step; see
     ``comm/data_parallel.py``.
 
-    ``on_kept`` (an attribute, default None): called after each I with the
+    ``on_kept`` (default None): called after each I with the
     tensors that I keeps for W beyond the graph's own saved ones (values of a
     selective checkpoint recomputed at I, once-only hooks' values, a
     ``SplitFunction``'s stash, what a ``split_backend`` region's first part
     hands its rest; [Note: what I keeps for W]), for the memory accounting
-    (``ActivationMeter.track``).
+    (``ActivationMeter.track``). ``meshes``: where DTensor inputs are rebuilt
+    (a ``PipelineStage``'s runner); None refuses DTensors between stages.
+
+    [Note: a runner is configured once, instruments attach]
+    Everything a runner runs with is a constructor argument, given by the one
+    that builds it (``PipelineStage._make_runner``, the ``Pipe``); nothing is
+    assigned into it afterwards from another module. A measuring tool (the
+    ``ActivationMeter``) comes later, to runners a schedule already built, so
+    it cannot be an argument: it attaches with ``instrument(wrap_call=,
+    on_kept=)``, the one way in, which adds to what the runner was built with
+    (never replaces it) and returns the handle that takes it off again.
 
     ``split_fallback``: why this stage's I ran the whole backward (the
     ``split/obstacles.py`` reason of the first I that had to), None while every I
     split; ``split_seen``: whether an I ran at all. ``split_report`` of the
     front ends collects them per stage.
 
-    ``release_outputs`` (default on; also an attribute, read at each F): keep
+    ``release_outputs`` (default on): keep
     only the autograd edge of each sent output, not the tensor, so its bytes
     are freed once the send has copied them (``ReleasedOutput``). Backward is
     the same engine call, so gradients are bitwise those without it. Outputs
@@ -246,6 +258,8 @@ class StageRunner(StagePosition):
         grad_sync: Optional[GradientSync] = None,
         n_microbatches: Optional[int] = None,
         release_outputs: bool = True,
+        on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None,
+        meshes: Optional[dtensor_wire.MeshFinder] = None,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -270,7 +284,10 @@ class StageRunner(StagePosition):
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
         self._warned_unsplit = False
-        self.on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None
+        self.on_kept = on_kept
+        #: attached measuring tools, in order: (wrap of ``call`` or None, extra ``on_kept`` or None)
+        self._instruments: OrderedDict[int, tuple[Optional[Callable[[Any], Any]], Optional[Callable[..., Any]]]] \
+            = OrderedDict()
         #: why an I of this stage fell back to the whole backward (first reason seen); None: every I split
         self.split_fallback: Optional[str] = None
         #: an I ran on this stage (so ``split_fallback`` says something)
@@ -280,7 +297,24 @@ class StageRunner(StagePosition):
         self._skip_grads: dict[int, Skips] = {}  # per microbatch, for take_skip_grads
         #: where DTensor inputs are rebuilt (a ``PipelineStage``'s runner); None: DTensors between stages are
         #: refused (the Pipe). [Note: DTensors between stages] in runtime/dtensor_wire.py
-        self.meshes: Optional[dtensor_wire.MeshFinder] = None
+        self.meshes = meshes
+
+    def instrument(self, wrap_call: Optional[Callable[[Any], Any]] = None,
+                   on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None) -> RemovableHandle:
+        """Attach a measuring tool: ``wrap_call(call)`` wraps each forward's ``call``, ``on_kept(tensors)`` is
+        called after each I beside the runner's own; ``handle.remove()`` detaches it ([Note: a runner is
+        configured once, instruments attach])."""
+        handle = RemovableHandle(self._instruments)
+        self._instruments[handle.id] = (wrap_call, on_kept)
+        return handle
+
+    def _forward_call(self) -> Callable[..., Any]:
+        """``call``, wrapped by the attached instruments (first attached innermost)."""
+        call = self.call
+        for wrap, _ in self._instruments.values():
+            if wrap is not None:
+                call = wrap(call)
+        return call
 
     @property
     def live_microbatches(self) -> int:
@@ -294,9 +328,11 @@ class StageRunner(StagePosition):
     def reset_peak(self) -> None:
         self.peak_live_microbatches = len(self._states)
 
-    def reset(self) -> None:
-        """Forget everything of the previous step (after an error, say)."""
+    def reset(self, keep_outputs: bool = True) -> None:
+        """Forget everything of the previous step (after an error, say); ``keep_outputs``: whether the next step
+        keeps the last stage's outputs for its caller (handed in per step by the runner's owner, the schedule)."""
         self._states.clear()
+        self.keep_outputs = keep_outputs
         self.peak_live_microbatches = 0
         self.losses.clear()
         self.outputs.clear()
@@ -354,11 +390,12 @@ class StageRunner(StagePosition):
                 state.wire = True
         if skips:
             state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
+        call = self._forward_call() if self._instruments else self.call
         if self._skippable or skips:
             # what no layer of this stage popped is stashed for later stages
-            out, stashed = call_with_skips(lambda: self.call(mb, self.module, args, kwargs or {}), skips)
+            out, stashed = call_with_skips(lambda: call(mb, self.module, args, kwargs or {}), skips)
         else:
-            out, stashed = self.call(mb, self.module, args, kwargs or {}), {}
+            out, stashed = call(mb, self.module, args, kwargs or {}), {}
         grad_on = torch.is_grad_enabled()
         if stashed:
             state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
@@ -496,8 +533,11 @@ class StageRunner(StagePosition):
         self.split_seen = True
         if state.deferred.unsplit is not None and self.split_fallback is None:
             self.split_fallback = state.deferred.unsplit
-        if self.on_kept is not None:
-            self.on_kept(state.deferred.kept_tensors())
+        if self.on_kept is not None or self._instruments:
+            kept = state.deferred.kept_tensors()
+            for fn in (self.on_kept, *(k for _, k in self._instruments.values())):
+                if fn is not None:
+                    fn(kept)
         if state.deferred.unsplit is not None and not self._warned_unsplit:
             self._warned_unsplit = True
             warnings.warn(

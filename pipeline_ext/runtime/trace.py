@@ -34,11 +34,45 @@ from pipeline_ext.schedules.inorder import run_in_order
 from pipeline_ext.schedules.lowering import counterpart
 from pipeline_ext.schedules.simulate import Span
 
-__all__ = ["Tracer", "TraceReport", "measure_costs", "measured_bubble", "replay", "replay_gap"]
+__all__ = ["ActionSample", "Tracer", "TraceReport", "measure_costs", "measured_bubble", "replay", "replay_gap"]
 
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+@dataclass(frozen=True)
+class ActionSample:
+    """One executed action, as an action hook sees it (``PipelineSchedule.register_action_hook``).
+
+    [Note: one sample per action, after it]
+    A hook is called once per action, after it ran, with the action's own
+    ``start`` and ``end`` (``time.perf_counter``; an overlapped pair's halves
+    each with their own span). No second call before an action: on one rank
+    nothing runs between two actions, so the state before an action is the
+    state after the one before it (the step's first action: the state the
+    step began in). The two recorders the library has need no more: the
+    ``Tracer`` keeps the span, the ``ActivationMeter`` samples live bytes.
+    ``action`` carries the stage, kind and microbatch (SEND/RECV included);
+    the fields below repeat them so a hook needs no schedule import.
+    """
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def stage(self) -> int:
+        return self.action.stage
+
+    @property
+    def kind(self) -> ActionKind:
+        return self.action.kind
+
+    @property
+    def microbatch(self) -> int:
+        return self.action.microbatch
 
 
 class Tracer:
