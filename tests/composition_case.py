@@ -15,6 +15,7 @@ steps with ``overlap=False`` and must match it bitwise.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 import pipeline_ext as pe
 from models import sac_context
+from mp_utils import forget_dtensor_caches as _fresh_dtensor_caches
 
 D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
 #: per microbatch sequence lengths with ``shapes="per_microbatch"`` (even: Shard(1) over tp=2)
@@ -341,16 +343,10 @@ def run_group(rank: int, world: int, cases: list[dict]) -> list[tuple[str, list[
             mesh = init_device_mesh("cpu", (2, dp, world // (2 * dp)), mesh_dim_names=("pp", "dp", "tp"))
             bad = run_case(case, mesh)
         except Exception as exc:  # noqa: BLE001 -- a refusal or a failure: the case's complaint
-            bad = [f"rank {rank} raised {type(exc).__name__}: {str(exc)[:400]}"]
+            where = traceback.extract_tb(exc.__traceback__)[-4:]
+            bad = [f"rank {rank} raised {type(exc).__name__}: {str(exc)[:400]} (at "
+                   + " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(where)) + ")"]
         out.append((case_id(case), bad))
         dist.barrier()
     return out
 
-
-def _fresh_dtensor_caches() -> None:
-    """Forget torch's DTensor sharding cache between cases (a cached sharding holds an earlier mesh's group)."""
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()

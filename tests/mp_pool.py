@@ -170,6 +170,9 @@ def _worker(rank: int, world: int, conn: Any) -> None:
             except Exception:  # noqa: BLE001
                 pass
         fresh.restore()
+        from mp_utils import forget_dtensor_caches
+
+        forget_dtensor_caches()  # the next task's meshes equal this one's by value: see its docstring
         gc.freeze()  # see [Note: a pool worker's collections skip what it had before the task]
 
 

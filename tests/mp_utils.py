@@ -29,7 +29,7 @@ import torch
 from pipeline_ext.comm.launch import RankError, free_port, spawn
 
 __all__ = ["free_port", "run_ranks", "rank_values", "no_complaints", "TEST_DEVICE_ENV", "device_under_test",
-           "fresh_context", "POOL_ENV"]
+           "fresh_context", "POOL_ENV", "forget_dtensor_caches"]
 
 #: ``PIPELINE_EXT_TEST_POOL=0``: every run_ranks on fresh processes (as before the pool; to tell a pool problem apart)
 POOL_ENV = "PIPELINE_EXT_TEST_POOL"
@@ -48,6 +48,34 @@ _runs = itertools.count()
 #: where the ranks of a test put their stages: set by the ``rank_device`` fixture (conftest.py), read by the
 #: ranks (inherited environment) and by ``run_ranks`` (a GPU test's default group is Gloo + NCCL)
 TEST_DEVICE_ENV = "PIPELINE_EXT_TEST_DEVICE"
+
+
+def forget_dtensor_caches() -> None:
+    """Forget what torch's DTensor machinery cached about meshes (a pool worker runs many tests).
+
+    Each test makes its process group and meshes anew, and a new mesh equals an
+    old one by value (same ranks, same dim names), so a cache keyed by a mesh
+    (sharding propagation in Python and in the C++ fast path, the redistribute planner kept by a weak reference
+    whose referent the planner itself keeps alive, transform infos, topology
+    infos) hands back the old mesh with its destroyed groups: "Could not
+    resolve the process group registered under the name 3" in a later test.
+    """
+    import sys as _sys
+
+    tensor_mod = _sys.modules.get("torch.distributed.tensor")
+    if tensor_mod is None:  # DTensor never used in this process: nothing cached
+        return
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # the C++ fast path's own cache
+    prop = tensor_mod.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()
+    redistribute = _sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None:
+        getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
+        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", lambda: None)()
+    collective = _sys.modules.get("torch.distributed.tensor._collective_utils")
+    topo = getattr(collective, "MeshTopoInfo", None)
+    getattr(getattr(topo, "build_from_mesh", None), "cache_clear", lambda: None)()
 
 
 def device_under_test() -> torch.device:

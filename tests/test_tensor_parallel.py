@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_utils import TEST_DEVICE_ENV, device_under_test, no_complaints, run_ranks
+from mp_utils import forget_dtensor_caches as _fresh_dtensor_caches
 from pipeline_ext.comm.transport import TRANSPORT_ENV
 
 D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
@@ -73,16 +74,6 @@ def _parallelize(stage: nn.Module, index: int, num_stages: int, case: str, tp, l
     if last_out and index == num_stages - 1:
         plan["blocks.1.w2"] = RowwiseParallel(output_layouts=_placement(last_out), use_local_output=False)
     return parallelize_module(stage, tp, plan)
-
-
-def _fresh_dtensor_caches() -> None:
-    """Forget torch's DTensor sharding cache: a pool worker runs many tests, each on a new process group,
-    and a cached sharding holds the previous test's mesh (equal by ranks and names) and its dead group."""
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

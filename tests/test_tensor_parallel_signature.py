@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_utils import no_complaints
+from mp_utils import forget_dtensor_caches as _fresh_dtensor_caches
 
 D, SEQ, ROWS, M = 8, 4, 8, 4
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -56,15 +57,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _loss(out, y):
     return ((out - y) ** 2).mean()
-
-
-def _fresh_dtensor_caches() -> None:
-    """Forget torch's DTensor sharding cache: a pool worker runs many tests, each on a new process group."""
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        getattr(getattr(prop, name, None), "cache_clear", lambda: None)()
 
 
 def _placements_change(rank: int, world: int, name: str) -> list[str]:
