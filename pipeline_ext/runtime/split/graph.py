@@ -66,31 +66,6 @@ def _weight_leaves(starts: Sequence[Any], owner: dict[Any, int], tag: int) -> Op
     return leaves
 
 
-def _weight_leaves(starts: Sequence[Any], owner: dict[Any, int], tag: int) -> Optional[list[torch.Tensor]]:
-    """Leaf tensors of the weight-only subgraph below ``starts``.
-
-    ``owner`` records which boundary first reached each node; None is returned
-    when a node already belongs to another boundary (the subgraphs overlap).
-    No node below ``starts`` is in the input region: a node that led to an
-    input would itself be in it.
-    """
-    leaves: list[torch.Tensor] = []
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        prev = owner.get(node)
-        if prev == tag:
-            continue
-        if prev is not None:
-            return None
-        owner[node] = tag
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            leaves.append(variable)
-        stack.extend(c for c, _ in node.next_functions if c is not None)
-    return leaves
-
-
 @dataclass
 class WeightBranch:
     """A boundary node, the leaves of its weight-only subgraph, and the gradient I recorded arriving there."""
