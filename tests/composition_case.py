@@ -165,7 +165,11 @@ def _apply_tp(module: Stage, case: dict, tp) -> None:
 
 
 def _compile(module: Stage, case: dict) -> None:
-    """Each block compiled in place (``Module.compile`` keeps the parameter names), as torchtitan does."""
+    """Each block compiled in place (``Module.compile`` keeps the parameter names), as torchtitan does.
+
+    Every block instance is a recompile of ``Block.forward``; past dynamo's recompile limit a block would run
+    eager, so a case (and each of DualPipeV's two runs, which must agree to the bit) starts from a reset
+    dynamo (``_train``, ``run_pipe_case``)."""
     backend = pe.split_backend if case["compiled"] == "split_backend" else case["compiled"]
     for block in module.blocks:
         block.compile(backend=backend)
@@ -215,6 +219,8 @@ def _train(case: dict, mesh, plan, mine: list[int], overlap: Optional[bool]) -> 
     name, ns = case["schedule"], plan.num_stages
     pp, dp_mesh, tp = mesh["pp"], mesh["dp"], mesh["tp"]
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    if case["compiled"] != "off":
+        torch._dynamo.reset()  # see _compile
     all_stages, ref = _models(case, ns)
     modules = {s: all_stages[s] for s in mine}
     for s in mine:
@@ -294,6 +300,7 @@ def run_pipe_case(case: dict) -> list[str]:
     ns = 4 if name in MULTI_STAGE else 2
     all_stages, ref = _models(case, ns)
     if case["compiled"] != "off":
+        torch._dynamo.reset()  # see _compile
         for m in all_stages:
             _compile(m, case)
     pipe = pe.Pipe(nn.Sequential(*all_stages), balance=[1] * ns, devices=["cpu", "cpu"], chunks=M, schedule=name,
