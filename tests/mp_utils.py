@@ -62,6 +62,9 @@ def forget_dtensor_caches() -> None:
     """
     import sys as _sys
 
+    overlap = _sys.modules.get("pipeline_ext.runtime.overlap")
+    if overlap is not None:  # DTensor's C++ cache is per thread: the pooled pair threads go with theirs
+        overlap.release_pair_threads()
     tensor_mod = _sys.modules.get("torch.distributed.tensor")
     if tensor_mod is None:  # DTensor never used in this process: nothing cached
         return

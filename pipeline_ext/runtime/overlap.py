@@ -150,8 +150,8 @@ import torch
 from pipeline_ext.runtime.group_run import PairRunner
 from pipeline_ext.schedules import Action, ActionKind
 
-__all__ = ["run_overlapped", "OVERLAPPED", "comm_region", "overlap_point", "in_overlap", "handover_count",
-           "PAIR_COLLECTIVES"]
+__all__ = ["run_overlapped", "release_pair_threads", "OVERLAPPED", "comm_region", "overlap_point", "in_overlap",
+           "handover_count", "PAIR_COLLECTIVES"]
 
 #: the torch.distributed collectives that are handover points while a pair runs
 PAIR_COLLECTIVES = ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -408,6 +408,23 @@ def _pool() -> Any:
             # a B half must start while its F runs (they alternate): never queue one behind another pair's
             _pool_executor.append(ThreadPoolExecutor(max_workers=256, thread_name_prefix="pipeline_ext-pair-B"))
         return _pool_executor[0]
+
+
+def release_pair_threads() -> None:
+    """Let the pooled threads go (after their work); the next pair starts fresh ones.
+
+    A pooled thread keeps torch's thread-local state between steps, DTensor's
+    sharding cache among it, and that cache is keyed by meshes that compare
+    equal by value: a process that destroys its process groups and makes new
+    ones (a test pool, an in-process restart) must clear it in every thread
+    that ran DTensor ops, or a later DTensor op in a pooled thread reuses a
+    mesh whose groups are gone. Call this then (the main thread's caches are
+    torch's to clear: ``torch._C._clear_DTensor_sharding_propagator_cache``).
+    """
+    with _pool_lock:
+        executors, _pool_executor[:] = list(_pool_executor), []
+    for executor in executors:
+        executor.shutdown(wait=True)
 
 
 def _call_and_forget(box: list) -> None:
