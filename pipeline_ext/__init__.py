@@ -24,7 +24,7 @@ from pipeline_ext._lazy import lazy_names, module_aliases
 __version__ = "0.1.0"
 
 #: the public surface (``__all__``): what a training script needs, by the subpackage (or module) whose ``__all__``
-#: lists each name, where it resolves from (tests/test_public_api.py checks that it is listed there)
+#: lists each name, where it resolves from (tests/stages/test_public_api.py checks that it is listed there)
 _PUBLIC = {
     "pipeline_ext.pipelining": [
         "PipelineStage", "PipelineSchedule", "get_schedule_class", "pipeline", "SplitPoint", "pipe_split",

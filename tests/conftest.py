@@ -1,16 +1,43 @@
 """Shared fixtures."""
 from __future__ import annotations
 
-import os
 import signal
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+
+
+def _feature_folders_on_path() -> None:
+    """Every folder of tests on ``sys.path``, before anything is collected.
+
+    Test files are modules named by their file's name alone (no
+    ``__init__.py``): the rank pool's workers import a rank function by its
+    module's name, and test files import helpers from each other across
+    folders (``from test_distributed import SCHEDULES``). pytest puts a
+    folder on the path only when it collects a file from it, so a file that
+    imports one from a folder collected later would fail; hence all of them,
+    here, and a name used twice is refused rather than shadowed.
+    """
+    here = Path(__file__).resolve().parent
+    files = [f for f in here.rglob("*.py") if "__pycache__" not in f.parts]
+    twice = [n for n, c in Counter(f.name for f in files).items() if c > 1 and n != "conftest.py"]
+    if twice:
+        raise RuntimeError(f"test modules are imported by file name; these names are used twice: {sorted(twice)}")
+    for folder in sorted({f.parent for f in files} - {here}, reverse=True):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+
+
+_feature_folders_on_path()
 
 import mp_utils
 from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
 from pipeline_ext.comm.transport import TRANSPORT_ENV
+from models import shm_names
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,16 +101,12 @@ def stage_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pipeline_ext")} if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.fixture(autouse=True, scope="session")
 def dev_shm_left_as_found():
     """The whole suite (crashes, kills and timeouts included) leaves nothing of ours in /dev/shm."""
-    before = _shm_names()
+    before = shm_names()
     yield
-    left = _shm_names() - before
+    left = shm_names() - before
     assert not left, f"the test session left {sorted(left)} in /dev/shm"
 
 

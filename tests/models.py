@@ -1,13 +1,19 @@
-"""Small models cut into stages, shared by the single- and multi-process equivalence tests.
+"""What the whole suite shares: small models cut into stages, the unsplit references, tolerances, the SAC policy.
 
 Each factory returns ``num_stages`` modules that, applied in order, form the
 unsplit reference model. They cover what pipelines get wrong: LayerNorm and
 residuals (transformer blocks), stages that pass a tuple of tensors, and an
-integer tensor that travels without a gradient.
+integer tensor that travels without a gradient. ``unsplit`` and ``reference``
+run that model on the whole batch; ``TOL`` is how close a pipeline must come
+to it in fp32 (``GPU_TOL`` on a GPU, where kernels reorder sums). Test files
+live in feature folders below ``tests/``; ``ROOT`` is the repository.
 """
 from __future__ import annotations
 
 import copy
+import contextlib
+import os
+from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -16,6 +22,19 @@ from torch import nn
 from mp_utils import device_under_test
 
 D = 16
+
+#: the repository's root (test files sit one folder below tests/)
+ROOT = Path(__file__).resolve().parents[1]
+#: how close a pipeline's loss, gradients and parameters must be to the unsplit model's, in fp32 on CPU
+TOL = dict(rtol=1e-5, atol=1e-6)
+RTOL, ATOL = TOL["rtol"], TOL["atol"]
+#: the same on a GPU (its kernels sum in other orders than the reference's)
+GPU_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def shm_names() -> set[str]:
+    """This library's shared-memory segments now in /dev/shm (a test that made some checks they went)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pipeline_ext")} if os.path.isdir("/dev/shm") else set()
 
 
 class Block(nn.Module):
@@ -97,6 +116,18 @@ def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     for s in stages:
         out = s(*out) if isinstance(out, tuple) else s(out)
     return out
+
+
+def unsplit(stages: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, loss: Callable = None,
+            device: Optional[str] = None, autocast=contextlib.nullcontext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Loss and parameter gradients (in order, flat) of copies of ``stages`` run in order on the whole batch."""
+    ref = [copy.deepcopy(s) if device is None else copy.deepcopy(s).to(device) for s in stages]
+    if device is not None:
+        x, y = x.to(device), y.to(device)
+    with autocast():
+        out = (loss or loss_fn)(run_stages(ref, x), y)
+    out.backward()
+    return out.detach(), [p.grad for s in ref for p in s.parameters()]
 
 
 def reference(model: str, num_stages: int, x: torch.Tensor, y: torch.Tensor, seed: int = 0):

@@ -16,16 +16,16 @@
 #      each NCCL setting in turn until one gets through (NCCL's own logs under logs/nccl_probe/)
 #   2. the multi-process tests with every stage on cuda:0 over NCCL (each rank its own NCCL host)
 #   2b. pipeline x tensor parallel on cuda ranks: pp=2 x tp=1 (DTensor activations cross stages over NCCL;
-#      pp=2 x tp=2 needs 4 GPUs, pp=1 x tp=2 is no pipeline): tests/test_tensor_parallel.py -m cuda
-#   2c. the NCCL ordering model (tests/test_nccl_order.py, on the CPU) and its verdict against NCCL itself:
+#      pp=2 x tp=2 needs 4 GPUs, pp=1 x tp=2 is no pipeline): tests/parallel/test_tensor_parallel.py -m cuda
+#   2c. the NCCL ordering model (tests/schedules/test_nccl_order.py, on the CPU) and its verdict against NCCL itself:
 #      torch PR 195760's looped schedule (4 ranks sharing cuda:0), which the model says cycles on one shared
-#      communicator and not under the runtime's choices, trains (tests/test_steady_state.py)
-#   2d. steady-state steps on cuda:0 over NCCL (tests/test_steady_state.py -m cuda): 1F1B, ZB-H1 and
+#      communicator and not under the runtime's choices, trains (tests/runtime/test_steady_state.py)
+#   2d. steady-state steps on cuda:0 over NCCL (tests/runtime/test_steady_state.py -m cuda): 1F1B, ZB-H1 and
 #      interleaved 1F1B, no host synchronisation after the discovery steps (set_sync_debug_mode("error"))
 #      and the same messages every step
 #   3. pytest -m "cuda and not slow" (single process: Pipe on cuda:0, every schedule x checkpoint mode x fp32/bf16)
-#   4. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/test_ipc_gpu.py,
-#      tests/test_ipc_transport.py
+#   4. the CUDA IPC transport (transport="ipc", 2-4 processes sharing cuda:0): tests/comm/test_ipc_gpu.py,
+#      tests/comm/test_ipc_transport.py
 #   5. benchmarks/bench_pipeline.py --device cuda: 2-rank 1F1B, ours vs torch over NCCL
 #   5b. benchmarks/bench_zb_sac.py --device cuda: the zero-bubble gain over 1F1B, measured and simulated,
 #      with SAC and without (2 ranks sharing cuda:0)
@@ -97,7 +97,7 @@ step() {
   if [ "$DRY" = 1 ]; then
     local cmd="$*"
     cmd=${cmd//$'\n'/ }
-    if [ "$limit" -eq 0 ]; then echo "  $name: not started (budget spent)"; else echo "  $name: ${limit}s: ${cmd:0:150}"; fi
+    if [ "$limit" -eq 0 ]; then echo "  $name: not started (budget spent)"; else echo "  $name: ${limit}s: ${cmd:0:240}"; fi
     DRY_CLOCK=$(( DRY_CLOCK + (usual < limit ? usual : limit) ))
     return 0
   fi
@@ -170,14 +170,14 @@ write_report() {
     echo
     echo "## Pipe on cuda:0 against the unsplit model"
     echo
-    echo "Every schedule, checkpoint mode and precision (tests/test_cuda_paths.py; loss and every gradient within"
+    echo "Every schedule, checkpoint mode and precision (tests/comm/test_cuda_paths.py; loss and every gradient within"
     echo "rtol/atol 1e-4/1e-5 for fp32 and 3e-2/3e-3 under autocast bf16):"
     echo
     cat "$OUT_DIR/equivalence.md" 2>/dev/null || echo "(no table yet)"
     echo
     section "Kernels (benchmarks/bench_kernels.py)" kernels.md bench_kernels
     section "Copy/compute overlap (benchmarks/bench_overlap.py)" overlap.md bench_overlap
-    echo "## CUDA IPC transport (tests/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
+    echo "## CUDA IPC transport (tests/comm/test_ipc_gpu.py, benchmarks/bench_transport.py --device cuda)"
     echo
     echo "- suites under transport=\"ipc\" on cuda:0: $(verdict "$LOGS/ipc_suites.log")"
     grep -E '(FAILED|ERROR) tests/' "$LOGS/ipc_suites.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
@@ -194,11 +194,11 @@ write_report() {
     echo
     echo "## NCCL ordering model and steady-state steps on cuda:0"
     echo
-    echo "- tests/test_nccl_order.py, and torch PR 195760's looped schedule on 4 NCCL ranks: $(verdict "$LOGS/nccl_order.log")"
+    echo "- tests/schedules/test_nccl_order.py, and torch PR 195760's looped schedule on 4 NCCL ranks: $(verdict "$LOGS/nccl_order.log")"
     echo "- steady-state steps (no host synchronisation under set_sync_debug_mode(\"error\"), same messages every step): $(verdict "$LOGS/steady_state_cuda.log")"
     grep -E '(FAILED|ERROR) tests/' "$LOGS/nccl_order.log" "$LOGS/steady_state_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 20
     echo
-    echo "## Pipeline x tensor parallel on cuda:0 (pp=2 x tp=1, tests/test_tensor_parallel.py -m cuda)"
+    echo "## Pipeline x tensor parallel on cuda:0 (pp=2 x tp=1, tests/parallel/test_tensor_parallel.py -m cuda)"
     echo
     echo "- $(verdict "$LOGS/pytest_tp_cuda.log")"
     grep -E '::.* (PASSED|FAILED|ERROR|SKIPPED)' "$LOGS/pytest_tp_cuda.log" 2>/dev/null | sed 's/^/  - /' | head -n 10
@@ -259,7 +259,7 @@ step nccl_probe 120 10 "$PY" tools/nccl_probe.py --timeout 25 "$LOGS/nccl_probe"
 # parametrised by device (tests/conftest.py: rank_device, stage_device), every rank's stages on cuda:0,
 # the default group Gloo + NCCL, each rank an NCCL host of its own (NCCL_HOSTID, comm.launch.spawn), the
 # reference model on the same GPU.
-MP_TESTS=(tests/test_distributed.py tests/test_step_agreement.py tests/test_data_parallel.py)
+MP_TESTS=(tests/stages/test_distributed.py tests/comm/test_step_agreement.py tests/parallel/test_data_parallel.py)
 # under a budget the two test steps get at most 2/5 and 1/4 of it, so the benchmarks after them get a turn;
 # a test that hangs is stopped after 120 s (the next one gets a turn), every pool rank still in its task after
 # 60 s prints its threads' stacks (-s: into the step's log)
@@ -281,15 +281,15 @@ EOF
 fi
 
 # 2b. pipeline x tensor parallel: pp=2 x tp=1 on cuda:0, DTensor activations between stages over NCCL
-step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -s --timeout 120 -p no:cacheprovider tests/test_tensor_parallel.py
+step pytest_tp_cuda "$(share 1 5)" 60 "$PY" -m pytest -m cuda -v -s --timeout 120 -p no:cacheprovider tests/parallel/test_tensor_parallel.py
 
 # 2c. the NCCL ordering model: its CPU tests, then its verdict on PR 195760's schedule against NCCL itself
-step nccl_order 180 25 "$PY" -m pytest -v -s --timeout 120 -p no:cacheprovider tests/test_nccl_order.py \
-  "tests/test_steady_state.py::test_the_ordering_models_hang_case_trains_under_the_runtimes_choices[cuda-nccl]"
+step nccl_order 180 25 "$PY" -m pytest -v -s --timeout 120 -p no:cacheprovider tests/schedules/test_nccl_order.py \
+  "tests/runtime/test_steady_state.py::test_the_ordering_models_hang_case_trains_under_the_runtimes_choices[cuda-nccl]"
 
 # 2d. steady-state steps on cuda:0 over NCCL: no host synchronisation, the same messages every step
 step steady_state_cuda 180 30 "$PY" -m pytest -m cuda -k steady_step -v -s --timeout 120 -p no:cacheprovider \
-  tests/test_steady_state.py
+  tests/runtime/test_steady_state.py
 
 # 3. single-process CUDA tests (the multi-process ones ran in step 2); -v: a run cut short by the budget still
 # names each result it got to
@@ -319,7 +319,7 @@ EOF
 fi
 
 # 4. the CUDA IPC transport: its multi-process suites on cuda:0
-step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_transport.py -v -s --timeout 60 -p no:cacheprovider \
+step ipc_suites "$(share 1 4)" 90 "$PY" -m pytest tests/comm/test_ipc_gpu.py tests/comm/test_ipc_transport.py -v -s --timeout 60 -p no:cacheprovider \
   --junitxml="$LOGS/ipc_suites.xml"
 
 # 5. 2-rank 1F1B, ours vs torch over NCCL, in the same processes
@@ -358,7 +358,7 @@ step bench_overlap 900 45 "$PY" benchmarks/bench_overlap.py "${overlap_args[@]}"
 # Every kernel and copy of ours runs under it: ops on CUDA, the copy streams, and
 # a few Pipe schedules (each Pipe case runs the same kernels; the tools slow
 # torch's own kernels tenfold, so not all 48).
-SAN_TESTS=(tests/test_ops.py tests/test_channels.py tests/test_cuda_paths.py -m cuda -q -p no:cacheprovider -x
+SAN_TESTS=(tests/runtime/test_ops.py tests/comm/test_channels.py tests/comm/test_cuda_paths.py -m cuda -q -p no:cacheprovider -x
            -k "test_ops or test_channels or connected or dist_channel or (split_between and (1f1b or zbv)) or (matches_unsplit and (1f1b-except_last-fp32 or zb_h1-always-fp32 or zbv-never-fp32)) or (dropout and zb_h1)")
 if [ "$DRY" = 1 ] || command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do

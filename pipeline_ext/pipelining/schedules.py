@@ -184,7 +184,7 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
         # the executor posts up to ``recv_window`` (4) of the following receives ahead, in that order, and waits
         # on each at its RECV, right before use. The switch would change only when a receive is posted, never
         # what arrives, so it is accepted, checked to be a bool, kept as ``self.defer_pp_recv``, and the step is
-        # the same bit for bit (tests/test_torch_parity.py). docs/parity.md says so for users.
+        # the same bit for bit (tests/stages/test_torch_parity.py). docs/parity.md says so for users.
         if not isinstance(defer_pp_recv, bool):
             raise TypeError(f"defer_pp_recv must be a bool, got {type(defer_pp_recv).__name__}")
         #: torch's switch, accepted; the receives are already placed next to their use ([Note: defer_pp_recv])

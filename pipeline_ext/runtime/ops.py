@@ -341,7 +341,7 @@ def unpack(buffer: torch.Tensor, layout: PackLayout) -> List[torch.Tensor]:
 
 # ---------------------------------------------------------------- fake kernels
 # What each op returns, computed from metadata only (FakeTensor, torch.compile,
-# export). tests/test_custom_ops.py checks them against the real kernels.
+# export). tests/runtime/test_custom_ops.py checks them against the real kernels.
 
 
 def _wrap_dim(op: str, dim: int, ndim: int) -> int:

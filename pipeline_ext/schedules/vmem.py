@@ -197,7 +197,7 @@ def _list_schedule(p: int, m: int, limit: int, reserve: int, order, sequences: O
     starts when its rank is free and its input (or gradient) has arrived, the
     rule by which :func:`.simulate` replays a schedule, so the times here are
     the simulated ones and the variants need no replay
-    (``tests/test_schedules_builtin.py`` compares the two).
+    (``tests/schedules/test_schedules_builtin.py`` compares the two).
     """
     placement = v_placement(p)
     n_stages = 2 * p
