@@ -27,10 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_utils import no_complaints
-from test_tensor_parallel import D, H, M, ROWS, SEQ, _fresh_dtensor_caches, _full, _loss
 from models import TOL
-
-STEPS = 2
+from tp_case import (D, H, SEQ, STEPS, batch, grad_mismatches, loss_mismatch, param_mismatches, pp_tp_mesh,
+                     rank_copies, replicas_mean, schedule, sgd_pair, split_fallbacks, stages_on_rank, unsplit_loss)
 
 
 class NormBlock(nn.Module):
@@ -87,72 +86,42 @@ def _replicas_disagree(where: str, s: int, pn: str, grad: torch.Tensor, tp) -> l
 
 
 def _train(rank: int, world: int, residual: bool, names: list[str]) -> list[str]:
-    import pipeline_ext as pe
-    from pipeline_ext import schedules as S
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    _fresh_dtensor_caches()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = pp_tp_mesh()
     tp, pp = mesh["tp"], mesh["pp"]
     bad: list[str] = []
     for name in names:
-        plan = S.build(name, 2, M)
-        ns = plan.num_stages
-        mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+        ns, mine = stages_on_rank(name, pp)
         torch.manual_seed(0)
         ref = [NormStage(residual) for _ in range(ns)]
         for m in ref:  # away from LayerNorm's ones and zeros, so a wrong weight gradient shows everywhere
             with torch.no_grad():
                 for blk in m.blocks:
                     blk.norm.weight.uniform_(0.5, 1.5), blk.norm.bias.uniform_(-0.5, 0.5)
-        modules = {}
-        for s in mine:
-            modules[s] = NormStage(residual)
-            modules[s].load_state_dict(ref[s].state_dict())
-            modules[s] = _parallelize(modules[s], tp)
-        stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
-        sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
-                                            timeout=120.0)
-        opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
-        ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+        modules = rank_copies(ref, mine, lambda s: NormStage(residual))
+        modules = {s: _parallelize(m, tp) for s, m in modules.items()}
+        stages, sched = schedule(name, modules, mine, ns, pp)
+        opt, ref_opt = sgd_pair(mine, modules, ref)
         for step in range(STEPS):
             where = f"residual={residual} {name} rank {rank} step {step}"
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(ROWS, SEQ, D, generator=g), torch.randn(ROWS, SEQ, D, generator=g)
+            x, y = batch(step)
             xs, ys = (distribute_tensor(t, tp, [Replicate()]) for t in (x, y))
             losses: list = []
             sched.step(*((xs,) if 0 in mine else ()), target=ys if ns - 1 in mine else None, losses=losses)
-            out = x
-            for m in ref:
-                out = m(out)
-            ref_loss = _loss(out, y)
-            ref_loss.backward()
+            _, ref_loss = unsplit_loss(ref, x, y)
             if ns - 1 in mine:
-                got = torch.stack([_full(v) for v in losses]).mean()
-                if not torch.allclose(got, ref_loss.detach(), **TOL):
-                    bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
-            for s in mine:
-                for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                    if p.grad is None:
-                        bad.append(f"{where}: stage {s} {pn} has no grad")
-                        continue
-                    if _replicated(p):
+                bad += loss_mismatch(where, replicas_mean(losses), ref_loss)
+            for s in mine:  # a Replicate gradient the same on every tp rank (in the same order there: a collective)
+                for pn, p in modules[s].named_parameters():
+                    if p.grad is not None and _replicated(p):
                         bad += _replicas_disagree(where, s, pn, p.grad, tp)
-                    if not torch.allclose(_full(p.grad), q.grad, **TOL):
-                        bad.append(f"{where}: stage {s} {pn} grad differs "
-                                   f"(max err {(_full(p.grad) - q.grad).abs().max():.3g})")
+            bad += grad_mismatches(where, mine, modules, ref)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
-            for s in mine:
-                for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                    if not torch.allclose(_full(p), q.detach(), **TOL):
-                        bad.append(f"{where}: stage {s} {pn} differs after the step "
-                                   f"(max err {(_full(p) - q.detach()).abs().max():.3g})")
-        for st in stages:  # the split held (no silent fallback to the whole backward at I)
-            if st._runner.split_seen and st._runner.split_fallback is not None:
-                bad.append(f"residual={residual} {name} rank {rank}: stage {st.stage_index}'s I ran the whole "
-                           f"backward: {st._runner.split_fallback}")
+            bad += param_mismatches(where, mine, modules, ref)
+        # the split held (no silent fallback to the whole backward at I)
+        bad += split_fallbacks(f"residual={residual} {name} rank {rank}", stages)
         dist.barrier()
     return bad
 

@@ -5,8 +5,10 @@ tensor-parallel with ``parallelize_module`` (w1 colwise, w2 rowwise), as a
 torchtitan user writes it. What crosses stages is a plain tensor (the blocks
 return local outputs), a Replicate DTensor (``use_local_output=False``) or a
 sequence-parallel ``Shard(1)`` DTensor. Several SGD steps; the loss and every
-full gradient are compared with the unsplit model's at every step.
-See [Note: DTensors between stages] in pipeline_ext/runtime/dtensor_wire.py.
+full gradient are compared with the unsplit model's at every step. The model,
+the mesh and the comparisons are tp_case.py's, shared with the other pp x tp
+files here. See [Note: DTensors between stages] in
+pipeline_ext/runtime/dtensor_wire.py.
 """
 from __future__ import annotations
 
@@ -16,79 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_utils import TEST_DEVICE_ENV, device_under_test, no_complaints, run_ranks
-from mp_utils import forget_dtensor_caches as _fresh_dtensor_caches
 from pipeline_ext.comm.transport import TRANSPORT_ENV
 from models import GPU_TOL, TOL
-
-D, H, SEQ, ROWS, M, STEPS = 8, 16, 4, 8, 4, 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x):
-        return self.w2(torch.relu(self.w1(x)))
-
-
-class Stage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(Block(), Block())
-
-    def forward(self, x):
-        return self.blocks(x)
-
-
-def _loss(out, y):
-    # mse_loss(reduction="mean") of two Shard(0) DTensors has twice the gradient in torch 2.13 (its own
-    # loss.backward(), no pipeline); the same loss written out is exact on plain tensors and DTensors alike
-    return ((out - y) ** 2).mean()
-
-
-def _placement(name: str):
-    from torch.distributed.tensor import Replicate, Shard
-
-    return {"replicate": Replicate(), "shard0": Shard(0), "shard1": Shard(1)}[name]
-
-
-def _parallelize(stage: nn.Module, index: int, num_stages: int, case: str, tp, last_out: str = "") -> nn.Module:
-    """w1 colwise, w2 rowwise; between stages: ``case`` (the last block of the last stage returns a plain tensor,
-    or with ``last_out`` a DTensor of that placement)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {}
-    for b in range(2):
-        first, last = index == 0 and b == 0, index == num_stages - 1 and b == 1
-        if case == "local" or last:
-            plan[f"blocks.{b}.w1"], plan[f"blocks.{b}.w2"] = ColwiseParallel(), RowwiseParallel()
-        elif case == "replicate":
-            plan[f"blocks.{b}.w1"] = ColwiseParallel()
-            plan[f"blocks.{b}.w2"] = RowwiseParallel(use_local_output=False)
-        else:  # sequence parallel: activations sharded on the sequence dim between the blocks and the stages
-            plan[f"blocks.{b}.w1"] = ColwiseParallel(input_layouts=Replicate() if first else Shard(1))
-            plan[f"blocks.{b}.w2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        if last and case == "sequence":
-            plan[f"blocks.{b}.w1"] = ColwiseParallel(input_layouts=Shard(1))
-    if last_out and index == num_stages - 1:
-        plan["blocks.1.w2"] = RowwiseParallel(output_layouts=_placement(last_out), use_local_output=False)
-    return parallelize_module(stage, tp, plan)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-
-
-def _replicas_mean(losses: list, mesh, dp: int) -> torch.Tensor:
-    """The step's mean loss over its microbatches, and over the ``dp`` FSDP replicas (``mesh["dp_shard"]``):
-    with equal rows per replica, the whole batch's mean is the replicas' mean."""
-    got = torch.stack([_full(v) for v in losses]).mean()
-    if dp > 1:
-        dist.all_reduce(got, group=mesh["dp_shard"].get_group())
-        got /= dp
-    return got
+from tp_case import (D, M, ROWS, SEQ, STEPS, Block, Stage, batch, first_step_error, full, grad_mismatches,
+                     loss_mismatch, mse, param_mismatches, parallelize, placement, pp_tp_mesh, replicas_mean, schedule,
+                     sgd_pair, split_fallbacks, stages_on_rank, unsplit_loss)
 
 
 def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1) -> list[str]:
@@ -97,30 +31,20 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
     replicas, each stepping on its own rows of the batch as torchtitan feeds them; the full gradients after
     FSDP's reduce-scatter and the loss averaged over the replicas are compared with the unsplit model on the
     whole batch."""
-    import pipeline_ext as pe
-    from pipeline_ext import schedules as S
-    from torch.distributed.device_mesh import init_device_mesh
-
-    _fresh_dtensor_caches()
     dev = device_under_test()  # cuda: every rank on cuda:0 over NCCL, tp = world // 2 (1 on one GPU)
     tol = TOL if dev.type == "cpu" else GPU_TOL
     fsdp = mesh_kw == "fsdp"  # FSDP2 as the third dim, composed as torchtitan does: TP, then fully_shard
-    if fsdp:
-        mesh = init_device_mesh(dev.type, (2, dp, world // (2 * dp)), mesh_dim_names=("pp", "dp_shard", "tp"))
-    else:
-        mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("pp", "tp"))
+    mesh = pp_tp_mesh(world, dp if fsdp else 0, dev.type)
     tp, pp = mesh["tp"], mesh["pp"]
     bad: list[str] = []
     for name in names:
-        plan = S.build(name, 2, M)
-        ns = plan.num_stages
-        mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+        ns, mine = stages_on_rank(name, pp)
         torch.manual_seed(0)
         ref = [Stage().to(dev) for _ in range(ns)]
         torch.manual_seed(0)
         modules = {s: m.to(dev) for s, m in enumerate(Stage() for _ in range(ns)) if s in mine}
         for s in mine:
-            modules[s] = _parallelize(modules[s], s, ns, case, tp, given)
+            modules[s] = parallelize(modules[s], s, ns, case, tp, given)
             if fsdp:
                 from torch.distributed.fsdp import fully_shard
 
@@ -137,16 +61,12 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
                                            get_mesh=lambda names, layout: mesh[names]) for s in mine]
             cls = tp_lib.schedules.get_schedule_class(lookup[name])
             sched = cls(stages if issubclass(cls, tp_lib.schedules.PipelineScheduleMulti) else stages[0], M,
-                        loss_fn=_loss, scale_grads=True)
+                        loss_fn=mse, scale_grads=True)
         else:
-            stages = [pe.PipelineStage(modules[s], s, ns, dev, group=pp, **extra) for s in mine]
-            sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss,
-                                                timeout=120.0)
-        opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
-        ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+            stages, sched = schedule(name, modules, mine, ns, pp, dev, **extra)
+        opt, ref_opt = sgd_pair(mine, modules, ref)
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(step)
-            x, y = (torch.randn(ROWS, SEQ, D, generator=g).to(dev) for _ in range(2))
+            x, y = (t.to(dev) for t in batch(step))
             opt.zero_grad()
             losses: list = []
             xs, ys = x, y
@@ -156,34 +76,21 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             if given:
                 from torch.distributed.tensor import distribute_tensor
 
-                xs, ys = (distribute_tensor(t, tp, [_placement(given)]) for t in (x, y))
+                xs, ys = (distribute_tensor(t, tp, [placement(given)]) for t in (x, y))
             merged = sched.step(*((xs,) if 0 in mine else ()), target=ys if ns - 1 in mine else None,
                                 losses=losses)
             ref_opt.zero_grad()
-            out = x
-            for m in ref:
-                out = m(out)
-            ref_loss = _loss(out, y)
-            ref_loss.backward()
+            out, ref_loss = unsplit_loss(ref, x, y)
             where = f"{case} {name} rank {rank} step {step}"
             if ns - 1 in mine:
-                if given and not torch.allclose(_full(merged), out.detach(), **tol):
+                if given and not torch.allclose(full(merged), out.detach(), **tol):
                     bad.append(f"{where}: the merged output differs from the unsplit model's")
-                got = _replicas_mean(losses, mesh, dp if fsdp else 1)
-                if not torch.allclose(got, ref_loss.detach(), **tol):
-                    bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
-            for s in mine:
-                for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **tol):
-                        err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
-                        bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})"
-                                   + ("" if p.grad is None else f" ratio {(_full(p.grad) / q.grad).flatten()[:3].tolist()}"))
+                bad += loss_mismatch(where, replicas_mean(losses, mesh, dp if fsdp else 1), ref_loss, tol)
+            bad += grad_mismatches(where, mine, modules, ref, tol, ratio=True)
             opt.step()
             ref_opt.step()
-        for st in stages if mesh_kw != "torch" else ():  # the I/W split held: W ran over the DTensor params
-            if st._runner.split_seen and st._runner.split_fallback is not None:
-                bad.append(f"{case} {name} rank {rank}: stage {st.stage_index}'s I ran the whole backward: "
-                           f"{st._runner.split_fallback}")
+        if mesh_kw != "torch":  # the I/W split held: W ran over the DTensor params
+            bad += split_fallbacks(f"{case} {name} rank {rank}", stages)
         dist.barrier()
     return bad
 
@@ -232,26 +139,18 @@ def _mismatch(rank: int, world: int, kind: str) -> str:
     import pipeline_ext as pe
     from torch.distributed.device_mesh import init_device_mesh
 
-    _fresh_dtensor_caches()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = pp_tp_mesh()
     other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "tp"))["tp"]  # a "tp" of shape (1,)
     tp, pp = mesh["tp"], mesh["pp"]
     index = pp.get_local_rank()
     torch.manual_seed(0)
     if index == 0:
-        module, extra = _parallelize(Stage(), 0, 2, "replicate", tp), {}
+        module, extra = parallelize(Stage(), 0, 2, "replicate", tp), {}
     elif kind == "mesh_shape":
         module, extra = Stage(), {"mesh": other}
     else:  # a plain tensor declared where a Replicate DTensor arrives
-        module, extra = _parallelize(Stage(), 1, 2, "replicate", tp), {"input_args": torch.empty(ROWS // M, SEQ, D)}
-    stage = pe.PipelineStage(module, index, 2, "cpu", group=pp, **extra)
-    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=60.0)
-    x, y = torch.randn(ROWS, SEQ, D), torch.randn(ROWS, SEQ, D)
-    try:
-        sched.step(x) if index == 0 else sched.step(target=y)
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        module, extra = parallelize(Stage(), 1, 2, "replicate", tp), {"input_args": torch.empty(ROWS // M, SEQ, D)}
+    return first_step_error(pe.PipelineStage(module, index, 2, "cpu", group=pp, **extra))
 
 
 @pytest.mark.timeout(300)
@@ -318,21 +217,15 @@ def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
     """The user's loop with ``pe.tie_parameters`` over a TP-sharded embedding and head (FSDP over ``dp`` replicas
     when ``dp``): the tied gradient is the sum of both uses' DTensor gradients, the copies stay equal."""
     import pipeline_ext as pe
-    from pipeline_ext import schedules as S
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    _fresh_dtensor_caches()
-    mesh = init_device_mesh("cpu", (2, max(dp, 1), world // (2 * max(dp, 1))), mesh_dim_names=("pp", "dp_shard", "tp"))
+    mesh = pp_tp_mesh(world, max(dp, 1))
     tp, pp = mesh["tp"], mesh["pp"]
-    tol = TOL
     bad: list[str] = []
     for name in names:
-        plan = S.build(name, 2, M)
-        ns = plan.num_stages
-        mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+        ns, mine = stages_on_rank(name, pp)
         torch.manual_seed(0)
         ref = [TiedStage(s == 0, s == ns - 1) for s in range(ns)]
         ref[-1].head.weight = ref[0].embed.weight  # the unsplit model: one weight, both uses
@@ -348,11 +241,9 @@ def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
             modules[s] = parallelize_module(m, tp, tp_plan)
             if dp:
                 fully_shard(modules[s], mesh=mesh["dp_shard"])
-        stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
-        sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss, timeout=120.0)
+        _, sched = schedule(name, modules, mine, ns, pp)
         tied = pe.tie_parameters(sched, {"embed": {0: "embed.weight", ns - 1: "head.weight"}})
-        opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=0.1)
-        ref_opt = torch.optim.SGD(nn.ModuleList(ref).parameters(), lr=0.1)  # the tied weight once
+        opt, ref_opt = sgd_pair(mine, modules, ref)  # the unsplit model's tied weight once
         rows = ROWS // max(dp, 1)
         lo = mesh["dp_shard"].get_local_rank() * rows
         for step in range(STEPS):
@@ -363,30 +254,17 @@ def _train_tied(rank: int, world: int, names: list[str], dp: int) -> list[str]:
             sched.step(*((x[lo:lo + rows],) if 0 in mine else ()), target=y[lo:lo + rows] if ns - 1 in mine else None,
                        losses=losses)
             ref_opt.zero_grad()
-            out = x
-            for m in ref:
-                out = m(out)
-            ref_loss = _loss(out, y)
-            ref_loss.backward()
+            _, ref_loss = unsplit_loss(ref, x, y)
             where = f"tied {name} dp {dp} rank {rank} step {step}"
             if ns - 1 in mine:
-                got = _replicas_mean(losses, mesh, dp)
-                if not torch.allclose(got, ref_loss.detach(), **tol):
-                    bad.append(f"{where}: loss {got.item()} != {ref_loss.item()}")
-            for s in mine:
-                for pn, p in modules[s].named_parameters():
-                    q = ref[s].get_parameter(pn)
-                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **tol):
-                        err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
-                        bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})")
+                bad += loss_mismatch(where, replicas_mean(losses, mesh, dp), ref_loss)
+            bad += grad_mismatches(where, mine, modules, ref)
             opt.step()
             ref_opt.step()
             if tied.max_difference() != 0.0:
                 bad.append(f"{where}: the tied copies differ by {tied.max_difference()} after the step")
-        for s in mine:  # the parameters after the steps, the tied ones on both ends
-            for pn, p in modules[s].named_parameters():
-                if not torch.allclose(_full(p), ref[s].get_parameter(pn).detach(), **tol):
-                    bad.append(f"tied {name} dp {dp} rank {rank}: stage {s} {pn} differs after {STEPS} steps")
+        # the parameters after the last step, the tied ones on both ends
+        bad += param_mismatches(f"tied {name} dp {dp} rank {rank} step {STEPS - 1}", mine, modules, ref)
         dist.barrier()
     return bad
 
@@ -410,12 +288,10 @@ def test_tied_embedding_and_head_over_pp_x_fsdp_x_tp_2x2x2_match_the_unsplit_mod
 
 def _tie_mismatched_placements(rank: int, world: int) -> str:
     import pipeline_ext as pe
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    _fresh_dtensor_caches()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = pp_tp_mesh()
     index = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
     if index == 0:  # a TP embedding: Shard(0), local (V/2, D)
@@ -424,7 +300,7 @@ def _tie_mismatched_placements(rank: int, world: int) -> str:
     else:  # a plain head whose weight happens to have the shard's shape
         module = TiedStage(False, False)
         module.head = nn.Linear(D, V // 2, bias=False)
-    sched = pe.Schedule1F1B(pe.PipelineStage(module, index, 2, "cpu", group=mesh["pp"]), M, loss_fn=_loss)
+    sched = pe.Schedule1F1B(pe.PipelineStage(module, index, 2, "cpu", group=mesh["pp"]), M, loss_fn=mse)
     try:
         pe.tie_parameters(sched, {"embed": {0: "embed.weight", 1: "head.weight"}})
     except ValueError as exc:

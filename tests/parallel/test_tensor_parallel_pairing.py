@@ -1,6 +1,6 @@
 """Pipeline x tensor parallel: what is paired with what, in rows and in ranks, against the unsplit model.
 
-The set-up of tests/parallel/test_tensor_parallel.py (4 Gloo CPU ranks, mesh (pp=2,
+The set-up of tests/parallel/tp_case.py (4 Gloo CPU ranks, mesh (pp=2,
 tp=2), two MLP blocks per stage made tensor-parallel with
 ``parallelize_module``), in the user's loop.
 
@@ -24,11 +24,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from mp_utils import no_complaints, rank_values
-from test_tensor_parallel import D, M, SEQ, Stage, _full, _loss, _parallelize, _placement
-from test_tensor_parallel_training import TOL, _compare_grads, _mesh
+from models import TOL
+from tp_case import (D, M, SEQ, Stage, first_step_error, full, grad_mismatches, loss_mismatch, parallelize, placement,
+                     pp_tp_mesh, rank_copies, schedule, sgd_pair, stages_on_rank, unsplit_loss)
 
 
 class ShiftStage(Stage):
@@ -64,25 +64,15 @@ FORMS = {
 
 def _build(mesh, name: str, last_out: str, gather: bool):
     """(stages on this rank, {stage: TP module}, the unsplit model, schedule, optimizer, the unsplit model's)."""
-    import pipeline_ext as pe
-    from pipeline_ext import schedules as S
-
     tp, pp = mesh["tp"], mesh["pp"]
-    plan = S.build(name, 2, M)
-    ns = plan.num_stages
-    mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+    ns, mine = stages_on_rank(name, pp)
     torch.manual_seed(0)
     ref = [ShiftStage() for _ in range(ns)]
-    modules = {}
+    modules = rank_copies(ref, mine, lambda s: ShiftStage(gather, adds_shift=s == 0))
     for s in mine:
-        modules[s] = ShiftStage(gather, adds_shift=s == 0)
-        modules[s].load_state_dict(ref[s].state_dict())
-        modules[s] = _parallelize(modules[s], s, ns, "replicate", tp, last_out)
-    stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
-    sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss, timeout=120.0)
-    opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
-    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
-    return mine, modules, ref, sched, opt, ref_opt
+        modules[s] = parallelize(modules[s], s, ns, "replicate", tp, last_out)
+    _, sched = schedule(name, modules, mine, ns, pp)
+    return (mine, modules, ref, sched, *sgd_pair(mine, modules, ref))
 
 
 def _rows_in_order(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[str]:
@@ -92,11 +82,11 @@ def _rows_in_order(rank: int, world: int, cases: list[tuple[str, str, int]]) -> 
 
     from pipeline_ext.runtime.ops import even_sizes
 
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     bad: list[str] = []
 
     def put(t: torch.Tensor, given) -> torch.Tensor:
-        return distribute_tensor(t, mesh["tp"], [_placement(given)]) if given else t
+        return distribute_tensor(t, mesh["tp"], [placement(given)]) if given else t
 
     for name, form, rows in cases:
         x_as, shift_as, y_as, out_as = FORMS[form]
@@ -112,14 +102,9 @@ def _rows_in_order(rank: int, world: int, cases: list[tuple[str, str, int]]) -> 
             losses: list = []
             run = sched.eval if kind == "eval" else sched.step
             out = run(*args, target=put(y, y_as) if last else None, losses=losses, **kwargs)
-            want = ref[0](x + shift if shift_as is not None else x)
-            for m in ref[1:]:
-                want = m(want)
-            ref_loss = _loss(want, y)
-            if kind == "step":
-                ref_loss.backward()
+            want, ref_loss = unsplit_loss(ref, x + shift if shift_as is not None else x, y, backward=kind == "step")
             if last:
-                got = _full(out)
+                got = full(out)
                 if tuple(got.shape) != tuple(want.shape):
                     bad.append(f"{where}: merged output of shape {tuple(got.shape)}, the unsplit model's "
                                f"{tuple(want.shape)}")
@@ -130,11 +115,9 @@ def _rows_in_order(rank: int, world: int, cases: list[tuple[str, str, int]]) -> 
                                  if torch.allclose(got[i], want[j].detach(), **TOL)}
                         bad.append(f"{where}: merged output rows {wrong} differ from the unsplit model's (equal to "
                                    f"its rows {moved})")
-                loss = (torch.stack([_full(v) for v in losses]) * share).sum()
-                if not torch.allclose(loss, ref_loss.detach(), **TOL):
-                    bad.append(f"{where}: loss {loss.item():.6f} != the unsplit model's {ref_loss.item():.6f}")
+                bad += loss_mismatch(where, (torch.stack([full(v) for v in losses]) * share).sum(), ref_loss)
             if kind == "step":
-                bad += _compare_grads(where, mine, modules, ref)
+                bad += grad_mismatches(where, mine, modules, ref)
                 opt.step(), ref_opt.step()
                 opt.zero_grad(), ref_opt.zero_grad()
             elif any(p.grad is not None for s in mine for p in modules[s].parameters()):
@@ -163,19 +146,12 @@ def _crossed(rank: int, world: int) -> str:
     feeds stage 1's tp rank 1 and the other way round; sequence-parallel Shard(1) activations between them."""
     import pipeline_ext as pe
 
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     groups = {r: g for ranks in ((0, 3), (1, 2)) for g in [dist.new_group(list(ranks))] for r in ranks}
     index = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
-    module = _parallelize(Stage(), index, 2, "sequence", mesh["tp"])
-    stage = pe.PipelineStage(module, index, 2, "cpu", group=groups[rank])
-    sched = pe.Schedule1F1B(stage, M, loss_fn=_loss, timeout=60.0)
-    x, y = torch.randn(8, SEQ, D), torch.randn(8, SEQ, D)
-    try:
-        sched.step(x) if index == 0 else sched.step(target=y)
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    module = parallelize(Stage(), index, 2, "sequence", mesh["tp"])
+    return first_step_error(pe.PipelineStage(module, index, 2, "cpu", group=groups[rank]))
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """Pipeline x tensor parallel in the training loop: eval, step_microbatches, clip_grad_norm_ and DCP checkpoints.
 
-The set-up of tests/parallel/test_tensor_parallel.py (4 Gloo CPU ranks, mesh (pp=2, tp=2),
+The set-up of tests/parallel/tp_case.py (4 Gloo CPU ranks, mesh (pp=2, tp=2),
 two MLP blocks per stage made tensor-parallel with ``parallelize_module``,
 Replicate or sequence-parallel ``Shard(1)`` DTensors between the stages), used
 the way a torchtitan user trains: validation passes between the steps,
@@ -21,17 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_utils import no_complaints, rank_values
-from test_tensor_parallel import D, M, ROWS, SEQ, Stage, _fresh_dtensor_caches, _full, _loss, _parallelize, _placement
-from models import TOL
+from models import TOL, run_stages
+from tp_case import (D, M, ROWS, Stage, batch, full, grad_mismatches, loss_mismatch, mse, param_mismatches, parallelize,
+                     placement, pp_tp_mesh, rank_copies, replicas_mean, schedule, sgd_pair, stages_on_rank,
+                     unsplit_loss)
 
 CLIP = 0.05  # below every step's total norm here: the clip scales every gradient
-
-
-def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    _fresh_dtensor_caches()
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
 
 
 class NormStage(Stage):
@@ -59,65 +54,24 @@ def _pipeline(mesh, name: str, case: str, seed: int = 0, last_out: str = ""):
     ``seed``; ``last_out``: the last stage returns a DTensor of that placement (else a plain tensor)."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    import pipeline_ext as pe
-    from pipeline_ext import schedules as S
-
     tp, pp = mesh["tp"], mesh["pp"]
-    plan = S.build(name, 2, M)
-    ns = plan.num_stages
-    mine = [s for s, r in enumerate(plan.stage_to_rank) if r == pp.get_local_rank()]
+    ns, mine = stages_on_rank(name, pp)
     torch.manual_seed(seed)
     ref, copies = _stages(ns, case), _stages(ns, case)
-    modules = {s: copies[s] for s in mine}
+    modules = rank_copies(ref, mine, copies.__getitem__)
     for s in mine:
-        modules[s].load_state_dict(ref[s].state_dict())
-        modules[s] = _parallelize(modules[s], s, ns, case.replace("_norm", ""), tp, last_out)
+        modules[s] = parallelize(modules[s], s, ns, case.replace("_norm", ""), tp, last_out)
         if isinstance(modules[s], NormStage) and case == "sequence_norm":
             parallelize_module(modules[s], tp, {"norm": SequenceParallel()})
-    stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=pp) for s in mine]
-    sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=_loss, timeout=120.0)
-    opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.1)
-    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
-    return mine, modules, ref, sched, opt, ref_opt
+    _, sched = schedule(name, modules, mine, ns, pp)
+    return (mine, modules, ref, sched, *sgd_pair(mine, modules, ref))
 
 
 def _put(mesh, given: str):
     """The caller's tensors as DTensors of placement ``given`` on the tp mesh (as they are when ``given`` is "")."""
     from torch.distributed.tensor import distribute_tensor
 
-    return (lambda t: distribute_tensor(t, mesh["tp"], [_placement(given)])) if given else (lambda t: t)
-
-
-def _unsplit(ref, x: torch.Tensor) -> torch.Tensor:
-    for m in ref:
-        x = m(x)
-    return x
-
-
-def _batch(step: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(ROWS, seq, D, generator=g), torch.randn(ROWS, seq, D, generator=g)
-
-
-def _compare_grads(where: str, mine, modules, ref) -> list[str]:
-    bad = []
-    for s in mine:
-        for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-            if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **TOL):
-                err = "none" if p.grad is None else f"{(_full(p.grad) - q.grad).abs().max():.3g}"
-                bad.append(f"{where}: stage {s} {pn} grad differs (max err {err})")
-    return bad
-
-
-def _compare_params(where: str, mine, modules, ref, exact: bool = False) -> list[str]:
-    bad = []
-    for s in mine:
-        for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-            same = torch.equal(_full(p), q.detach()) if exact else torch.allclose(_full(p), q.detach(), **TOL)
-            if not same:
-                bad.append(f"{where}: stage {s} {pn} differs after the step "
-                           f"(max err {(_full(p) - q.detach()).abs().max():.3g})")
-    return bad
+    return (lambda t: distribute_tensor(t, mesh["tp"], [placement(given)])) if given else (lambda t: t)
 
 
 # -- 1. eval between training steps ------------------------------------------------------------------------
@@ -125,7 +79,7 @@ def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str, str]]
     """A validate-then-train loop: eval (with a target: losses, no gradients), step, eval, step; DTensor
     activations cross the stages in both the forward-only and the training schedule. ``given``: the batch's
     inputs, targets and the last stage's outputs are DTensors of that placement (else plain tensors)."""
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     bad: list[str] = []
     for name, case, given in cases:
         mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case, last_out=given)
@@ -133,28 +87,25 @@ def _eval_between_steps(rank: int, world: int, cases: list[tuple[str, str, str]]
         last = sched.has_last_stage
         for step in range(2):
             where = f"{case} {name} given={given} rank {rank} step {step}"
-            x, y = _batch(10 + step)
+            x, y = batch(10 + step)
             losses: list = []
             out = sched.eval(*((put(x),) if sched.has_first_stage else ()), target=put(y) if last else None,
                              losses=losses)
             with torch.no_grad():
-                want = _unsplit(ref, x)
+                want = run_stages(ref, x)
             if last:
-                if not torch.allclose(_full(out), want, **TOL):
-                    bad.append(f"{where}: eval output differs (max err {(_full(out) - want).abs().max():.3g})")
-                got = torch.stack([_full(v) for v in losses]).mean()
-                if not torch.allclose(got, _loss(want, y), **TOL):
-                    bad.append(f"{where}: eval loss {got.item()} != {_loss(want, y).item()}")
+                if not torch.allclose(full(out), want, **TOL):
+                    bad.append(f"{where}: eval output differs (max err {(full(out) - want).abs().max():.3g})")
+                bad += loss_mismatch(where, replicas_mean(losses), mse(want, y), what="eval loss")
             if any(p.grad is not None for s in mine for p in modules[s].parameters()):
                 bad.append(f"{where}: eval produced gradients")
-            x, y = _batch(step)
+            x, y = batch(step)
             losses = []
             sched.step(*((put(x),) if sched.has_first_stage else ()), target=put(y) if last else None, losses=losses)
-            ref_loss = _loss(_unsplit(ref, x), y)
-            ref_loss.backward()
-            if last and not torch.allclose(torch.stack([_full(v) for v in losses]).mean(), ref_loss.detach(), **TOL):
-                bad.append(f"{where}: training loss differs")
-            bad += _compare_grads(where, mine, modules, ref)
+            _, ref_loss = unsplit_loss(ref, x, y)
+            if last:
+                bad += loss_mismatch(where, replicas_mean(losses), ref_loss, what="training loss")
+            bad += grad_mismatches(where, mine, modules, ref)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         dist.barrier()
@@ -176,7 +127,7 @@ LENGTHS = [[4, 6, 5, 3], [5, 3, 6, 4], [2, 7, 4, 8]]
 def _microbatches_of_lengths(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[str]:
     """``given``: each microbatch's input, target and output are DTensors of that placement (else plain
     tensors)."""
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     bad: list[str] = []
     for name, case, given in cases:
         mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case, last_out=given)
@@ -184,33 +135,32 @@ def _microbatches_of_lengths(rank: int, world: int, cases: list[tuple[str, str, 
         first, last = sched.has_first_stage, sched.has_last_stage
         for step, lengths in enumerate(LENGTHS):
             where = f"{case} {name} given={given} rank {rank} step {step}"
-            pairs = [_batch(100 * step + k, seq) for k, seq in enumerate(lengths)]
+            pairs = [batch(100 * step + k, seq) for k, seq in enumerate(lengths)]
             xs, ys = [p[0][: ROWS // M] for p in pairs], [p[1][: ROWS // M] for p in pairs]
             losses: list = []
             outs = sched.step_microbatches([(put(x),) for x in xs] if first else None,
                                            target_mbs=[put(y) for y in ys] if last else None, losses=losses)
             # the unsplit model on the same microbatches, each microbatch's loss weighted by its rows (all equal)
-            want = [_unsplit(ref, x) for x in xs]
-            ref_losses = [_loss(o, y) for o, y in zip(want, ys)]
+            want = [run_stages(ref, x) for x in xs]
+            ref_losses = [mse(o, y) for o, y in zip(want, ys)]
             torch.stack(ref_losses).mean().backward()
             if last:
                 for k, (o, w) in enumerate(zip(outs, want)):
-                    if tuple(o.shape) != tuple(w.shape) or not torch.allclose(_full(o), w.detach(), **TOL):
+                    if tuple(o.shape) != tuple(w.shape) or not torch.allclose(full(o), w.detach(), **TOL):
                         bad.append(f"{where}: microbatch {k}'s output differs")
                 for k, (v, w) in enumerate(zip(losses, ref_losses)):
-                    if not torch.allclose(_full(v), w.detach(), **TOL):
-                        bad.append(f"{where}: microbatch {k}'s loss {_full(v).item()} != {w.item()}")
-            bad += _compare_grads(where, mine, modules, ref)
+                    bad += loss_mismatch(where, full(v), w, what=f"microbatch {k}'s loss")
+            bad += grad_mismatches(where, mine, modules, ref)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
             if step == 0:  # validation between the steps, on the microbatches in another order
                 evals = sched.eval_microbatches([(put(x),) for x in xs[::-1]] if first else None)
                 if last:
                     with torch.no_grad():
-                        want = [_unsplit(ref, x) for x in xs[::-1]]
-                    if not all(torch.allclose(_full(o), w, **TOL) for o, w in zip(evals, want)):
+                        want = [run_stages(ref, x) for x in xs[::-1]]
+                    if not all(torch.allclose(full(o), w, **TOL) for o, w in zip(evals, want)):
                         bad.append(f"{where}: eval_microbatches' outputs differ")
-        bad += _compare_params(f"{case} {name} given={given} rank {rank}", mine, modules, ref)
+        bad += param_mismatches(f"{case} {name} given={given} rank {rank}", mine, modules, ref)
         dist.barrier()
     return bad
 
@@ -225,30 +175,30 @@ def test_step_microbatches_with_dtensors_of_different_sequence_lengths_matches_t
 def _clip(rank: int, world: int, cases: list[tuple[str, str]]) -> list[str]:
     import pipeline_ext as pe
 
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     bad: list[str] = []
     for name, case in cases:
         mine, modules, ref, sched, opt, ref_opt = _pipeline(mesh, name, case)
         for step in range(2):
             where = f"{case} {name} rank {rank} step {step}"
-            x, y = _batch(step)
+            x, y = batch(step)
             sched.step(*((x,) if sched.has_first_stage else ()), target=y if sched.has_last_stage else None)
-            _loss(_unsplit(ref, x), y).backward()
+            unsplit_loss(ref, x, y)
             ref_grads = [p.grad for m in ref for p in m.parameters()]
             for order in (1.0, float("inf")):  # a sum and a max over the TP shards and the stages
-                got = _full(pe.training.total_grad_norm(sched, order))
+                got = full(pe.training.total_grad_norm(sched, order))
                 want = torch.nn.utils.get_total_norm(ref_grads, order)
                 if not torch.allclose(got, want, **TOL):
                     bad.append(f"{where}: total norm of order {order} {got.item()} != the unsplit model's "
                                f"{want.item()}")
             total = pe.clip_grad_norm_(sched, CLIP)
             ref_total = torch.nn.utils.clip_grad_norm_([p for m in ref for p in m.parameters()], CLIP)
-            if not torch.allclose(_full(total), ref_total, **TOL):
-                bad.append(f"{where}: clip total {_full(total).item()} != the unsplit model's {ref_total.item()}")
-            bad += _compare_grads(f"{where} (clipped)", mine, modules, ref)
+            if not torch.allclose(full(total), ref_total, **TOL):
+                bad.append(f"{where}: clip total {full(total).item()} != the unsplit model's {ref_total.item()}")
+            bad += grad_mismatches(f"{where} (clipped)", mine, modules, ref)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
-            bad += _compare_params(where, mine, modules, ref)
+            bad += param_mismatches(where, mine, modules, ref)
         dist.barrier()
     return bad
 
@@ -266,7 +216,7 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
     per case, the full tensors saved (unsplit names, numpy: no shared memory)."""
     import pipeline_ext as pe
 
-    mesh = _mesh()
+    mesh = pp_tp_mesh()
     bad: list[str] = []
     full_saved: dict[str, dict] = {}
     for name, case in cases:
@@ -275,7 +225,7 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
 
         def train(sched, opt, steps) -> None:
             for step in steps:
-                x, y = _batch(step)
+                x, y = batch(step)
                 sched.step(*((x,) if sched.has_first_stage else ()), target=y if sched.has_last_stage else None)
                 opt.step()
                 opt.zero_grad()
@@ -284,7 +234,7 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
         opt = torch.optim.AdamW([p for s in mine for p in modules[s].parameters()], lr=0.05)
         fqn_maps = {s: f"{s}." for s in mine}  # the unsplit model is nn.Sequential(*stages)
         train(sched, opt, range(2))
-        saved = {s: {k: _full(v).clone() for k, v in modules[s].state_dict().items()} for s in mine}
+        saved = {s: {k: full(v).clone() for k, v in modules[s].state_dict().items()} for s in mine}
         pe.save_checkpoint(ckpt, sched, opt, fqn_maps=fqn_maps)
         full_saved[ckpt] = {f"{s}.{k}": v.numpy() for s in mine for k, v in saved[s].items()}
         train(sched, opt, range(2, 4))
@@ -294,14 +244,14 @@ def _save_resume(rank: int, world: int, path: str, cases: list[tuple[str, str]])
         for s in mine:
             for k, v in saved[s].items():
                 got = fresh[s].state_dict()[k]
-                if not torch.equal(_full(got), v) or type(got) is not type(modules[s].state_dict()[k]):
+                if not torch.equal(full(got), v) or type(got) is not type(modules[s].state_dict()[k]):
                     bad.append(f"{where}: stage {s} {k} was not loaded as saved")
         train(sched2, opt2, range(2, 4))
         for s in mine:
             for (k, p), q in zip(modules[s].named_parameters(), fresh[s].parameters()):
-                if not torch.equal(_full(p), _full(q)):
+                if not torch.equal(full(p), full(q)):
                     bad.append(f"{where}: stage {s} {k} after resuming differs from not stopping "
-                               f"(max err {(_full(p) - _full(q)).abs().max():.3g})")
+                               f"(max err {(full(p) - full(q)).abs().max():.3g})")
         # the same stages without tensor parallelism (every tp rank a replica) load it too: DCP reshards
         plain = _stages(len(ref), case)
         plain_stages = [pe.PipelineStage(plain[s], s, len(plain), "cpu", group=mesh["pp"]) for s in mine]
