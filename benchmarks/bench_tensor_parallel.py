@@ -6,7 +6,7 @@ Both libraries run the same modules in the same processes, interleaved repeats; 
 Also timed on one rank: what the DTensor path adds per message (``to_wire`` of a stage's output and
 ``from_wire`` on the receiver, no transport), the part of the layout that plain tensors never pay.
 
-    PYTHONPATH=.:tests python benchmarks/bench_tensor_parallel.py [--steps 10] [--repeats 5] [--case replicate]
+    PYTHONPATH=.:tests:tests/parallel python benchmarks/bench_tensor_parallel.py [--steps 10] [--repeats 5] [--case replicate]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def worker(rank: int, world: int, case: str, steps: int, repeats: int, dim: int)
     from torch.distributed.device_mesh import init_device_mesh
 
     import pipeline_ext as pe
-    import test_tensor_parallel as T
+    import tp_case as T
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
     from pipeline_ext.runtime import dtensor_wire
 
@@ -32,13 +32,13 @@ def worker(rank: int, world: int, case: str, steps: int, repeats: int, dim: int)
     tp, pp = mesh["tp"], mesh["pp"]
     s = pp.get_local_rank()
     torch.manual_seed(0)
-    mod_pe = T._parallelize(T.Stage(), s, 2, case, tp)
+    mod_pe = T.parallelize(T.Stage(), s, 2, case, tp)
     torch.manual_seed(0)
-    mod_t = T._parallelize(T.Stage(), s, 2, case, tp)
-    sched_pe = pe.Schedule1F1B(pe.PipelineStage(mod_pe, s, 2, "cpu", group=pp), m, loss_fn=T._loss)
+    mod_t = T.parallelize(T.Stage(), s, 2, case, tp)
+    sched_pe = pe.Schedule1F1B(pe.PipelineStage(mod_pe, s, 2, "cpu", group=pp), m, loss_fn=T.mse)
     stage_t = tpp.PipelineStage(mod_t, s, 2, torch.device("cpu"), group=pp.get_group(),
                                 get_mesh=lambda names, layout: mesh[names])
-    sched_t = tpp.Schedule1F1B(stage_t, m, loss_fn=T._loss, scale_grads=True)
+    sched_t = tpp.Schedule1F1B(stage_t, m, loss_fn=T.mse, scale_grads=True)
     x, y = torch.randn(rows, seq, dim), torch.randn(rows, seq, dim)
 
     def step(sched) -> None:
