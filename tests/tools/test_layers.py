@@ -16,7 +16,7 @@ import pytest
 from models import ROOT
 
 ROOT = ROOT / "pipeline_ext"
-LAYERS = {"schedules": 0, "skip": 1, "runtime": 2, "comm": 3, "pipelining": 4, "pipe": 4, "training": 5, "demo": 6}
+LAYERS = {"schedules": 0, "skip": 1, "seqchunks": 1, "runtime": 2, "comm": 3, "pipelining": 4, "pipe": 4, "training": 5, "demo": 6}
 #: modules under every layer, importable from any: the compiled core, and the packages' lazy-name helper
 BELOW_ALL = ("_C", "_lazy")
 
