@@ -3,7 +3,8 @@
 A pipeline cuts each microbatch (one long sequence) into K pieces along the
 sequence and runs their forwards in order 0..K-1 and their backwards in
 reverse, K-1..0, on every stage. Piece p's queries attend to the keys and
-values of pieces 0..p. This package is that attention; it imports only torch.
+values of pieces 0..p. This package is that attention; it imports only torch
+(transformers lazily, for the Hugging Face hook).
 
 * ``SequenceCarry`` (``carry.py``) holds, per microbatch per stage and per
   attention layer, each piece's keys and values until that piece's own
@@ -27,6 +28,10 @@ values of pieces 0..p. This package is that attention; it imports only torch.
 * Positions: a piece's rotary positions start at its offset
   (``piece_positions``); rope types whose frequencies follow the longest
   position seen are refused (``check_rope``).
+* Hugging Face (``hf.py``): ``register_hf_attention()`` adds an
+  ``attn_implementation`` that takes the carry from the context
+  (``with carry.active(piece=p, offset=o):``, ``current_carry()``) and the
+  layer id from ``module.layer_idx``.
 
 The pipeline's part, per microbatch per stage::
 
@@ -43,6 +48,8 @@ The pipeline's part, per microbatch per stage::
 from pipeline_ext.seqchunks.attention import chunked_causal_attention
 from pipeline_ext.seqchunks.carry import (DEFAULT_HF_NAME, PiecesNotSupportedError, SequenceCarry, check_rope,
                                           current_carry, piece_positions)
+from pipeline_ext.seqchunks.hf import hf_piece_attention, hf_piece_mask, register_hf_attention
 
 __all__ = ["SequenceCarry", "PiecesNotSupportedError", "chunked_causal_attention", "current_carry",
-           "piece_positions", "check_rope", "DEFAULT_HF_NAME"]
+           "piece_positions", "check_rope", "register_hf_attention", "hf_piece_attention", "hf_piece_mask",
+           "DEFAULT_HF_NAME"]

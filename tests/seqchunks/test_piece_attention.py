@@ -15,10 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    import transformers
+except ImportError:  # the Hugging Face tests skip; the rest runs
+    transformers = None
+
 from pipeline_ext.seqchunks import (PiecesNotSupportedError, SequenceCarry, check_rope, chunked_causal_attention,
-                                    current_carry, piece_positions)
+                                    current_carry, piece_positions, register_hf_attention)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
+needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 SPLITS = [[11], [5, 6], [3, 5, 3], [1, 4, 2, 4]]
 
 
@@ -272,3 +278,96 @@ def test_the_carry_refuses_another_order():
     with pytest.raises(RuntimeError, match="outside"):
         chunked_causal_attention(x, x, x, carry, 0)
 
+
+# ---------------------------------------------------------------- a Hugging Face Llama, register_hf_attention
+
+def _llama(**config):
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **config)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _hf_pieces(model, ids, mask, lengths, mask_mode=None):
+    """The model run piece by piece: per-piece logits, with the loss of labels shifted before the split."""
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, -100)
+    count = (labels != -100).sum()
+    logits = []
+
+    def forward(carry, s, e):
+        m = None if mask is None else (mask[:, s:e] if mask_mode == "piece_slices" else mask)
+        piece_logits = model(input_ids=ids[:, s:e], attention_mask=m, use_cache=False,
+                             position_ids=piece_positions(carry, e - s, ids.device)[None]).logits
+        logits.append(piece_logits)
+        return F.cross_entropy(piece_logits.flatten(0, 1), labels[:, s:e].flatten(), reduction="sum") / count
+
+    losses = run_pieces(lengths, forward, lambda o, s, e: torch.ones_like(o), model)
+    return sum(losses), torch.cat(logits, dim=1), labels, count
+
+
+@needs_hf
+@pytest.mark.parametrize("mask_mode", [None, "whole", "piece_slices"])
+@pytest.mark.parametrize("lengths", [[12], [4, 5, 3]], ids=str)
+def test_hf_llama_pieces_match_the_unsplit_model(lengths, mask_mode):
+    name = register_hf_attention()
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation(name)
+    reference.set_attn_implementation("eager")
+    assert model.config._attn_implementation == name != reference.config._attn_implementation
+    torch.manual_seed(5)
+    ids = torch.randint(0, 64, (2, sum(lengths)))
+    mask = None
+    if mask_mode:
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left padding: its first queries see no key
+        mask[1, -3:] = 0  # right padding
+    loss, logits, labels, count = _hf_pieces(model, ids, mask, lengths, mask_mode)
+
+    want_logits = reference(input_ids=ids, attention_mask=mask).logits
+    want = F.cross_entropy(want_logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+    want.backward()
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(loss, want, **TOL)
+    torch.testing.assert_close(logits[valid], want_logits[valid], **TOL)
+    for (n, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, **TOL, msg=n)
+    # outside a carry the implementation is causal attention over the whole input
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[valid], want_logits[valid], **TOL)
+
+
+@needs_hf
+def test_hf_refuses_what_pieces_cannot_carry():
+    name = register_hf_attention()
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    model = _llama(attention_dropout=0.1).train()
+    model.set_attn_implementation(name)
+    with pytest.raises(PiecesNotSupportedError, match="dropout=0.1"):
+        model(input_ids=ids)
+    model = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model.set_attn_implementation(name)
+    with pytest.raises(PiecesNotSupportedError, match="rope type 'dynamic'"):
+        _hf_pieces(model, ids, None, [3, 3])
+    check_rope(_llama().config)
+    model = _llama()
+    model.set_attn_implementation(name)
+    with pytest.raises(PiecesNotSupportedError, match="packed sequences"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)
+    carry = SequenceCarry(2)
+    with carry.active(0):
+        model(input_ids=ids[:, :3], position_ids=piece_positions(carry, 3)[None])
+    with carry.active(1), pytest.raises(ValueError, match="position_ids starting at 0.*piece_positions"):
+        model(input_ids=ids[:, 3:])  # HF's own positions: arange(3), the sequence's start
+
+
+@needs_hf
+def test_hf_attention_that_ignores_the_carry_is_refused():
+    model = _llama()
+    model.set_attn_implementation("sdpa")
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(PiecesNotSupportedError, match=r"does not carry sequence pieces \(this model's "
+                                                      r"attn_implementation is 'sdpa'\).*register_hf_attention"):
+        _hf_pieces(model, ids, None, [3, 3])
+    _hf_pieces(model, ids, None, [6])  # one piece: nothing to carry
