@@ -11,6 +11,7 @@ from pipeline_ext.schedules.balance import (Balance, LayerCost, balance_stages, 
                                           stage_costs)
 from pipeline_ext.schedules.builtin import available, build, default_stages_per_rank
 from pipeline_ext.schedules.csv_io import dump_csv, from_cells, load_csv
+from pipeline_ext.schedules.fsdp import all_gathers_per_rank, plan_fsdp, strip_fsdp, unshard_counts
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import check_deadlock, forward_only, lower
 from pipeline_ext.schedules.nccl_order import Collectives, IssuePolicy, OrderReport, check_fifo_order, model_order
@@ -29,4 +30,5 @@ __all__ = [
     "to_chrome_trace", "validate",
     "Balance", "LayerCost", "balance_stages", "equal_sizes", "evaluate_split", "split_min_max", "stage_costs",
     "Collectives", "IssuePolicy", "OrderReport", "check_fifo_order", "model_order",
+    "plan_fsdp", "strip_fsdp", "unshard_counts", "all_gathers_per_rank",
 ]

@@ -5,7 +5,7 @@ rendering) and the runtime consume a :class:`Schedule`, so this module is the
 contract between them. It is deliberately tiny and has no dependencies: a
 schedule can be written by hand, stored as text and exchanged with
 ``torch.distributed.pipelining``, which spells actions the same way
-(``2F0``, ``1I3``, ``0SEND_F5``).
+(``2F0``, ``1I3``, ``0SEND_F5``, ``0UNSHARD``).
 
 Text format (see docs/schedules.md)::
 
@@ -49,6 +49,10 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"  #: receive this stage's input from the previous stage's rank
     SEND_B = "SEND_B"  #: send the grad w.r.t. this stage's input to the previous stage's rank
     RECV_B = "RECV_B"  #: receive the grad w.r.t. this stage's output from the next stage's rank
+    UNSHARD = "UNSHARD"  #: start all-gathering this FSDP-sharded stage's parameters (the next compute of it waits)
+    RESHARD = "RESHARD"  #: free this stage's gathered parameters (its unsharded gradients stay)
+    #: reduce-scatter this stage's gradients of the step and free them (once, after its last B/W)
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     def __str__(self) -> str:
         return self.value
@@ -56,9 +60,17 @@ class ActionKind(str, Enum):
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+#: Parameter placement of an FSDP-sharded stage (see :mod:`.fsdp`): neither compute nor pipeline messages. They are
+#: rank-local (the all-gather and reduce-scatter run among the stage's data-parallel replicas, which all run the
+#: same list), so lowering, FIFO and deadlock checking pass them through; they name a stage and no microbatch.
+FSDP_KINDS = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD})
+#: The ``microbatch`` of an FSDP action: it acts on the stage for the whole step, so it has none. A NamedTuple
+#: field keeps an int (sorting, ``max`` over microbatches and hashing stay plain); -1 never names a microbatch.
+#: Written without it (``0UNSHARD``, torch's spelling).
+NO_MICROBATCH = -1
 # Longest spellings first so that "SEND_F" is never read as "SEND_" + "F".
 _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]+)")
+_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]*)")
 #: Largest stage, microbatch or rank count a schedule may name: far beyond any real pipeline (a step's
 #: message tags hold 2^19 messages), small enough that a typo cannot make validation run out of memory.
 MAX_INDEX = 1 << 16
@@ -76,21 +88,41 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
+        if self.kind in FSDP_KINDS and self.microbatch == NO_MICROBATCH:
+            return f"{self.stage}{self.kind.value}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     @classmethod
+    def fsdp(cls, stage: int, kind: ActionKind) -> "Action":
+        """An UNSHARD, RESHARD or REDUCE_GRAD of ``stage`` (microbatch :data:`NO_MICROBATCH`)."""
+        if kind not in FSDP_KINDS:
+            raise ScheduleError(f"Action.fsdp({stage}, {kind}): {kind} is not one of UNSHARD, RESHARD, REDUCE_GRAD")
+        return cls(stage, kind, NO_MICROBATCH)
+
+    @classmethod
     def parse(cls, text: str) -> "Action":
-        """Read ``{stage}{kind}{microbatch}``, e.g. ``1I3`` or ``0SEND_F5``."""
+        """Read ``{stage}{kind}{microbatch}``, e.g. ``1I3`` or ``0SEND_F5``; FSDP kinds without one (``0UNSHARD``)."""
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} with kind one of "
-                f"{', '.join(k.value for k in ActionKind)} (e.g. 2F0, 1I3, 0SEND_F5)"
+                f"{', '.join(k.value for k in ActionKind)} (e.g. 2F0, 1I3, 0SEND_F5; 0UNSHARD has no microbatch)"
             )
-        stage, microbatch = int(match.group(1)), int(match.group(3))
+        kind = ActionKind(match.group(2))
+        if kind in FSDP_KINDS:
+            if match.group(3):
+                raise ScheduleError(f"cannot parse action {text.strip()!r}: {kind} acts on a stage for the whole "
+                                    f"step and takes no microbatch (write {match.group(1)}{kind})")
+            microbatch = NO_MICROBATCH
+        elif not match.group(3):
+            raise ScheduleError(f"cannot parse action {text.strip()!r}: {kind} needs a microbatch "
+                                f"(e.g. {match.group(1)}{kind}0)")
+        else:
+            microbatch = int(match.group(3))
+        stage = int(match.group(1))
         if max(stage, microbatch) >= MAX_INDEX:
             raise ScheduleError(f"action {text.strip()!r}: stage and microbatch indices must be below {MAX_INDEX}")
-        return cls(stage, ActionKind(match.group(2)), microbatch)
+        return cls(stage, kind, microbatch)
 
     @property
     def is_compute(self) -> bool:
@@ -99,6 +131,10 @@ class Action(NamedTuple):
     @property
     def is_comm(self) -> bool:
         return self.kind in COMM_KINDS
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.kind in FSDP_KINDS
 
 
 @dataclass
@@ -139,8 +175,13 @@ class Schedule:
     def lowered(self) -> bool:
         return any(a.is_comm for acts in self.actions for a in acts)
 
+    @property
+    def has_fsdp(self) -> bool:
+        """Whether any rank's list places parameters (UNSHARD / RESHARD / REDUCE_GRAD, :mod:`.fsdp`)."""
+        return any(a.is_fsdp for acts in self.actions for a in acts)
+
     def compute_only(self) -> "Schedule":
-        """The same schedule with every SEND/RECV dropped (the unlowered view; overlapped pairs kept)."""
+        """The same schedule with every SEND/RECV and FSDP action dropped (the compute order; pairs kept)."""
         return Schedule(
             [[a for a in acts if a.is_compute] for acts in self.actions],
             list(self.stage_to_rank),
@@ -281,13 +322,18 @@ def check_structure(schedule: Schedule) -> None:
     n_stages, n_mb = len(placement), schedule.n_microbatches
     for rank, acts in enumerate(schedule.actions):
         for pos, action in enumerate(acts):
-            stage, _, j = action
-            if 0 <= stage < n_stages and 0 <= j < n_mb and placement[stage] == rank:
+            stage, kind, j = action
+            fsdp = kind in FSDP_KINDS
+            j_ok = j == NO_MICROBATCH if fsdp else 0 <= j < n_mb
+            if 0 <= stage < n_stages and j_ok and placement[stage] == rank:
                 continue
             where = f"rank {rank}, position {pos}: action {action}"
             if not 0 <= stage < n_stages:
                 raise ScheduleError(f"{where} names stage {stage}, but stages are 0..{n_stages - 1}")
-            if not 0 <= j < n_mb:
+            if fsdp and not j_ok:
+                raise ScheduleError(f"{where} names microbatch {j}, but {kind} acts on the whole step: its "
+                                    f"microbatch must be NO_MICROBATCH ({NO_MICROBATCH}; Action.fsdp makes one)")
+            if not j_ok:
                 raise ScheduleError(f"{where} names microbatch {j}, but microbatches are 0..{n_mb - 1}")
             raise ScheduleError(f"{where} belongs on rank {placement[stage]}, which holds stage {stage}")
     check_pairs(schedule)

@@ -87,6 +87,10 @@ def lower(schedule: Schedule) -> Schedule:
     (source, destination) pair of ranks, the destination receives in the order
     the source sends. Moving a receive earlier keeps it before its consumer;
     whether the result can deadlock is for :func:`check_deadlock` to say.
+    FSDP actions (UNSHARD, RESHARD, REDUCE_GRAD) are rank-local and keep their
+    places among the compute actions: after the SENDs of the action before
+    them, before the RECVs of the one after (an all-gather is issued before
+    the rank blocks on a message).
     """
     check_structure(schedule)
     placement = list(schedule.stage_to_rank)
@@ -203,7 +207,8 @@ def as_units(lowered: Schedule) -> Schedule:
                 between = row[i + 1:j]
                 recvs = [a for a in between if a.kind in (RECV_F, RECV_B)]
                 sends = [a for a in between if a.kind in (SEND_F, SEND_B)]
-                row[i:j + 1] = recvs + [first, second] + sends
+                others = [a for a in between if not a.is_comm]  # rank-local (FSDP): validate refuses them here
+                row[i:j + 1] = recvs + others + [first, second] + sends
         rows.append(row)
     return Schedule(rows, list(lowered.stage_to_rank), lowered.n_microbatches, lowered.name,
                     tuple(lowered.overlapped))
