@@ -126,8 +126,10 @@ class Collectives:
     ``tp_kinds`` (Megatron's row-parallel forward and column-parallel input grad), waited on by the compute
     stream. ``dp``: "fsdp" all-gathers a stage's parameters before its next compute action when they were
     resharded (after every forward) and reduce-scatters once after its last B/W (waited on at the step's
-    end); "ddp" all-reduces once after its last B/W (waited on at once). Every replica runs the same
-    schedule over pipeline communicators of its own.
+    end); "ddp" all-reduces once after its last B/W (waited on at once). A schedule with FSDP actions
+    (``schedules/fsdp.py``) places them itself: an all-gather issued at each UNSHARD and waited on by the
+    compute stream before the stage's next compute action, a reduce-scatter at each REDUCE_GRAD waited on at
+    the step's end. Every replica runs the same schedule over pipeline communicators of its own.
     """
 
     tp: int = 1
@@ -230,6 +232,7 @@ class _RankProgram:
         self.me = self._id(rank)
         self.placement = lowered.stage_to_rank
         self.actions = lowered.actions[rank]
+        self.planned = lowered.has_fsdp  # FSDP collectives at the schedule's UNSHARD / REDUCE_GRAD actions
 
     def _id(self, rank: int) -> Any:
         return _rank_id(rank, self.replica)
@@ -252,6 +255,7 @@ class _RankProgram:
         self.run_comm, self.run_what, self.run_fence = "", [], None  # type: tuple[str, list[str], Optional[Item]]
         self.sharded = {s: True for s in self.lowered.stages_of(self.rank)}
         self.backwards = {s: 0 for s in self.sharded}
+        self.gathering: dict[int, Item] = {}  # a planned step's all-gathers not yet waited on, by stage
         record = None
         if self.policy.records and self.lowered.num_ranks > 1:  # posted when the step starts, over Gloo
             members = tuple(self._id(r) for r in range(self.lowered.num_ranks))
@@ -274,6 +278,8 @@ class _RankProgram:
                 else:
                     self._wait(self.posted.pop(a))
                     self._post_window()
+            elif a.is_fsdp:
+                self._fsdp(a)
             else:
                 if window is None:
                     for recv in receives_for(a, self.placement):
@@ -361,24 +367,40 @@ class _RankProgram:
         self.world.issue(self.me, "compute", f"wait for {self._n(h.action)}", after=[h.data])
 
     # -- compute and collectives -----------------------------------------------------------------
+    def _fsdp(self, a: Action) -> None:
+        """A planned step's UNSHARD, RESHARD or REDUCE_GRAD (FSDP collectives only with ``dp > 1``, "fsdp")."""
+        if not (self.coll.dp > 1 and self.coll.dp_kind == "fsdp"):
+            return
+        if a.kind is ActionKind.UNSHARD:
+            self.gathering[a.stage] = self._collective("dp", "all-gather", a, wait=False)
+        elif a.kind is ActionKind.REDUCE_GRAD:
+            self.late.append(self._collective("dp", "reduce-scatter", a, wait=False))
+
     def _compute(self, a: Action) -> None:
         s = a.stage
-        if self.coll.dp > 1 and self.coll.dp_kind == "fsdp" and self.sharded[s]:
+        fsdp = self.coll.dp > 1 and self.coll.dp_kind == "fsdp"
+        if self.planned:  # the schedule's UNSHARD issued the all-gather; its first compute after waits for it
+            gathering = self.gathering.pop(s, None)
+            if gathering is not None:
+                self.world.issue(self.me, "compute", f"wait for the all-gather of stage {s}", after=[gathering])
+        elif fsdp and self.sharded[s]:
             self._collective("dp", "all-gather", a, wait=True)
         if a.kind is not F:
             self.sharded[s] = False
         self.world.issue(self.me, "compute", self._n(a))
         if a.kind is F:
             self.sharded[s] = True  # FSDP reshards after forward
-        if self.coll.tp > 1 and a.kind.value in self.coll.tp_kinds:
-            self._collective("tp", "all-reduce", a, wait=True)
+        self._tensor_parallel(a)
         if a.kind in (B, W):
             self.backwards[s] += 1
-            if self.backwards[s] == self.lowered.n_microbatches and self.coll.dp > 1:
-                fsdp = self.coll.dp_kind == "fsdp"
+            if self.backwards[s] == self.lowered.n_microbatches and self.coll.dp > 1 and not (fsdp and self.planned):
                 item = self._collective("dp", "reduce-scatter" if fsdp else "all-reduce", a, wait=not fsdp)
                 if fsdp:
                     self.late.append(item)
+
+    def _tensor_parallel(self, a: Action) -> None:
+        if self.coll.tp > 1 and a.kind.value in self.coll.tp_kinds:
+            self._collective("tp", "all-reduce", a, wait=True)
 
     def _collective(self, group: str, name: str, a: Action, wait: bool) -> Item:
         """A collective of this replica's tp or dp group, issued now on the compute stream (fenced after it)."""

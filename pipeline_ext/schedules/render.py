@@ -6,6 +6,11 @@ ASCII for a terminal or a test log, a PNG through matplotlib (an optional
 dependency, imported only when asked for), and Chrome trace JSON that
 Perfetto or chrome://tracing opens with one track per rank, the same format
 the runtime's tracer writes for measured runs so the two can be compared.
+
+A schedule with FSDP actions (:mod:`.fsdp`) also shows each rank's FSDP
+stream: its all-gathers (UNSHARD) and reduce-scatters (REDUCE_GRAD) that take
+time, as a row, a strip or a track of their own under the rank, so an
+all-gather that a compute action waits for is seen where it ends.
 """
 from __future__ import annotations
 
@@ -22,6 +27,11 @@ _COLORS = {  # kind -> (first stage on the rank, later stages)
     ActionKind.W: ("#8172b3", "#bdb3e0"),
 }
 LEGEND = "F forward, B full backward, I input grad, W weight grad, . idle"
+#: the FSDP stream's labels (a row ``fsdp r`` under rank r where its collectives take time)
+FSDP_LEGEND = "sAG all-gather of stage s (sUNSHARD), sRS reduce-scatter of stage s (sREDUCE_GRAD)"
+_FSDP_COLORS = {ActionKind.UNSHARD: "#c44e52", ActionKind.REDUCE_GRAD: "#937860"}
+_FSDP_LABELS = {ActionKind.UNSHARD: "AG", ActionKind.REDUCE_GRAD: "RS"}
+_FSDP_NAMES = {ActionKind.UNSHARD: "all-gather", ActionKind.REDUCE_GRAD: "reduce-scatter"}
 
 
 def _result(what: Union[Schedule, SimResult]) -> SimResult:
@@ -36,28 +46,48 @@ def _label(span: Span, result: SimResult) -> str:
     return f"{a.kind.value}{a.microbatch}"
 
 
+def _fsdp_spans(result: SimResult, rank: Optional[int] = None) -> list[Span]:
+    """The FSDP collectives that take time (all-gathers, reduce-scatters), of one rank or all."""
+    return [s for s in result.fsdp_timeline if s.end > s.start and s.action.kind in _FSDP_LABELS
+            and (rank is None or s.rank == rank)]
+
+
+def _fsdp_label(span: Span) -> str:
+    return f"{span.action.stage}{_FSDP_LABELS[span.action.kind]}"
+
+
 def render_ascii(what: Union[Schedule, SimResult]) -> str:
     """One text row per rank; time runs left to right in cells of the shortest action.
 
     A Schedule is simulated with unit costs first. Each action prints its label
     at its start and owns the cells until its end; ``.`` marks idle cells.
+    Under a rank whose FSDP collectives take time, a row ``fsdp r`` shows them
+    (:data:`FSDP_LEGEND`).
     """
     result = _result(what)
     if not result.timeline:
         return "(empty schedule)\n"
+    fsdp = _fsdp_spans(result)
     unit = min((s.end - s.start for s in result.timeline if s.end > s.start), default=1.0)
-    width = 1 + max(len(_label(s, result)) for s in result.timeline)
-    origin = min(s.start for s in result.timeline)
-    rows = []
-    for rank in range(result.schedule.num_ranks):
+    width = 1 + max([len(_label(s, result)) for s in result.timeline] + [len(_fsdp_label(s)) for s in fsdp])
+    origin = min(s.start for s in result.timeline + fsdp)
+
+    def row(spans: list[Span], label) -> str:
         cells: list[str] = []
-        for span in result.spans_of(rank):
+        for span in spans:
             first = max(round((span.start - origin) / unit), len(cells))
             last = max(round((span.end - origin) / unit), first + 1)
             cells.extend("." for _ in range(first - len(cells)))
-            cells.append(_label(span, result))
+            cells.append(label(span))
             cells.extend("" for _ in range(last - first - 1))
-        rows.append(f"rank {rank} |" + "".join(c.ljust(width) for c in cells).rstrip())
+        return "".join(c.ljust(width) for c in cells).rstrip()
+
+    rows = []
+    for rank in range(result.schedule.num_ranks):
+        rows.append(f"rank {rank} |" + row(result.spans_of(rank), lambda span: _label(span, result)))
+        mine = _fsdp_spans(result, rank)
+        if mine:
+            rows.append(f"fsdp {rank} |" + row(mine, _fsdp_label))
     return "\n".join(rows) + "\n"
 
 
@@ -96,13 +126,21 @@ def render_png(result: Union[Schedule, SimResult], path: str, xlabel: str = "tim
                        facecolors=color, edgecolors="black", linewidth=0.4)
         ax.text((span.start + span.end) / 2, bottom + height / 2, _label(span, result), ha="center",
                 va="center", fontsize=6 if half is None else 5, clip_on=True)
+    for span in _fsdp_spans(result):  # a strip under the rank's lane: its FSDP stream
+        ax.broken_barh([(span.start, span.end - span.start)], (span.rank + 0.42, 0.14),
+                       facecolors=_FSDP_COLORS[span.action.kind], edgecolors="black", linewidth=0.3)
+        ax.text((span.start + span.end) / 2, span.rank + 0.49, _fsdp_label(span), ha="center", va="center",
+                fontsize=4, clip_on=True)
     ax.set_yticks(range(sched.num_ranks), [f"rank {r}" for r in range(sched.num_ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.set_title(f"{sched.name}: {sched.num_ranks} ranks, {sched.n_microbatches} microbatches, "
                  f"bubble {result.bubble_rate:.4f}")
     kinds = sorted({s.action.kind for s in result.timeline}, key=list(_COLORS).index)
-    ax.legend(handles=[Patch(color=_COLORS[k][0], label=k.value) for k in kinds], loc="upper right", fontsize=7)
+    handles = [Patch(color=_COLORS[k][0], label=k.value) for k in kinds]
+    drawn = {s.action.kind for s in _fsdp_spans(result)}
+    handles += [Patch(color=_FSDP_COLORS[k], label=f"{k.value} ({_FSDP_NAMES[k]})") for k in _FSDP_COLORS if k in drawn]
+    ax.legend(handles=handles, loc="upper right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
@@ -127,6 +165,17 @@ def to_chrome_trace(result: Union[Schedule, SimResult], path: str) -> dict:
             "ts": span.start * 1000.0, "dur": (span.end - span.start) * 1000.0,
             "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind.value},
         })
+    n_ranks = result.schedule.num_ranks
+    for rank in sorted({s.rank for s in result.fsdp_timeline}):  # each rank's FSDP stream, a track after the ranks
+        tid = n_ranks + rank
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"rank {rank} fsdp"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+    for span in result.fsdp_timeline:  # a RESHARD frees at an instant
+        a = span.action
+        timing = ({"ph": "i", "s": "t"} if a.kind is ActionKind.RESHARD else
+                  {"ph": "X", "dur": (span.end - span.start) * 1000.0})
+        events.append({"name": str(a), "cat": a.kind.value, "pid": 0, "tid": n_ranks + span.rank,
+                       "ts": span.start * 1000.0, **timing, "args": {"stage": a.stage, "kind": a.kind.value}})
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(trace, fh)

@@ -48,7 +48,7 @@ zero-bubble run gives F, I, W, a 1F1B run gives B;
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 from pipeline_ext.schedules.auto import auto
@@ -146,7 +146,7 @@ def _with_fallbacks(costs: Costs, n: int, falls_back: list[bool]) -> Costs:
         return costs
     b = [costs.backward(s) if falls_back[s] else costs._get("b", s) for s in range(n)]
     w = [0.0 if falls_back[s] else costs._get("w", s) for s in range(n)]
-    return Costs(costs.f, b, w, costs.comm, costs.whole)
+    return replace(costs, b=b, w=w)
 
 
 def _by_share(costs: Costs, p: int, n: int) -> Costs:
@@ -158,7 +158,8 @@ def _by_share(costs: Costs, p: int, n: int) -> Costs:
             return value
         return [value[s * p // n] for s in range(n)]
 
-    return Costs(spread(costs.f), spread(costs.b), spread(costs.w), spread(costs.comm), spread(costs.whole))
+    return replace(costs, f=spread(costs.f), b=spread(costs.b), w=spread(costs.w), comm=spread(costs.comm),
+                   whole=spread(costs.whole))
 
 
 def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Optional[float],

@@ -15,11 +15,24 @@ whole backward is known (the split is rarely free: I + W usually costs more than
 the B it replaces, see docs/performance.md). SEND/RECV actions of a lowered schedule
 take no time here: the runtime posts receives early, so only the transfer
 time c, charged on the dependency, matters.
+
+FSDP actions (:mod:`.fsdp`) run on one communication stream per rank, in
+the order the rank issues them, overlapping compute: an UNSHARD issued when
+the rank reaches it (its previous compute action ended) starts when the
+stream is free and takes ``Costs.all_gather``; the next compute action of
+that stage waits for it. A REDUCE_GRAD likewise takes ``Costs.reduce_scatter``
+and is waited for at the step's end, so a rank's step lasts until its
+stream is done. A RESHARD takes no time. Memory: an active stage holds its
+unsharded parameters (``Costs.param_bytes``) from its UNSHARD's issue to its
+RESHARD (once a pending all-gather is done), and its unsharded gradients
+(``Costs.grad_bytes``) from the start of its first B or W to the end of its
+REDUCE_GRAD; ``SimResult.peak_unsharded_bytes`` is the most a rank holds at
+once. A schedule without FSDP actions simulates as before.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
 from pipeline_ext.schedules.inorder import run_in_order
@@ -48,6 +61,17 @@ class Costs:
     w: Cost = 1.0
     comm: Cost = 0.0
     whole: Optional[Cost] = None
+    #: FSDP (a schedule with UNSHARD / REDUCE_GRAD actions): the all-gather and reduce-scatter time of a stage,
+    #: where known; None derives it from the bytes and ``fsdp_bandwidth`` (0 without them)
+    unshard: Optional[Cost] = None
+    reduce_grad: Optional[Cost] = None
+    #: a stage's parameters unsharded (what an UNSHARD makes the rank hold), and its unsharded gradients (None:
+    #: as many as its parameters; a reduce dtype wider than the parameters' holds more)
+    param_bytes: Optional[Cost] = None
+    grad_bytes: Optional[Cost] = None
+    #: bytes per cost unit an all-gather or a reduce-scatter moves (the effective bandwidth of the stage's
+    #: data-parallel collectives), for the times not given
+    fsdp_bandwidth: Optional[float] = None
 
     @classmethod
     def parse(cls, text: str) -> "Costs":
@@ -73,8 +97,12 @@ class Costs:
                 return value / stages_per_rank
             return [x / stages_per_rank for x in value]
 
-        return Costs(split(self.f), split(self.b), split(self.w), self.comm,
-                     None if self.whole is None else split(self.whole))
+        def maybe(value: Optional[Cost]) -> Optional[Cost]:
+            return None if value is None else split(value)
+
+        return replace(self, f=split(self.f), b=split(self.b), w=split(self.w), whole=maybe(self.whole),
+                       unshard=maybe(self.unshard), reduce_grad=maybe(self.reduce_grad),
+                       param_bytes=maybe(self.param_bytes), grad_bytes=maybe(self.grad_bytes))
 
     def _get(self, which: str, stage: int) -> float:
         value = getattr(self, which)
@@ -110,9 +138,36 @@ class Costs:
     def transfer(self, from_stage: int) -> float:
         return self._get("comm", from_stage)
 
+    def params(self, stage: int) -> float:
+        """Unsharded parameter bytes of ``stage`` (0 when ``param_bytes`` is not given)."""
+        return 0.0 if self.param_bytes is None else self._get("param_bytes", stage)
+
+    def grads(self, stage: int) -> float:
+        """Unsharded gradient bytes of ``stage``: ``grad_bytes``, else its parameter bytes."""
+        return self.params(stage) if self.grad_bytes is None else self._get("grad_bytes", stage)
+
+    def all_gather(self, stage: int) -> float:
+        """The duration of ``stage``'s all-gather (an UNSHARD): ``unshard``, else its bytes over the bandwidth."""
+        if self.unshard is not None:
+            return self._get("unshard", stage)
+        return self._over_bandwidth(self.params(stage))
+
+    def reduce_scatter(self, stage: int) -> float:
+        """The duration of ``stage``'s reduce-scatter (a REDUCE_GRAD): ``reduce_grad``, else bytes over bandwidth."""
+        if self.reduce_grad is not None:
+            return self._get("reduce_grad", stage)
+        return self._over_bandwidth(self.grads(stage))
+
+    def _over_bandwidth(self, nbytes: float) -> float:
+        if self.fsdp_bandwidth is None or nbytes == 0:
+            return 0.0
+        if not (math.isfinite(self.fsdp_bandwidth) and self.fsdp_bandwidth > 0):
+            raise ScheduleError(f"costs.fsdp_bandwidth must be a positive number (got {self.fsdp_bandwidth!r})")
+        return nbytes / self.fsdp_bandwidth
+
 
 class Span(NamedTuple):
-    """One executed compute action on the simulated timeline."""
+    """One executed action on the simulated timeline: a compute action, or an FSDP action on its stream."""
 
     rank: int
     action: Action
@@ -131,6 +186,15 @@ class SimResult:
     bubble_rate: float
     bubble_rate_per_rank: list[float]
     peak_activations: list[int]
+    #: FSDP: every UNSHARD (its all-gather), REDUCE_GRAD (its reduce-scatter) and RESHARD (when it frees: no
+    #: duration) on the rank's communication stream, sorted by (rank, start); empty without FSDP actions
+    fsdp_timeline: list[Span] = field(default_factory=list)
+    #: per rank: the most bytes of unsharded parameters and gradients held at once, and of parameters alone
+    #: (0 without FSDP actions: parameters placed by no action are not modelled)
+    peak_unsharded_bytes: list[float] = field(default_factory=list)
+    peak_unsharded_params: list[float] = field(default_factory=list)
+    #: per rank: the all-gathers (UNSHARDs) of the step
+    all_gathers: list[int] = field(default_factory=list)
 
     def spans_of(self, rank: int) -> list[Span]:
         return [s for s in self.timeline if s.rank == rank]
@@ -165,28 +229,40 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     end and busy_r the compute time of rank r. When every rank does the same
     work, m(F+B+W), this is exactly (T - m(F+B+W)) / T; with
     non-uniform per-rank work it averages the idle fraction over ranks.
-    ``bubble_rate_per_rank`` has the individual (T - busy_r) / T.
+    ``bubble_rate_per_rank`` has the individual (T - busy_r) / T. With FSDP
+    actions a rank's span also covers its all-gathers and reduce-scatters
+    that take time (an exposed all-gather is step time).
 
     ``peak_activations[r]`` counts stage-microbatch activations alive at once on
     rank r: an F makes one live, its B (or its W when the backward is split)
-    frees it. Raises :class:`ScheduleError` if the schedule cannot run.
+    frees it. FSDP's timeline, memory peaks and all-gather counts are in
+    ``fsdp_timeline``, ``peak_unsharded_bytes``, ``peak_unsharded_params`` and
+    ``all_gathers`` (module doc). Raises :class:`ScheduleError` if the schedule
+    cannot run.
     """
     check_structure(schedule)
     plain = schedule.compute_only()
     stage_to_rank = plain.stage_to_rank
-    n_stages = plain.num_stages
+    n_stages, n_ranks = plain.num_stages, plain.num_ranks
+    rows = [[a for a in acts if not a.is_comm] for acts in schedule.actions] if schedule.has_fsdp else plain.actions
     end: dict[Action, float] = {}
-    free = [0.0] * plain.num_ranks
+    free = [0.0] * n_ranks
     timeline: list[Span] = []
+    fsdp = _FsdpStreams(costs, n_ranks, schedule.has_fsdp)
 
     def blocked_on(rank: int, action: Action):
+        if action.is_fsdp:
+            return None
         for dep in dependencies(action, n_stages):
             if dep not in end:
                 return dep
         return None
 
     def run(rank: int, action: Action) -> None:
-        ready = 0.0
+        if action.is_fsdp:
+            fsdp.issue(rank, action, free[rank])
+            return
+        ready = fsdp.gathered(action.stage)
         for dep in dependencies(action, n_stages):
             hop = costs.transfer(dep.stage) if stage_to_rank[dep.stage] != rank else 0.0
             ready = max(ready, end[dep] + hop)
@@ -194,13 +270,19 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         free[rank] = start + costs.duration(action)
         end[done_key(action)] = free[rank]
         timeline.append(Span(rank, action, start, free[rank]))
+        fsdp.computed(rank, action, start)
 
-    run_in_order(plain.actions, blocked_on, run, f"schedule {plain.name!r} cannot run")
+    run_in_order(rows, blocked_on, run, f"schedule {plain.name!r} cannot run")
     timeline.sort(key=lambda s: (s.rank, s.start))
-    spans = [[s for s in timeline if s.rank == r] for r in range(plain.num_ranks)]
-    per_rank = bubble_rates([sum(s.end - s.start for s in ss) for ss in spans],
-                            [ss[-1].end - ss[0].start if ss else 0.0 for ss in spans])
-    makespan = max((s.end for s in timeline), default=0.0) - min((s.start for s in timeline), default=0.0)
+    fsdp.timeline.sort(key=lambda s: (s.rank, s.start))
+    # the rank's span: its compute, and the FSDP collectives that take time (zero-time ones change nothing)
+    spans = [[s for s in timeline + fsdp.timeline if s.rank == r and (s.end > s.start or s.action.is_compute)]
+             for r in range(n_ranks)]
+    busy = [sum(s.end - s.start for s in timeline if s.rank == r) for r in range(n_ranks)]
+    lengths = [max(s.end for s in ss) - min(s.start for s in ss) if ss else 0.0 for ss in spans]
+    per_rank = bubble_rates(busy, lengths)
+    every = [s for ss in spans for s in ss]
+    makespan = max((s.end for s in every), default=0.0) - min((s.start for s in every), default=0.0)
     return SimResult(
         schedule=schedule,
         costs=costs,
@@ -209,7 +291,70 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         bubble_rate=sum(per_rank) / len(per_rank) if per_rank else 0.0,
         bubble_rate_per_rank=per_rank,
         peak_activations=[peak_live_activations(acts) for acts in plain.actions],
+        fsdp_timeline=fsdp.timeline,
+        peak_unsharded_bytes=[fsdp.peak(r) for r in range(n_ranks)],
+        peak_unsharded_params=[fsdp.peak(r, params_only=True) for r in range(n_ranks)],
+        all_gathers=fsdp.all_gathers,
     )
+
+
+class _FsdpStreams:
+    """Each rank's FSDP communication stream and the unsharded bytes it makes the rank hold (module doc)."""
+
+    def __init__(self, costs: Costs, n_ranks: int, placed: bool) -> None:
+        self.costs = costs
+        self.placed = placed  # whether the schedule places parameters: else no bytes are modelled
+        self.stream = [0.0] * n_ranks  # when each rank's stream is free
+        self.pending: dict[int, float] = {}  # stage -> end of its latest all-gather
+        self.grads_held: set[int] = set()
+        self.timeline: list[Span] = []
+        self.all_gathers = [0] * n_ranks
+        # per rank: (time, order, bytes of parameters, bytes of gradients), allocations positive
+        self.events: list[list[tuple[float, int, float, float]]] = [[] for _ in range(n_ranks)]
+
+    def _collective(self, rank: int, action: Action, issued: float, duration: float) -> float:
+        start = max(issued, self.stream[rank])
+        self.stream[rank] = start + duration
+        self.timeline.append(Span(rank, action, start, self.stream[rank]))
+        return self.stream[rank]
+
+    def _hold(self, rank: int, when: float, params: float = 0.0, grads: float = 0.0) -> None:
+        self.events[rank].append((when, len(self.events[rank]), params, grads))
+
+    def issue(self, rank: int, action: Action, issued: float) -> None:
+        """The rank reaches an FSDP action at ``issued`` (its previous compute action's end)."""
+        s, kind = action.stage, action.kind
+        if kind is ActionKind.UNSHARD:
+            self.all_gathers[rank] += 1
+            self._hold(rank, issued, params=self.costs.params(s))
+            self.pending[s] = self._collective(rank, action, issued, self.costs.all_gather(s))
+        elif kind is ActionKind.RESHARD:
+            when = max(issued, self.pending.pop(s, 0.0))
+            self.timeline.append(Span(rank, action, when, when))
+            self._hold(rank, when, params=-self.costs.params(s))
+        else:
+            done = self._collective(rank, action, issued, self.costs.reduce_scatter(s))
+            if s in self.grads_held:
+                self.grads_held.discard(s)
+                self._hold(rank, done, grads=-self.costs.grads(s))
+
+    def gathered(self, stage: int) -> float:
+        """When the stage's parameters are gathered (0: no all-gather pending)."""
+        return self.pending.get(stage, 0.0)
+
+    def computed(self, rank: int, action: Action, start: float) -> None:
+        """A compute action started: the stage's first gradient write allocates its unsharded gradients."""
+        if self.placed and action.kind in (ActionKind.B, ActionKind.W) and action.stage not in self.grads_held:
+            self.grads_held.add(action.stage)
+            self._hold(rank, start, grads=self.costs.grads(action.stage))
+
+    def peak(self, rank: int, params_only: bool = False) -> float:
+        """The most bytes held at once; events at one instant in the order the rank issued them."""
+        held = peak = 0.0
+        for _, _, params, grads in sorted(self.events[rank]):
+            held += params + (0.0 if params_only else grads)
+            peak = max(peak, held)
+        return peak
 
 
 def bubble_rates(busy: Sequence[float], lengths: Sequence[float]) -> list[float]:
