@@ -1,10 +1,12 @@
 """Schedules in torch.distributed.pipelining's CSV format (its ``_dump_csv`` / ``_load_csv``).
 
 One row per rank, one action per cell, spelled as torch spells them (``0F1``,
-``1I0``, ``2W3``, ``0SEND_F1``: the same spelling as our text format). An
-empty cell is torch's idle slot. torch's FSDP bookkeeping actions (UNSHARD,
-RESHARD, REDUCE_GRAD) are dropped on reading: our runtime reshards and
-reduces data-parallel gradients itself (comm/data_parallel.py). An
+``1I0``, ``2W3``, ``0SEND_F1``, ``0UNSHARD``: the same spelling as our text
+format). An empty cell is torch's idle slot. torch's FSDP actions (UNSHARD,
+RESHARD, REDUCE_GRAD) are read as ours (:mod:`.fsdp`) and written back in
+``compute_comms``, the format of a rank's whole list; ``compute_only``
+writes the compute actions alone, since torch's loader places its own FSDP
+actions and messages around those. An
 overlapped pair ``(0F1;1B0)OVERLAP_F_B`` becomes its actions in order, and is
 kept as a pair (``Schedule.overlapped``): a function registered for
 OVERLAP_F_B gets both at once, and writing the schedule back spells the pair
@@ -13,15 +15,14 @@ as torch does.
 from __future__ import annotations
 
 import csv
-import re
 from typing import Any, Optional, Sequence
 
 from pipeline_ext.schedules.ir import OVERLAP_F_B, Action, Schedule, ScheduleError, check_pairs
+from pipeline_ext.schedules.lowering import as_units
 
 __all__ = ["dump_csv", "load_csv", "from_cells", "torch_order", "torch_action", "FORMATS"]
 
 FORMATS = ("compute_only", "compute_comms")
-_FSDP_ONLY = re.compile(r"\d*(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 
 
 def _grouped(schedule: Schedule, acts: Sequence[Action]) -> list[tuple[Action, ...]]:
@@ -36,12 +37,21 @@ def _grouped(schedule: Schedule, acts: Sequence[Action]) -> list[tuple[Action, .
     return out
 
 
-def dump_csv(schedule: Schedule, path: str) -> None:
-    """Write every rank's compute actions as torch's ``compute_only`` CSV (pairs as ``(a;b)OVERLAP_F_B``)."""
+def dump_csv(schedule: Schedule, path: str, format: str = "compute_only") -> None:
+    """Write torch's CSV (pairs as ``(a;b)OVERLAP_F_B``): every rank's compute actions (``compute_only``), or
+    its whole list, messages and FSDP actions included (``compute_comms``).
+
+    In ``compute_comms`` a pair is one cell, as torch runs it, so the messages lowered between its halves are
+    written around it (``lowering.as_units``: receives before, sends after); reading the file back gives that
+    order, which is the lowered one wherever no message lies between a pair's halves.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    rows = as_units(schedule).actions if format == "compute_comms" else schedule.actions
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        for acts in schedule.actions:
-            groups = _grouped(schedule, [a for a in acts if a.is_compute])
+        for acts in rows:
+            groups = _grouped(schedule, [a for a in acts if a.is_compute or format == "compute_comms"])
             writer.writerow([str(g[0]) if len(g) == 1 else f"({g[0]};{g[1]}){OVERLAP_F_B}" for g in groups])
 
 
@@ -71,7 +81,7 @@ def torch_order(schedule: Schedule, compute_only: bool = True) -> dict[int, list
 
 def _cell(text: str, rank: int, col: int, pairs: Optional[list] = None) -> list[Action]:
     text = text.strip()
-    if not text or text == "None" or _FSDP_ONLY.fullmatch(text):
+    if not text or text == "None":
         return []
     if text.startswith("("):
         inner, _, kind = text[1:].partition(")")
@@ -91,9 +101,9 @@ def load_csv(path: str, format: str = "compute_only", n_microbatches: Optional[i
              name: str = "csv") -> Schedule:
     """Read torch's CSV into a ``Schedule`` (stage placement inferred from where each stage appears).
 
-    ``compute_only`` rows must hold compute actions only (the sends and
-    receives are added by lowering); ``compute_comms`` rows hold every action,
-    and are used as given.
+    ``compute_only`` rows hold no messages (the sends and receives are added
+    by lowering; FSDP actions are allowed, they are rank-local);
+    ``compute_comms`` rows hold every action, and are used as given.
     """
     with open(path, newline="") as f:
         rows = [row for row in csv.reader(f)]
@@ -116,7 +126,7 @@ def from_cells(rows: Sequence[Sequence[Any]], format: str = "compute_only", n_mi
     if not actions:
         raise ScheduleError(f"{where}: no actions")
     if format == "compute_only":
-        comm = [(r, str(a)) for r, acts in enumerate(actions) for a in acts if not a.is_compute]
+        comm = [(r, str(a)) for r, acts in enumerate(actions) for a in acts if a.is_comm]
         if comm:
             raise ScheduleError(f"{where}: format 'compute_only' but rank {comm[0][0]} has {comm[0][1]}; "
                                 "use format='compute_comms'")
