@@ -11,7 +11,7 @@ import pytest
 from pipeline_ext.schedules import build, render_ascii, render_png, simulate, to_chrome_trace
 from models import ROOT
 
-ROOT = ROOT
+ROOT = str(ROOT)  # a str: it is joined into PYTHONPATH
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
