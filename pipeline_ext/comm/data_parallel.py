@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,12 +60,12 @@ class DDPSync(GradientSync):
         self.modules = list(modules)
         self._user_sync: list[bool] = []
 
-    def begin(self) -> None:
+    def begin(self, planned: bool = False) -> None:
         self._user_sync = [m.require_backward_grad_sync for m in self.modules]
         for m in self.modules:
             m.require_backward_grad_sync = False
 
-    def finish(self) -> None:
+    def finish(self, replace: Optional[Callable[[], None]] = None) -> None:
         try:
             for m, sync in zip(self.modules, self._user_sync):
                 if sync:
@@ -100,36 +100,95 @@ def _ddp_reduce(ddp: nn.Module) -> None:
 
 
 class FSDPSync(GradientSync):
-    """FSDP2: accumulate unsharded gradients through the step, reduce-scatter once at the end."""
+    """FSDP2: accumulate unsharded gradients through the step, reduce-scatter once after the stage's last backward.
+
+    Unplanned (no parameter budget), FSDP's own hooks gather the parameters
+    before each forward and backward, as the user configured them
+    (``reshard_after_forward``); ``before_backward`` gathers again before a W,
+    which no hook precedes. Planned ([Note: parameters placed by the
+    schedule] in runtime/stage.py), the schedule's UNSHARD / RESHARD /
+    REDUCE_GRAD actions decide, and FSDP's post-forward reshard is off for
+    the step (each group's ``post_forward_mesh_info``, what
+    ``set_reshard_after_forward`` rewrites, is put back at the step's end).
+    """
 
     name = "fully_shard"
+    shards = True
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)  # every FSDP2 module in the stage, outermost first
         self.tops = [m for m in self.modules if not any(m is not o and _contains(o, m) for o in self.modules)]
-        self._saved: Optional[list[tuple[object, bool, bool, bool]]] = None
+        self._saved: Optional[list[tuple[object, bool, bool, bool, object]]] = None
         self._saved_last: list[tuple[object, bool]] = []
+        self.planned = False
+        self._gathering: list[object] = []  # the UNSHARD's handles, waited by ``ready`` or ``reshard``
 
     def _groups(self) -> Iterator[object]:
         for m in self.modules:
             yield from m._get_fsdp_state()._fsdp_param_groups
 
-    def begin(self) -> None:
-        self._saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in self._groups()]
+    def reshards_after_forward(self) -> bool:
+        """Whether any of the stage's groups frees its parameters after each forward (FSDP's default)."""
+        return any(g.post_forward_mesh_info is not None for g in self._groups())
+
+    def param_bytes(self) -> int:
+        total = 0
+        for g in self._groups():
+            for fp in g.fsdp_params:  # the gathered size, in the dtype it is gathered in (mixed precision's, if set)
+                dtype = getattr(fp, "param_dtype", None) or fp.sharded_param.dtype
+                total += fp._orig_size.numel() * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def begin(self, planned: bool = False) -> None:
+        self.planned = planned
+        self._saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info)
+                       for g in self._groups()]
         self._saved_last = [(ctx, ctx.is_last_backward) for ctx in self._contexts()]
         for top in self.tops:
             top.set_requires_gradient_sync(False)
             top.set_reshard_after_backward(False)
             top.set_is_last_backward(False)
+        if planned:
+            for g in self._groups():
+                g.post_forward_mesh_info = None
 
     def before_backward(self) -> None:
+        if self.planned:
+            return  # the plan's UNSHARD came first; ``ready`` waited for it
         for m in self.modules:
             m.unshard()  # no-op when unsharded; after a resharding forward, gathers the same values again
 
-    def finish(self) -> None:
+    def unshard(self) -> None:
+        if self._gathering:
+            return
+        self._gathering = [h for h in (m.unshard(async_op=True) for m in self.modules) if h is not None]
+
+    def _wait(self) -> None:
+        handles, self._gathering = self._gathering, []
+        for h in handles:
+            h.wait()
+
+    def ready(self, what: str) -> None:
+        self._wait()
+        sharded = [g for g in self._groups() if not g.is_unsharded]
+        if sharded:
+            raise RuntimeError(
+                f"{what}: {len(sharded)} of the stage's fully_shard parameter groups are sharded; the schedule's "
+                "plan must UNSHARD a stage before any F, B, I or W of it (FSDP would gather it here unplanned)")
+
+    def reshard(self) -> None:
+        self._wait()
+        for m in self.modules:
+            m.reshard()
+
+    def finish(self, replace: Optional[Callable[[], None]] = None) -> None:
         if self._saved is None:
             return
+        self._wait()
         self._restore()
+        if replace is not None:
+            replace()
+            return
         for top in self.tops:
             state = top._get_fsdp_state()
             for st in state._state_ctx.all_states:
@@ -140,6 +199,7 @@ class FSDPSync(GradientSync):
     def abort(self) -> None:
         if self._saved is None:
             return
+        self._wait()
         self._restore()
         for top in self.tops:
             state = top._get_fsdp_state()
@@ -155,15 +215,16 @@ class FSDPSync(GradientSync):
         return list(seen.values())
 
     def _restore(self) -> None:
-        for g, reduce, all_reduce, reshard in self._saved or []:
+        for g, reduce, all_reduce, reshard, post_forward in self._saved or []:
             g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard
+            g.post_forward_mesh_info = post_forward
         for ctx, last in self._saved_last:
             ctx.is_last_backward = last
         # lazy init on the first forward may have put the states under a new shared context
         if self._saved_last:
             for ctx in self._contexts():
                 ctx.is_last_backward = self._saved_last[0][1]
-        self._saved, self._saved_last = None, []
+        self._saved, self._saved_last, self.planned = None, [], False
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:

@@ -45,15 +45,18 @@ from pipeline_ext.comm.groups import group_timeout
 from pipeline_ext.comm.session import FORWARD, TRAIN, Session
 from pipeline_ext.comm.trace import gather_trace
 from pipeline_ext.pipelining.custom_function import ReceivedView, bind_custom_functions, custom_key
+from pipeline_ext.pipelining.param_budget import ParamBudget, param_budget
+from pipeline_ext.pipelining.seq_pieces import PieceCut, PieceWeightedLoss
 from pipeline_ext.pipelining.stage import PipelineStage, as_stage
 from pipeline_ext.runtime.channel import check_timeout, watch_signals
 from pipeline_ext.runtime.executor import Executor
-from pipeline_ext.runtime.microbatch import merge_chunks
+from pipeline_ext.runtime.microbatch import merge_chunks, split_args_kwargs
 from pipeline_ext.runtime.overlap import OVERLAPPED
 from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.stage import split_report
 from pipeline_ext.runtime.trace import ActionSample, Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
+from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
 # imported from schedules.py, with torch's Schedule* classes over it
@@ -88,6 +91,11 @@ class PipelineSchedule:
         trace: bool = False,
         transport: Optional[str] = None,
         overlap: Optional[bool] = None,
+        max_active_stages: Optional[int] = None,
+        max_unsharded_bytes: Optional[int] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         given = [stages] if not isinstance(stages, (list, tuple)) else list(stages)
         if not given:
@@ -109,7 +117,18 @@ class PipelineSchedule:
                 raise ValueError(
                     f"num_stages={num_stages} is not a multiple of the {self.num_ranks} ranks in the group"
                 )
-            schedule = S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v)
+            schedule = (S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v) if seq_chunks == 1 else
+                        build_pieces(schedule, self.num_ranks, n_microbatches, seq_chunks, stages_per_rank=v))
+        elif seq_chunks != 1:
+            raise ValueError("seq_chunks= builds a built-in schedule over sequence pieces: give its name "
+                             f"({', '.join(sorted(PIECE_SCHEDULES))}), not a Schedule")
+        #: sequence pieces (``seq_chunks=K``, Seq1F1B): each microbatch cut into K pieces along ``seq_dim``, which the
+        #: schedule runs as units (seq_pieces.py); None: whole microbatches
+        self._cut: Optional[PieceCut] = PieceCut(seq_chunks, seq_dim, seq_split) if seq_chunks != 1 else None
+        #: what the schedule and the runners count: microbatches, or their pieces
+        self._units = n_microbatches * seq_chunks
+        if self._cut is not None and loss_fn is not None:
+            loss_fn = PieceWeightedLoss(loss_fn)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)
@@ -122,7 +141,8 @@ class PipelineSchedule:
         self.stages = {} if self.inspect_only else {s.stage_index: s for s in stages}
         if len(self.stages) != len(stages) and not self.inspect_only:
             raise ValueError("the same stage_index was given twice")
-        self._runners = {i: s._make_runner(loss_fn, n_microbatches) for i, s in self.stages.items()}
+        self._runners = {i: s._make_runner(loss_fn, self._units, pieces=seq_chunks, seq_dim=seq_dim)
+                         for i, s in self.stages.items()}
         self._last_stage = num_stages - 1
         self.num_stages = num_stages
         self._session: Optional[Session] = None
@@ -132,9 +152,15 @@ class PipelineSchedule:
                 group=self.group, rank=self.rank, num_ranks=self.num_ranks, num_stages=num_stages,
                 device=first.device, local_stages=list(self.stages),
                 skips={i: declared_skips(s.submod) for i, s in self.stages.items()},
-                n_microbatches=n_microbatches, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
+                n_microbatches=self._units, loss_fn=loss_fn, chunk_spec=self.chunk_spec,
                 scale_grads=scale_grads, timeout=timeout, transport=transport)
+        #: fully_shard stages' parameter budget (``max_active_stages`` / ``max_unsharded_bytes``): the planner
+        #: places UNSHARD / RESHARD / REDUCE_GRAD in the schedule (param_budget.py); None: FSDP's own hooks
+        self._budget: Optional[ParamBudget] = None if self.inspect_only else param_budget(
+            stages, max_active_stages, max_unsharded_bytes, self.group, num_stages)
         self.schedule: Optional[S.Schedule] = None
+        #: the lowered schedule without parameter actions: what an eval step runs (FSDP's hooks gather there)
+        self._unplanned: Optional[S.Schedule] = None
         #: one executor per step kind (a forward-only one is built at the first eval)
         self._executors: dict[int, Executor] = {}
         self._tracer: Optional[Tracer] = None
@@ -162,15 +188,17 @@ class PipelineSchedule:
                 f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and {schedule.num_stages} stages, "
                 f"but the group has {self.num_ranks} ranks and the stages say num_stages={self.num_stages}"
             )
-        if schedule.n_microbatches != self.n_microbatches:
+        if schedule.n_microbatches != self._units:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} microbatches, "
-                             f"n_microbatches={self.n_microbatches}")
+                             f"n_microbatches={self.n_microbatches}" +
+                             (f" of seq_chunks={self._cut.pieces} pieces" if self._cut is not None else ""))
         mine = {s for s, r in enumerate(schedule.stage_to_rank) if r == self.rank}
         if mine != set(self.stages) and not self.inspect_only:
             raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
                              f"but this rank was given stages {sorted(self.stages)}")
-        self.schedule = S.lower(schedule)
-        S.validate(self.schedule)
+        self._unplanned = S.lower(schedule)
+        S.validate(self._unplanned)
+        self.schedule = self._unplanned if self._budget is None else self._budget.plan(self._unplanned)
         self._executors = {}
         if self._session is not None:
             self._session.set_schedule(self.schedule)
@@ -186,8 +214,10 @@ class PipelineSchedule:
         that torchtitan's DualPipeV overlap plugs in unchanged. ``computation_type``:
         torch's ``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``,
         ``BACKWARD_WEIGHT`` or ``OVERLAP_F_B`` (or their spellings "F", "B",
-        "I", "W", "OVERLAP_F_B"); torch's FSDP kinds (UNSHARD, RESHARD,
-        REDUCE_GRAD) are accepted and never called: we have no such actions.
+        "I", "W", "OVERLAP_F_B"), or UNSHARD, RESHARD, REDUCE_GRAD: those run
+        where a parameter budget placed them (``max_active_stages``), and, as
+        in torch, the function runs instead of the gather, free or
+        reduction itself (the plan's bookkeeping runs either way).
         ``action`` is torch's ``_Action`` (an OVERLAP_F_B pair has the forward
         and the backward as ``sub_actions``, forward first), ``ctx`` torch's
         ``_PipelineContext`` (this schedule as ``schedule_ref``, the step's
@@ -201,8 +231,6 @@ class PipelineSchedule:
         the compute runs, never what travels. Registering again replaces.
         """
         key = custom_key(computation_type)
-        if key is None:
-            return
         if not callable(custom_function):
             raise TypeError(f"custom_function must be callable, got {type(custom_function).__name__}")
         if key in self._custom_functions:
@@ -441,8 +469,44 @@ class PipelineSchedule:
             args, kwargs, target = arg_mbs, kwarg_mbs, target_mbs
         grad = torch.no_grad() if kind == FORWARD else contextlib.nullcontext()
         with grad:
+            if self._cut is not None:
+                return self._run_pieces(kind, args, kwargs, target, losses, return_outputs, loss_kwargs,
+                                        split=not pre_split, refused=refused)
             return self._run(kind, args, kwargs, target, losses, return_outputs, loss_kwargs, split=not pre_split,
                              merge=True, refused=refused)
+
+    def _run_pieces(self, kind: int, args: Any, kwargs: Any, target: Any, losses: Optional[list],
+                    return_outputs: bool, loss_kwargs: Optional[dict], split: bool,
+                    refused: Optional[Exception]) -> Any:
+        """A step over sequence pieces: the batch cut into microbatches (as without pieces), each of those into
+        ``seq_chunks`` pieces (seq_pieces.py); outputs and losses come back per microbatch."""
+        m, cut = self.n_microbatches, self._cut
+        arg_mbs = kwarg_mbs = target_mbs = None
+        if refused is None:
+            try:
+                if split:
+                    if args or kwargs:
+                        arg_mbs, kwarg_mbs = split_args_kwargs(args, kwargs, m, self.chunk_spec)
+                        arg_mbs = arg_mbs if args else None
+                        kwarg_mbs = kwarg_mbs if kwargs else None
+                    if target is not None:
+                        target_mbs = [t[0] for t in split_args_kwargs((target,), None, m, None)[0]]
+                else:
+                    arg_mbs, kwarg_mbs, target_mbs = args, kwargs, target
+                arg_mbs, kwarg_mbs, target_mbs = cut.units(arg_mbs, kwarg_mbs, target_mbs)
+            except Exception as exc:  # noqa: BLE001 - this rank's rejection, told to every rank in the agreement
+                refused = exc
+        unit_losses: Optional[list] = [] if losses is not None else None
+        outs = self._run(kind, arg_mbs, kwarg_mbs, target_mbs, unit_losses, return_outputs, loss_kwargs, False,
+                         merge=False, refused=refused)
+        if losses is not None and unit_losses:
+            weights = PieceWeightedLoss(lambda *a: None).microbatch_weights(target_mbs) if target_mbs else None
+            losses.extend(cut.losses(unit_losses, weights) if weights else unit_losses)
+        if outs is None:
+            return None
+        per_mb = cut.merge(outs)
+        self.stages[self._last_stage].output_chunks = per_mb
+        return merge_chunks(per_mb, self.output_merge_spec) if split else per_mb
 
     def _check_microbatch_lists(self, **lists: Any) -> Optional[Exception]:
         """The error for a per-microbatch list that is not a list of ``n_microbatches`` entries, on every rank (as
@@ -478,6 +542,11 @@ class PipelineSchedule:
         the last stage (None elsewhere, or with ``return_outputs=False``).
         """
         refused = self._check_microbatch_lists(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
+        if self._cut is not None:
+            kind = TRAIN if self.loss_fn is not None else FORWARD
+            with torch.no_grad() if kind == FORWARD else contextlib.nullcontext():
+                return self._run_pieces(kind, arg_mbs, kwarg_mbs, target_mbs, losses if kind == TRAIN else None,
+                                        return_outputs, loss_kwargs, split=False, refused=refused)
         if self.loss_fn is None:
             with torch.no_grad():
                 return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, None, return_outputs, loss_kwargs, False,
@@ -491,6 +560,9 @@ class PipelineSchedule:
         """``eval()`` over microbatches the caller cut (see ``step_microbatches``): forward only, no_grad."""
         refused = self._check_microbatch_lists(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
         with torch.no_grad():
+            if self._cut is not None:
+                return self._run_pieces(FORWARD, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs,
+                                        split=False, refused=refused)
             return self._run(FORWARD, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False,
                              refused=refused)
 
@@ -503,7 +575,7 @@ class PipelineSchedule:
 
     def _executor(self, kind: int) -> Executor:
         if kind not in self._executors:  # the forward-only version of the schedule, built at its first use
-            self._executors[kind] = Executor(S.forward_only(self.schedule), self.rank, self._runners,
+            self._executors[kind] = Executor(S.forward_only(self._unplanned), self.rank, self._runners,
                                              timeout=self.timeout)
         return self._executors[kind]
 
@@ -557,8 +629,8 @@ class PipelineSchedule:
             return None
         last = self._runners[self._last_stage]
         if losses is not None and last.losses:
-            losses.extend(last.losses[m] for m in range(self.n_microbatches))
-        chunks = [last.outputs[m] for m in range(self.n_microbatches)] if return_outputs else []
+            losses.extend(last.losses[m] for m in range(self._units))
+        chunks = [last.outputs[m] for m in range(self._units)] if return_outputs else []
         last.outputs.clear()
         self.stages[self._last_stage].output_chunks = chunks
         if not return_outputs:

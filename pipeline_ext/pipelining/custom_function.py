@@ -31,19 +31,17 @@ __all__ = ["custom_key", "ReceivedView", "bind_custom_functions"]
 
 
 _TORCH_KINDS = {"F": S.ActionKind.F, "B": S.ActionKind.B, "I": S.ActionKind.I, "W": S.ActionKind.W,
-                "OVERLAP_F_B": OVERLAP_F_B}
-_TORCH_FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+                "OVERLAP_F_B": OVERLAP_F_B, "UNSHARD": S.ActionKind.UNSHARD, "RESHARD": S.ActionKind.RESHARD,
+                "REDUCE_GRAD": S.ActionKind.REDUCE_GRAD}
 _TORCH_NAMES = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
 def custom_key(computation_type: Any) -> Any:
-    """Our key for torch's computation type (or its spelling); None for torch's FSDP kinds (nothing to call)."""
+    """Our key for torch's computation type (or its spelling)."""
     name = computation_type.value if isinstance(computation_type, S.ActionKind) else str(computation_type)
     torch_name = getattr(computation_type, "name", None)  # torch's _ComputationType: FORWARD, OVERLAP_F_B, ...
     if isinstance(torch_name, str) and not isinstance(computation_type, S.ActionKind):
         name = _TORCH_NAMES.get(torch_name, torch_name)
-    if name in _TORCH_FSDP_KINDS:
-        return None
     if name not in _TORCH_KINDS:
         raise ValueError(f"Invalid computation type {computation_type}. Only FORWARD, FULL_BACKWARD, BACKWARD_INPUT, "
                          "BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD and REDUCE_GRAD are supported.")

@@ -78,6 +78,9 @@ class PipelineScheduleSingle(PipelineSchedule):
         timeout: float = 300.0,
         trace: bool = False,
         transport: Optional[str] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         if len(stages) != 1:
@@ -88,7 +91,7 @@ class PipelineScheduleSingle(PipelineSchedule):
         super().__init__(stages, self.schedule_name, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace,
-                         transport=transport)
+                         transport=transport, seq_chunks=seq_chunks, seq_dim=seq_dim, seq_split=seq_split)
         self._stage = stages[0]
 
 
@@ -119,13 +122,20 @@ class PipelineScheduleMulti(PipelineSchedule):
         trace: bool = False,
         transport: Optional[str] = None,
         overlap: Optional[bool] = None,
+        max_active_stages: Optional[int] = None,
+        max_unsharded_bytes: Optional[int] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         # Without a schedule_name (torch's way of writing a custom schedule: subclass, then assign
         # self.pipeline_order), nothing runs until the order is assigned.
         super().__init__(stages, self.schedule_name or None, n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads, timeout=timeout, trace=trace,
-                         transport=transport, overlap=overlap)
+                         transport=transport, overlap=overlap,
+                         max_active_stages=max_active_stages, max_unsharded_bytes=max_unsharded_bytes,
+                         seq_chunks=seq_chunks, seq_dim=seq_dim, seq_split=seq_split)
         self._stages = list(self.stages.values())
         self._backward_requires_autograd = backward_requires_autograd
 
@@ -174,6 +184,11 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
         trace: bool = False,
         transport: Optional[str] = None,
         overlap: Optional[bool] = None,
+        max_active_stages: Optional[int] = None,
+        max_unsharded_bytes: Optional[int] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         # [Note: defer_pp_recv]
         # torch places each RECV as early as its order allows and, with defer_pp_recv=True, moves it to right
@@ -191,7 +206,9 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
         self.defer_pp_recv = defer_pp_recv
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          use_full_backward, scale_grads, backward_requires_autograd, timeout=timeout, trace=trace,
-                         transport=transport, overlap=overlap)
+                         transport=transport, overlap=overlap,
+                         max_active_stages=max_active_stages, max_unsharded_bytes=max_unsharded_bytes,
+                         seq_chunks=seq_chunks, seq_dim=seq_dim, seq_split=seq_split)
 
     def _prepare_schedule_with_comms(self, actions: dict[int, Sequence[Any]], format: str = "compute_only") -> None:
         rows = [actions.get(r, []) for r in range(max(actions) + 1)] if actions else []
@@ -277,10 +294,17 @@ class _BuiltinRuntime(_PipelineScheduleRuntime):
         trace: bool = False,
         transport: Optional[str] = None,
         overlap: Optional[bool] = None,
+        max_active_stages: Optional[int] = None,
+        max_unsharded_bytes: Optional[int] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          use_full_backward, scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv,
-                         timeout=timeout, trace=trace, transport=transport, overlap=overlap)
+                         timeout=timeout, trace=trace, transport=transport, overlap=overlap,
+                         max_active_stages=max_active_stages, max_unsharded_bytes=max_unsharded_bytes,
+                         seq_chunks=seq_chunks, seq_dim=seq_dim, seq_split=seq_split)
 
 
 class ScheduleInterleaved1F1B(_BuiltinRuntime):
@@ -323,10 +347,17 @@ class ScheduleLoopedBFS(_BuiltinRuntime):
         trace: bool = False,
         transport: Optional[str] = None,
         overlap: Optional[bool] = None,
+        max_active_stages: Optional[int] = None,
+        max_unsharded_bytes: Optional[int] = None,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: str = "equal",
     ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads, backward_requires_autograd, defer_pp_recv, use_full_backward=use_full_backward,
-                         timeout=timeout, trace=trace, transport=transport, overlap=overlap)
+                         timeout=timeout, trace=trace, transport=transport, overlap=overlap,
+                         max_active_stages=max_active_stages, max_unsharded_bytes=max_unsharded_bytes,
+                         seq_chunks=seq_chunks, seq_dim=seq_dim, seq_split=seq_split)
 
 
 class ScheduleZBVZeroBubble(_BuiltinRuntime):

@@ -157,10 +157,12 @@ class PipelineStage(StagePosition):
                                           pytree.tree_map(meta, out), source="first step")
         return out
 
-    def _make_runner(self, loss_fn: Any, n_microbatches: int) -> StageRunner:
-        """This stage's runner for a schedule (the schedule's executor drives it)."""
+    def _make_runner(self, loss_fn: Any, n_microbatches: int, pieces: int = 1, seq_dim: int = 1) -> StageRunner:
+        """This stage's runner for a schedule (the schedule's executor drives it); ``pieces``: the schedule's
+        ``seq_chunks`` (``n_microbatches`` then counts pieces)."""
         kwargs = dict(call=self._call, grad_sync=self.grad_sync, n_microbatches=n_microbatches,
-                      release_outputs=self.release_outputs, meshes=MeshFinder(self.submod, self.mesh, self.get_mesh))
+                      release_outputs=self.release_outputs, meshes=MeshFinder(self.submod, self.mesh, self.get_mesh),
+                      pieces=pieces, seq_dim=seq_dim)
         if self.dw_builder is not None:
             runner: StageRunner = DwBuilderRunner(self.submod, self.stage_index, self.num_stages, loss_fn,
                                                   dw_builder=self.dw_builder, **kwargs)

@@ -61,6 +61,7 @@ Every wait has a timeout and reports rank, peer, action and microbatch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ import torch
 from pipeline_ext.runtime.channel import Handle, Messages, StepContext
 from pipeline_ext.runtime.tags import check_tag_space, message_tag, skip_tag, step_bits
 from pipeline_ext.schedules import Action, ActionKind, Schedule
-from pipeline_ext.schedules.ir import OVERLAP_F_B
+from pipeline_ext.schedules.ir import FSDP_KINDS, OVERLAP_F_B
 from pipeline_ext.runtime.group_run import CustomFunction, GroupRun, PairRunner
 from pipeline_ext.runtime.skips import SkipMessage, pack_skip_grads, pack_skips, unpack_skips
 from pipeline_ext.runtime.stage import LossFn, StageError
@@ -123,6 +124,14 @@ class Runner(Protocol):
     def take_stashed(self, mb: int) -> dict[SkipKey, Optional[torch.Tensor]]: ...
 
     def take_skip_grads(self, mb: int) -> dict[SkipKey, Optional[torch.Tensor]]: ...
+
+    # UNSHARD / RESHARD / REDUCE_GRAD: only a schedule with a parameter plan has them; ``replace``: called instead
+    # of the gather, free or reduction itself (a registered custom function)
+    def unshard(self, replace: Optional[Callable[[], None]] = None) -> None: ...
+
+    def reshard(self, replace: Optional[Callable[[], None]] = None) -> None: ...
+
+    def reduce_grads(self, replace: Optional[Callable[[], None]] = None) -> None: ...
 
 
 @dataclass
@@ -247,6 +256,9 @@ class Executor:
             ActionKind.SEND_B: self._send,
             ActionKind.RECV_F: self._recv,
             ActionKind.RECV_B: self._recv,
+            ActionKind.UNSHARD: self._params,
+            ActionKind.RESHARD: self._params,
+            ActionKind.REDUCE_GRAD: self._params,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
         self._first_message = next((i for i, a in enumerate(self.actions) if a.kind in _MESSAGES), len(self.actions))
@@ -342,7 +354,9 @@ class Executor:
             try:
                 if self._send_run_starts[i]:
                     sends.enter_context(st.messages.batch())
-                if fn is not None:
+                if fn is not None and action.kind in FSDP_KINDS:
+                    self._params(action, st, replace=functools.partial(fn, group, None))
+                elif fn is not None:
                     spans = self._custom(fn, group, st, *between)
                 elif action.kind in _MESSAGES:
                     self._message(action, st)
@@ -541,6 +555,19 @@ class Executor:
 
     def _weight(self, a: Action, st: _StepState) -> None:
         self.runners[a.stage].backward_weight(a.microbatch)
+
+    def _params(self, a: Action, st: _StepState, replace: Optional[Callable[[], None]] = None) -> None:
+        """UNSHARD / RESHARD / REDUCE_GRAD ([Note: parameters placed by the schedule] in runtime/stage.py).
+
+        ``replace``: a function registered for the kind (torch's
+        ``register_custom_function``), called instead of the library's gather,
+        free or reduction, as torch calls it instead of its own; the runner's
+        bookkeeping (the step's plan, the check that every backward came
+        before REDUCE_GRAD) runs either way.
+        """
+        runner = self.runners[a.stage]
+        {ActionKind.UNSHARD: runner.unshard, ActionKind.RESHARD: runner.reshard,
+         ActionKind.REDUCE_GRAD: runner.reduce_grads}[a.kind](replace)
 
     def _send(self, a: Action, st: _StepState) -> None:
         tensors = self._take(st.to_send, a, a)

@@ -32,6 +32,7 @@ Conventions, shared with the executor:
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from pipeline_ext.runtime.split.backward import (
 )
 from pipeline_ext.runtime import dtensor_wire
 from pipeline_ext.runtime.ops import check_movable, movable
+from pipeline_ext.runtime.pieces import StagePieces
 from pipeline_ext.skip.skippable import has_skippables
 from pipeline_ext.skip.tracker import SkipKey, call_with_skips
 
@@ -69,17 +71,41 @@ class GradientSync:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.modules)} wrapped module(s))"
 
-    def begin(self) -> None:
-        """Before the step's first forward: turn per-backward syncing off."""
+    def begin(self, planned: bool = False) -> None:
+        """Before the step's first forward (or, ``planned``, its first UNSHARD): turn per-backward syncing off."""
 
     def before_backward(self) -> None:
         """Before a B, I or W: make the parameters usable by backward."""
 
-    def finish(self) -> None:
-        """After the step's last B/W of the stage: reduce once, give back the user's settings."""
+    def finish(self, replace: Optional[Callable[[], None]] = None) -> None:
+        """After the step's last B/W of the stage: reduce once (``replace``: what runs instead of the
+        reduction), give back the user's settings."""
 
     def abort(self) -> None:
         """The step failed: give back the user's settings without reducing."""
+
+    # [Note: parameters placed by the schedule] A schedule with UNSHARD / RESHARD / REDUCE_GRAD actions (a
+    # parameter budget, schedules/fsdp.py) runs these instead of the wrapper's own hooks: ``begin(planned=True)``
+    # turns the wrapper's reshard-after-forward off for the step (the plan decides when parameters go), UNSHARD
+    # starts the all-gather, every compute action of the stage waits for it first (``ready``, which refuses a
+    # stage the plan left sharded instead of letting the wrapper gather it unseen), RESHARD frees, REDUCE_GRAD is
+    # ``finish``. Only a sharding wrapper (FSDP2) has them.
+    shards = False  #: whether the wrapper shards parameters (so UNSHARD / RESHARD mean something)
+
+    def param_bytes(self) -> int:
+        """Bytes of the stage's parameters when unsharded (what an UNSHARD makes the rank hold)."""
+        return 0
+
+    def unshard(self) -> None:
+        """UNSHARD: start gathering the stage's parameters (asynchronous where the backend allows)."""
+        raise NotImplementedError(f"{self.name} does not shard parameters: a schedule cannot UNSHARD it")
+
+    def ready(self, what: str) -> None:
+        """Before a compute action of a planned step: wait for the stage's gathering; raise if it is sharded."""
+
+    def reshard(self) -> None:
+        """RESHARD: free the stage's gathered parameters (their accumulated gradients stay)."""
+        raise NotImplementedError(f"{self.name} does not shard parameters: a schedule cannot RESHARD it")
 
 
 class StagePosition:
@@ -195,6 +221,7 @@ class _State:
     skip_inputs: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # popped here, differentiable
     skip_roots: list[tuple[SkipKey, torch.Tensor]] = field(default_factory=list)  # stashed for later stages
     wire: bool = False  # its inputs came in wire form (DTensors): their gradients may need a wait
+    piece_leaves: list[torch.Tensor] = field(default_factory=list)  # earlier pieces' keys/values it joined (pieces.py)
 
 
 class StageRunner(StagePosition):
@@ -260,6 +287,8 @@ class StageRunner(StagePosition):
         release_outputs: bool = True,
         on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None,
         meshes: Optional[dtensor_wire.MeshFinder] = None,
+        pieces: int = 1,
+        seq_dim: int = 1,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -283,6 +312,9 @@ class StageRunner(StagePosition):
         self.grad_sync = grad_sync
         self._n_microbatches = n_microbatches
         self._sync_left: Optional[int] = None  # B/W still to come before the reduction; None: no sync under way
+        #: this step's parameters are placed by the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions
+        #: ([Note: parameters placed by the schedule]); set by the step's first UNSHARD, cleared by REDUCE_GRAD
+        self._planned = False
         self._warned_unsplit = False
         self.on_kept = on_kept
         #: attached measuring tools, in order: (wrap of ``call`` or None, extra ``on_kept`` or None)
@@ -298,6 +330,12 @@ class StageRunner(StagePosition):
         #: where DTensor inputs are rebuilt (a ``PipelineStage``'s runner); None: DTensors between stages are
         #: refused (the Pipe). [Note: DTensors between stages] in runtime/dtensor_wire.py
         self.meshes = meshes
+        #: sequence pieces (Seq1F1B): microbatch ``mb`` is piece ``mb % pieces`` of sequence ``mb // pieces``, and the
+        #: keys and values causal attention carries between a sequence's pieces live here (runtime/pieces.py)
+        self.pieces = StagePieces(module, stage_index, pieces, seq_dim) if pieces > 1 else None
+        if self.pieces is not None and checkpoint is not None:
+            raise ValueError(f"stage {stage_index}: recomputing whole microbatches (checkpoint=) does not combine with "
+                             "sequence pieces; checkpoint inside the model (torch.utils.checkpoint) instead")
 
     def instrument(self, wrap_call: Optional[Callable[[Any], Any]] = None,
                    on_kept: Optional[Callable[[list[torch.Tensor]], Any]] = None) -> RemovableHandle:
@@ -338,9 +376,12 @@ class StageRunner(StagePosition):
         self.outputs.clear()
         self._stashed.clear()
         self._skip_grads.clear()
+        if self.pieces is not None:
+            self.pieces.reset()
         if self._sync_left is not None and self.grad_sync is not None:
             self._sync_left = None
             self.grad_sync.abort()
+        self._planned = False
 
     # -- F ---------------------------------------------------------------------------------
     def forward(
@@ -366,6 +407,8 @@ class StageRunner(StagePosition):
         if self.grad_sync is not None and self._sync_left is None and torch.is_grad_enabled():
             self.grad_sync.begin()  # the step's first forward of this stage
             self._sync_left = self._n_microbatches
+        if self._planned:
+            self.grad_sync.ready(f"stage {self.stage_index}: F of microbatch {mb}")
         state = _State()
         if not self.is_first:  # received activations become leaves
             args = tuple([self._as_input(a) for a in args])
@@ -391,12 +434,15 @@ class StageRunner(StagePosition):
         if skips:
             state.skip_inputs = [(k, v) for k, v in skips.items() if is_differentiable(v)]
         call = self._forward_call() if self._instruments else self.call
-        if self._skippable or skips:
-            # what no layer of this stage popped is stashed for later stages
-            out, stashed = call_with_skips(lambda: call(mb, self.module, args, kwargs or {}), skips)
-        else:
-            out, stashed = call(mb, self.module, args, kwargs or {}), {}
+        with contextlib.nullcontext() if self.pieces is None else self.pieces.forward(mb, args):
+            if self._skippable or skips:
+                # what no layer of this stage popped is stashed for later stages
+                out, stashed = call_with_skips(lambda: call(mb, self.module, args, kwargs or {}), skips)
+            else:
+                out, stashed = call(mb, self.module, args, kwargs or {}), {}
         grad_on = torch.is_grad_enabled()
+        if self.pieces is not None and grad_on:
+            state.piece_leaves = self.pieces.leaves(mb)
         if stashed:
             state.skip_roots = [(k, v) for k, v in stashed.items() if grad_on and is_differentiable(v)]
             if state.recompute is None:  # a recomputation's stashes were sent already
@@ -506,8 +552,15 @@ class StageRunner(StagePosition):
         if state.skip_inputs:
             for _, v in state.skip_inputs:
                 v.grad = None
+        if self.pieces is not None:  # what later pieces owe this one's keys and values; its own leaves accumulate
+            for t, g in self.pieces.roots(mb):
+                outputs.append(t)
+                grads.append(g)
         if outputs:
-            run_backward(outputs, grads)
+            with contextlib.nullcontext() if self.pieces is None else self.pieces.recomputing(mb):
+                run_backward(outputs, grads)
+        if self.pieces is not None:
+            self.pieces.done(mb)
         message = self._grad_message(state, [inp.grad for inp in state.grad_inputs])
         if state.skip_inputs:
             self._keep_skip_grads(mb, state, [v.grad for _, v in state.skip_inputs])
@@ -526,10 +579,19 @@ class StageRunner(StagePosition):
         if state.deferred is not None:
             raise StageError(f"stage {self.stage_index}: I of microbatch {mb} ran twice")
         outputs, grads = self._grad_pairs(state, grad_outputs, skip_grads)
-        n = len(state.grad_inputs)
-        all_grads, state.deferred = backward_input(outputs, grads, state.grad_inputs + [v for _, v in state.skip_inputs])
+        n, n_skips = len(state.grad_inputs), len(state.skip_inputs)
+        if self.pieces is not None:
+            for t, g in self.pieces.roots(mb):
+                outputs.append(t)
+                grads.append(g)
+        with contextlib.nullcontext() if self.pieces is None else self.pieces.recomputing(mb):
+            all_grads, state.deferred = backward_input(
+                outputs, grads, state.grad_inputs + [v for _, v in state.skip_inputs] + state.piece_leaves)
         input_grads = all_grads[:n]
-        self._keep_skip_grads(mb, state, all_grads[n:])
+        self._keep_skip_grads(mb, state, all_grads[n:n + n_skips])
+        if self.pieces is not None:
+            self.pieces.owe(state.piece_leaves, all_grads[n + n_skips:])
+            self.pieces.done(mb)
         self.split_seen = True
         if state.deferred.unsplit is not None and self.split_fallback is None:
             self.split_fallback = state.deferred.unsplit
@@ -549,6 +611,7 @@ class StageRunner(StagePosition):
             )
         message = self._grad_message(state, input_grads)
         state.outputs, state.grad_inputs, state.skip_inputs, state.skip_roots = [], [], [], []  # W: deferred work only
+        state.piece_leaves = []
         return message
 
     def backward_weight(self, mb: int) -> None:
@@ -557,23 +620,66 @@ class StageRunner(StagePosition):
         state = self._take(mb, "W")
         if state.deferred is None:
             raise StageError(f"stage {self.stage_index}: W of microbatch {mb} ran before its I")
-        backward_weight(state.deferred)
+        with contextlib.nullcontext() if self.pieces is None else self.pieces.recomputing(mb):
+            backward_weight(state.deferred)
         del self._states[mb]
         self._weight_grads_done()
 
     # -- data-parallel gradient sync --------------------------------------------------------
     def _before_backward(self) -> None:
-        if self._sync_left is not None and self.grad_sync is not None:
+        if self._planned:
+            self.grad_sync.ready(f"stage {self.stage_index}: a backward")
+        elif self._sync_left is not None and self.grad_sync is not None:
             self.grad_sync.before_backward()
 
     def _weight_grads_done(self) -> None:
-        """One microbatch's weight grads are in; after the step's last, reduce once."""
+        """One microbatch's weight grads are in; after the step's last, reduce once (planned: at REDUCE_GRAD)."""
         if self._sync_left is None or self.grad_sync is None:
             return
         self._sync_left -= 1
-        if self._sync_left == 0:
+        if self._sync_left == 0 and not self._planned:
             self._sync_left = None
             self.grad_sync.finish()
+
+    # -- parameters placed by the schedule (UNSHARD / RESHARD / REDUCE_GRAD) ---------------------
+    def _sharding(self, action: str) -> GradientSync:
+        if self.grad_sync is None or not self.grad_sync.shards:
+            what = "no data-parallel wrapper" if self.grad_sync is None else self.grad_sync.name
+            raise StageError(f"stage {self.stage_index}: the schedule has {action} for it, but its module has "
+                             f"{what}: only a fully_shard (FSDP2) stage has parameters to gather and free")
+        return self.grad_sync
+
+    def unshard(self, replace: Optional[Callable[[], None]] = None) -> None:
+        """UNSHARD: start gathering this stage's parameters (``replace``: what runs instead of the gather); the
+        step's first one turns the plan on."""
+        sync = self._sharding("UNSHARD")
+        if not self._planned:
+            if self._sync_left is not None:
+                raise StageError(f"stage {self.stage_index}: UNSHARD after the step's first forward of the stage; "
+                                 "a planned step unshards a stage before any of its actions")
+            if torch.is_grad_enabled():
+                sync.begin(planned=True)
+                self._sync_left = self._n_microbatches
+            self._planned = True
+        (replace or sync.unshard)()
+
+    def reshard(self, replace: Optional[Callable[[], None]] = None) -> None:
+        """RESHARD: free this stage's gathered parameters; their gradients stay until REDUCE_GRAD."""
+        sync = self._sharding("RESHARD")
+        (replace or sync.reshard)()
+
+    def reduce_grads(self, replace: Optional[Callable[[], None]] = None) -> None:
+        """REDUCE_GRAD: reduce-scatter this stage's gradients of the step (after its last B or W), once;
+        ``replace`` runs instead of the reduction (the user's settings come back either way)."""
+        sync = self._sharding("REDUCE_GRAD")
+        if not self._planned or self._sync_left is None:
+            raise StageError(f"stage {self.stage_index}: REDUCE_GRAD without a planned step under way (no UNSHARD "
+                             "of the stage before it, or a second REDUCE_GRAD)")
+        if self._sync_left:
+            raise StageError(f"stage {self.stage_index}: REDUCE_GRAD with the gradients of {self._sync_left} "
+                             "microbatch(es) still to come; it goes after the stage's last B or W of the step")
+        self._sync_left, self._planned = None, False
+        sync.finish(replace)
 
 
 def split_report(runners: Any) -> dict[int, Optional[str]]:

@@ -119,6 +119,10 @@ def _block_scores(qf: torch.Tensor, kj: torch.Tensor, scale: float, bias: Option
 class _PieceAttention(torch.autograd.Function):
     """Inputs: q, key_bias (B, N) or None, scale, n blocks, then the n blocks' keys and the n blocks' values."""
 
+    #: no weights, and a backward that only reads what it saved: the zero-bubble split may run it at I and at W
+    #: (``pipeline_ext.runtime.split.RERUNNABLE_BACKWARD``, spelt out: this package sits below the runtime)
+    pipeline_ext_rerunnable_backward = True
+
     @staticmethod
     def forward(ctx, q, key_bias, scale, n, *kv):  # type: ignore[override]
         ks, vs = kv[:n], kv[n:]

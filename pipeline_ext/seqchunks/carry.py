@@ -86,6 +86,8 @@ class SequenceCarry:
         self._entries: dict[int, dict[Hashable, _Entry]] = {}
         self._lengths: dict[int, int] = {}  # piece -> length, as its attention recorded it
         self._forwarded = -1  # the last piece whose forward began
+        self._recomputing: Optional[int] = None  # the piece whose backward recomputes its forward (checkpointing)
+        self._offsets: dict[int, int] = {}  # piece -> its first position, as its forward ran
 
     def __repr__(self) -> str:
         return (f"SequenceCarry(pieces={self.pieces}, total_length={self.total_length}, piece={self.piece}, "
@@ -117,6 +119,7 @@ class SequenceCarry:
         if self.total_length is not None and not 0 <= offset < self.total_length:
             raise ValueError(f"piece {piece} starts at {offset}, outside a sequence of {self.total_length}")
         self.piece, self.offset, self._forwarded = piece, offset, piece
+        self._offsets[piece] = offset
         self._entries[piece] = {}
         token = _ACTIVE.set(self)
         try:
@@ -124,16 +127,54 @@ class SequenceCarry:
         finally:
             _ACTIVE.reset(token)
 
+    @contextmanager
+    def recomputing(self, piece: int) -> Iterator["SequenceCarry"]:
+        """Runs piece ``piece``'s backward with this carry current, for a forward that checkpointing recomputes.
+
+        A recomputed attention joins the same earlier keys and values as the
+        forward did (the leaves, still held: backwards run in reverse piece
+        order) and records nothing: the piece's own entries stay those of its
+        forward, whose graph the extra roots belong to.
+        """
+        if piece not in self._entries:
+            raise RuntimeError(f"recomputing piece {piece}, whose keys and values are not held "
+                               f"(held: {self.held_pieces})")
+        token = _ACTIVE.set(self)
+        was = self.piece, self.offset
+        self._recomputing, self.piece, self.offset = piece, piece, self._offsets[piece]
+        try:
+            yield self
+        finally:
+            self._recomputing = None
+            self.piece, self.offset = was
+            _ACTIVE.reset(token)
+
+    def joined_leaves(self, piece: int) -> list[torch.Tensor]:
+        """The leaves ``piece``'s forward joined (earlier pieces' keys and values, every layer): the inputs of its
+        graph, besides its activations, whose gradients its backward owes the earlier pieces."""
+        return [leaf for j in range(piece) for e in self._entries.get(j, {}).values()
+                for leaf in (e.leaf_k, e.leaf_v) if leaf is not None]
+
     def join(self, layer: Hashable, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor]
              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]:
         """Records the running piece's (k, v) of ``layer``; returns the keys, values and key biases of pieces 0..now.
 
         Earlier pieces come as their detached leaves (or as they are, where
-        they need no gradient), the running piece as given.
+        they need no gradient), the running piece as given. Under
+        ``recomputing`` nothing is recorded.
         """
-        piece = self.piece
         if _ACTIVE.get() is not self:
             raise RuntimeError("the carry's attention ran outside `with carry.active(piece=...)`")
+        if self._recomputing is not None:
+            piece = self._recomputing
+            if layer not in self._entries[piece]:
+                raise RuntimeError(f"a recomputation of piece {piece} ran attention layer {layer!r}, which its "
+                                   "forward did not run")
+            earlier = [self._entries[j][layer] for j in range(piece)]
+            return ([e.leaf_k if e.leaf_k is not None else e.k for e in earlier] + [k],
+                    [e.leaf_v if e.leaf_v is not None else e.v for e in earlier] + [v],
+                    [e.key_bias for e in earlier] + [key_bias])
+        piece = self.piece
         entries = self._entries[piece]
         if layer in entries:
             raise RuntimeError(f"attention layer {layer!r} called the carry twice in piece {piece}: "

@@ -90,9 +90,10 @@ def test_csv_round_trip_in_torchs_format(tmp_path):
         S.dump_csv(sched, tmp_path / f"{name}.csv")
         back = S.load_csv(tmp_path / f"{name}.csv")
         assert back.actions == sched.actions and back.stage_to_rank == sched.stage_to_rank
-    # torch's own spelling of idle slots, FSDP bookkeeping and overlapped pairs
+    # torch's own spelling of idle slots, FSDP actions (kept: schedules place parameters too) and overlapped pairs
     (tmp_path / "torch.csv").write_text("0F0,0UNSHARD,,0F1,0RESHARD,(0B0;0B1)OVERLAP_F_B\n")
-    assert [str(a) for a in S.load_csv(tmp_path / "torch.csv").actions[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    assert [str(a) for a in S.load_csv(tmp_path / "torch.csv").actions[0]] == ["0F0", "0UNSHARD", "0F1", "0RESHARD",
+                                                                                 "0B0", "0B1"]
     (tmp_path / "comms.csv").write_text("0F0,0SEND_F0\n")
     with pytest.raises(S.ScheduleError, match="use format='compute_comms'"):
         S.load_csv(tmp_path / "comms.csv")

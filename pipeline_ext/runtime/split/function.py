@@ -60,7 +60,12 @@ import torch
 
 from pipeline_ext.runtime.split.marks import INPUT_EDGES, PHASE, SHARED_SAVED, WEIGHT_STASH
 
-__all__ = ["SplitFunction", "is_split_function", "input_positions"]
+__all__ = ["SplitFunction", "is_split_function", "input_positions", "RERUNNABLE_BACKWARD"]
+
+#: A custom ``autograd.Function`` class attribute: set to True, it says the Function takes no weights and its
+#: ``backward`` only reads its saved tensors (no side effect), so the split may run it at I and again at W
+#: (``obstacles.py``). A plain string, so a package below the runtime can declare it without importing it.
+RERUNNABLE_BACKWARD = "pipeline_ext_rerunnable_backward"
 
 #: ``SHARED_SAVED`` while I runs: ``saved`` unpacks at its first read and shares the tuple with a second half
 _UNPACK_ON_FIRST_READ = object()

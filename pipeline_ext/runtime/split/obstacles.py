@@ -25,7 +25,11 @@ every node of ``twice`` gives the same answer when run again with
 - on a node of ``twice``, a custom ``autograd.Function`` we do not know: its
   ``backward`` computes every gradient each time, or does something once
   only (accumulates into a ``main_grad``). A ``SplitFunction`` (its backward
-  in ``backward_input`` and ``backward_weight`` halves) is known;
+  in ``backward_input`` and ``backward_weight`` halves) is known, and so is
+  a Function that declares ``RERUNNABLE_BACKWARD`` (a class attribute
+  ``pipeline_ext_rerunnable_backward = True``: it takes no weights, and its
+  backward only reads its saved tensors, so running it again gives the same
+  gradients; ``pipeline_ext.seqchunks``' attention does);
 - the inputs of a checkpointed region recomputed in more than one engine call
   (read by a node that runs at W: see below), saved under an unpack hook we do
   not know. The region's inputs are saved under the hooks around the
@@ -55,7 +59,7 @@ from typing import Any, Collection, Iterable, Iterator, Optional
 import torch
 from torch.utils import checkpoint as _ckpt
 
-from pipeline_ext.runtime.split.function import SplitFunction, is_split_function
+from pipeline_ext.runtime.split.function import RERUNNABLE_BACKWARD, SplitFunction, is_split_function
 from pipeline_ext.runtime.split.keep import OnceOnlyPacked
 from pipeline_ext.runtime.split.marks import splittable
 
@@ -224,7 +228,7 @@ def _opaque(node: Any, again: bool) -> Optional[str]:
         )
     if issubclass(fwd, _ckpt.CheckpointFunction):
         return "it contains a reentrant torch.utils.checkpoint (use_reentrant=True), which refuses autograd.grad"
-    if again and not is_split_function(fwd):
+    if again and not is_split_function(fwd) and getattr(fwd, RERUNNABLE_BACKWARD, False) is not True:
         return (f"it contains a custom autograd.Function ({fwd.__module__}.{fwd.__qualname__}) whose backward would "
                 f"run at I and again at W (it takes weights, or a weight used twice in the stage makes W re-run the "
                 f"input region), computing every gradient each time (or doing something once only); "

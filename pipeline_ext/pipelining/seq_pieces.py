@@ -1,0 +1,156 @@
+"""Sequence pieces at the front end: a schedule's ``seq_chunks=K`` cuts each microbatch into K pieces.
+
+The schedule (``schedules/pieces.py``) runs units, piece k of microbatch j
+being unit ``j * K + k``; the runners carry keys and values between a
+sequence's pieces (``runtime/pieces.py``). What is left is here: cutting a
+step's batch into units (microbatches along the batch dimension as without
+pieces, then each along ``seq_dim``), weighting each unit's loss by its
+share of the batch, and putting the outputs and losses back per microbatch.
+
+Cut: every tensor of the inputs, keyword arguments and target whose
+``seq_dim`` has the sequence's length (the first positional input's) is cut
+there; anything else goes whole to every piece. Targets are cut as they are:
+they must already be shifted (``target[t]`` belongs to position ``t``), since
+a loss that shifts inside a piece would lose each piece's last position. The
+lengths are equal (``"equal"``) or balanced by causal attention's cost
+(``"balanced"``: piece k ends at ``L * sqrt((k + 1) / K)``, so each piece
+attends to about as many (query, key) pairs, later pieces being shorter).
+
+Weights: a mean-reduced loss of a piece is the mean over its elements, so
+the unit's weight is its share of the target's elements (its rows times its
+length); a loss with its own ``microbatch_weights`` (``TokenMeanLoss``)
+keeps them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["piece_lengths", "PieceCut", "PieceWeightedLoss"]
+
+
+def piece_lengths(length: int, pieces: int, split: str = "equal") -> list[int]:
+    """The K lengths a sequence of ``length`` is cut into (``split``: "equal" or "balanced")."""
+    if split not in ("equal", "balanced"):
+        raise ValueError(f"seq_split must be 'equal' or 'balanced', got {split!r}")
+    if length < pieces:
+        raise ValueError(f"a sequence of {length} positions cannot be cut into seq_chunks={pieces} pieces")
+    if split == "equal":
+        ends = [round(length * (k + 1) / pieces) for k in range(pieces)]
+    else:
+        ends = [round(length * math.sqrt((k + 1) / pieces)) for k in range(pieces)]
+    lengths, start = [], 0
+    for k, end in enumerate(ends):
+        end = max(end, start + 1)
+        end = min(end, length - (pieces - 1 - k))  # every later piece keeps at least one position
+        lengths.append(end - start)
+        start = end
+    return lengths
+
+
+class PieceCut:
+    """Cuts microbatches into pieces along ``seq_dim`` and puts outputs back; one per schedule."""
+
+    def __init__(self, pieces: int, seq_dim: int, split: str = "equal") -> None:
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+            raise ValueError(f"seq_chunks must be a positive int, got {pieces!r}")
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+            raise ValueError(f"seq_dim must be an int >= 1 (dimension 0 is the batch), got {seq_dim!r}")
+        piece_lengths(pieces, pieces, split)  # checks ``split``
+        self.pieces, self.seq_dim, self.split = pieces, seq_dim, split
+        self.lengths: list[list[int]] = []  # per microbatch of the last cut: its pieces' lengths
+
+    def _length(self, microbatch: int, values: Sequence[Any]) -> int:
+        leaves, _ = tree_flatten(list(values))
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim:
+                return t.shape[self.seq_dim]
+        raise ValueError(f"microbatch {microbatch}: no input tensor has a sequence dimension {self.seq_dim} to cut "
+                         f"into seq_chunks={self.pieces} pieces")
+
+    def cut(self, per_microbatch: Sequence[Any], lengths: Sequence[int], microbatch: int) -> list[Any]:
+        """One microbatch's value (a tuple of args, a dict, a target) as one value per piece."""
+        length = sum(lengths)
+
+        def piece(k: int) -> Callable[[Any], Any]:
+            start = sum(lengths[:k])
+
+            def take(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim and t.shape[self.seq_dim] == length:
+                    return t.narrow(self.seq_dim, start, lengths[k])
+                return t
+
+            return take
+
+        return [tree_map(piece(k), per_microbatch) for k in range(self.pieces)]
+
+    def units(self, args: Optional[list], kwargs: Optional[list], targets: Optional[list]
+              ) -> tuple[Optional[list], Optional[list], Optional[list]]:
+        """Per-microbatch lists (any of them None: not given on this rank) as per-unit lists."""
+        n = next((len(x) for x in (args, kwargs, targets) if x is not None), 0)
+        self.lengths = []
+        for j in range(n):
+            found = [x[j] for x in (args, kwargs, targets) if x is not None and x[j] is not None]
+            self.lengths.append(piece_lengths(self._length(j, found), self.pieces, self.split))
+
+        def cut_all(values: Optional[list]) -> Optional[list]:
+            if values is None:
+                return None
+            return [p for j, v in enumerate(values) for p in (self.cut(v, self.lengths[j], j) if v is not None
+                                                               else [None] * self.pieces)]
+
+        return cut_all(args), cut_all(kwargs), cut_all(targets)
+
+    def merge(self, outputs: list[Any]) -> list[Any]:
+        """Per-unit outputs as per-microbatch ones: each microbatch's pieces joined along ``seq_dim``."""
+        k = self.pieces
+
+        def join(*parts: Any) -> Any:
+            first = parts[0]
+            if isinstance(first, torch.Tensor) and first.dim() > self.seq_dim:
+                return torch.cat(parts, dim=self.seq_dim)
+            return first
+
+        return [_tree_zip(join, outputs[j * k:(j + 1) * k]) for j in range(len(outputs) // k)]
+
+    def losses(self, unit_losses: list[torch.Tensor], unit_weights: Sequence[Any]) -> list[torch.Tensor]:
+        """One loss per microbatch: its pieces' losses weighted by their shares of it (the sequence's mean)."""
+        k, out = self.pieces, []
+        for j in range(len(unit_losses) // k):
+            w = [unit_weights[j * k + i] for i in range(k)]
+            total = sum(w)
+            out.append(sum(loss * (wi / total) for loss, wi in zip(unit_losses[j * k:(j + 1) * k], w)))
+        return out
+
+
+def _tree_zip(fn: Callable[..., Any], trees: list[Any]) -> Any:
+    """``fn`` over the leaves of structurally equal trees."""
+    flat = [tree_flatten(t) for t in trees]
+    leaves, spec = flat[0]
+    return tree_unflatten([fn(*(f[0][i] for f in flat)) for i in range(len(leaves))], spec)
+
+
+class PieceWeightedLoss:
+    """The user's loss, with each unit's weight its share of the target's elements (or the loss's own weights)."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self._own = getattr(loss_fn, "microbatch_weights", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(*args, **kwargs)
+
+    def microbatch_weights(self, targets: list[Any]) -> list[float]:
+        if self._own is not None:
+            return self._own(targets)
+        sizes = []
+        for t in targets:
+            leaves = [x for x in tree_flatten(t)[0] if isinstance(x, torch.Tensor)]
+            if not leaves:
+                raise ValueError("seq_chunks weighs each piece's loss by its target's elements; a target has no tensor")
+            sizes.append(leaves[0].numel())
+        total = sum(sizes)
+        return [s / total for s in sizes]
