@@ -33,6 +33,28 @@ def _feature_folders_on_path() -> None:
 
 _feature_folders_on_path()
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``long`` the variants ``tests/tiers.py`` moves out of the default run (its docstring says why).
+
+    Runs before ``-m`` deselects, so ``-m long`` selects them and the default run leaves them out. When the
+    whole suite is collected, an entry that names no test fails the collection: a renamed test must be moved
+    again, not silently come back or drop out.
+    """
+    from tiers import LONG
+
+    here = Path(__file__).resolve().parent
+    seen = set()
+    for item in items:
+        rel = Path(str(item.path)).resolve().relative_to(here).as_posix() + "::" + item.name
+        if rel in LONG:
+            item.add_marker(pytest.mark.long)
+            seen.add(rel)
+    whole = [Path(a).resolve() for a in config.args] in ([here], [here.parent], [])
+    missing = sorted(set(LONG) - seen)
+    if whole and not config.option.keyword and missing:
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {missing}")
+
 import mp_utils
 from mp_pool import shutdown_pools
 from mp_utils import TEST_DEVICE_ENV
