@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
+from pipeline_ext.seqchunks import check_rope, current_carry, piece_positions, register_hf_attention
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -120,7 +121,8 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         if self.first:  # x: token ids; position ids are made here and travel with the activations
-            position_ids = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)
+            # the piece's own positions under seq_chunks (arange(length) would restart every piece at 0)
+            position_ids = piece_positions(current_carry(), x.shape[1], x.device).repeat(x.shape[0], 1)
             x = self.model.embed_tokens(x)
         mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
                                   position_ids=position_ids, **{_MASK_CACHE_KW: None})
@@ -290,6 +292,10 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     rows = cfg["batch"] // dp
 
     config = llama_config(cfg["size"], cfg["seq"])
+    pieces = cfg.get("seq_chunks", 1)
+    if pieces > 1:  # the attention that carries keys and values across a sequence's pieces (Seq1F1B)
+        config._attn_implementation = register_hf_attention()
+        check_rope(config)
     torch.manual_seed(0)  # the same random weights on every rank
     full = LlamaForCausalLM(config).to(device)
     reference = copy.deepcopy(full) if cfg.get("check") else None
@@ -320,7 +326,8 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                    for s, m in modules.items()}
     stages = [pe.PipelineStage(wrapped[s], s, n, device, group=mesh["pp"]) for s in mine]
     loss_fn = pe.TokenMeanLoss(dp_group=dp_group)
-    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn)
+    sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn,
+                                        **({"seq_chunks": pieces} if pieces > 1 else {}))
     # names as in the stage module (the DDP wrapper's "module." prefix is not needed)
     pe.tie_parameters(sched, {"embed": {0: "model.embed_tokens.weight", n - 1: "lm_head.weight"}})
     params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
@@ -433,10 +440,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--check", action="store_true", help="compare the first step with the unsplit model")
     ap.add_argument("--balance", action="store_true",
                     help="cut the stages by measured cost (rank 0 times each layer) instead of equal layer counts")
+    ap.add_argument("--seq-chunks", type=int, default=1,
+                    help="cut each sequence into this many pieces and pipeline the pieces (Seq1F1B: 1f1b, zb_h1, "
+                         "interleaved_1f1b)")
     ap.add_argument("--spawn", type=int, default=0, help="start this many local ranks (Gloo) instead of torchrun")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("pp", "tp", "schedule", "size", "batch", "seq", "microbatches", "steps",
-                                         "lr", "clip", "check", "balance")}
+                                         "lr", "clip", "check", "balance", "seq_chunks")}
     if args.balance and args.tp > 1:
         ap.error("--balance times layers on one rank: it does not combine with --tp")
     if args.balance:

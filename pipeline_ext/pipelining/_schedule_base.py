@@ -496,12 +496,9 @@ class PipelineSchedule:
                 arg_mbs, kwarg_mbs, target_mbs = cut.units(arg_mbs, kwarg_mbs, target_mbs)
             except Exception as exc:  # noqa: BLE001 - this rank's rejection, told to every rank in the agreement
                 refused = exc
-        unit_losses: Optional[list] = [] if losses is not None else None
-        outs = self._run(kind, arg_mbs, kwarg_mbs, target_mbs, unit_losses, return_outputs, loss_kwargs, False,
+        # ``losses``: one per piece (microbatch j's at j*K .. j*K+K-1), weighted as the loss function weighs them
+        outs = self._run(kind, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False,
                          merge=False, refused=refused)
-        if losses is not None and unit_losses:
-            weights = PieceWeightedLoss(lambda *a: None).microbatch_weights(target_mbs) if target_mbs else None
-            losses.extend(cut.losses(unit_losses, weights) if weights else unit_losses)
         if outs is None:
             return None
         per_mb = cut.merge(outs)

@@ -116,15 +116,6 @@ class PieceCut:
 
         return [_tree_zip(join, outputs[j * k:(j + 1) * k]) for j in range(len(outputs) // k)]
 
-    def losses(self, unit_losses: list[torch.Tensor], unit_weights: Sequence[Any]) -> list[torch.Tensor]:
-        """One loss per microbatch: its pieces' losses weighted by their shares of it (the sequence's mean)."""
-        k, out = self.pieces, []
-        for j in range(len(unit_losses) // k):
-            w = [unit_weights[j * k + i] for i in range(k)]
-            total = sum(w)
-            out.append(sum(loss * (wi / total) for loss, wi in zip(unit_losses[j * k:(j + 1) * k], w)))
-        return out
-
 
 def _tree_zip(fn: Callable[..., Any], trees: list[Any]) -> Any:
     """``fn`` over the leaves of structurally equal trees."""

@@ -103,6 +103,11 @@ class StagePieces:
         if piece == 0:
             self.drop(seq)
 
+    def carried_gradients(self) -> list[torch.Tensor]:
+        """The gradients later pieces left on earlier pieces' keys and values, held until those pieces' backward
+        (what a memory measure adds to the graph's saved tensors)."""
+        return [g for carry in self._carries.values() for g in carry.leaf_gradients()]
+
     @staticmethod
     def owe(leaves: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
         """An I's gradients of the joined leaves, added to their ``.grad`` (where later pieces left theirs too)."""

@@ -155,6 +155,11 @@ class SequenceCarry:
         return [leaf for j in range(piece) for e in self._entries.get(j, {}).values()
                 for leaf in (e.leaf_k, e.leaf_v) if leaf is not None]
 
+    def leaf_gradients(self) -> list[torch.Tensor]:
+        """The gradients held on the held pieces' leaves (what later pieces owe them so far)."""
+        return [leaf.grad for entries in self._entries.values() for e in entries.values()
+                for leaf in (e.leaf_k, e.leaf_v) if leaf is not None and leaf.grad is not None]
+
     def join(self, layer: Hashable, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor]
              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]:
         """Records the running piece's (k, v) of ``layer``; returns the keys, values and key biases of pieces 0..now.

@@ -88,6 +88,12 @@ def _unsplit(stages: list[nn.Module], xs: list[torch.Tensor], ys: list[torch.Ten
     return loss
 
 
+def _pieces_of(y: torch.Tensor, k: int) -> list[torch.Tensor]:
+    from pipeline_ext.pipelining.seq_pieces import piece_lengths
+
+    return list(torch.split(y, piece_lengths(y.shape[1], k), dim=1))
+
+
 def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str]]) -> list[str]:
     import pipeline_ext as pe
     import torch.distributed as dist
@@ -120,10 +126,10 @@ def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str]]) 
             ref_opt.zero_grad()
             ref_loss = _unsplit(ref, xs, ys)
             ref_loss.backward()
-            if last:
-                weights = [y.numel() for y in ys]
+            if last:  # one loss per piece, each the mean over its positions
+                weights = [t.numel() for y in ys for t in _pieces_of(y, k)]
                 got = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
-                if len(losses) != M or not torch.allclose(got, ref_loss.detach(), **TOL):
+                if len(losses) != M * k or not torch.allclose(got, ref_loss.detach(), **TOL):
                     bad.append(f"{where} step {step}: loss {got} != {ref_loss.item()} ({len(losses)} losses)")
                 with torch.no_grad():
                     whole = []

@@ -1,0 +1,188 @@
+"""Long context: 1F1B on whole sequences against 1F1B over K sequence pieces (Seq1F1B), side by side.
+
+A small GPT (pre-norm blocks, grouped-query causal attention with rotary
+positions through ``pipeline_ext.seqchunks``, an MLP), cut into R stages of
+two blocks on R Gloo CPU ranks (one torch thread each, so a bubble is idle
+time); 4 microbatches of one sequence each. Per K (1 = whole sequences, then
+2 and 4 pieces) in the same processes, repeats interleaved:
+
+- exact: the step's loss and every gradient against the unsplit model run on
+  the whole sequences on every rank (grad_rel: the largest per-parameter
+  |g - g_ref| / |g_ref|; yes when every gradient is within fp32 tolerances);
+- activations: the peak of what rank 0 keeps for backward, sampled after
+  every action (``ActivationMeter``: inputs, outputs and saved tensors of
+  each forward, what an I keeps for its W; plus the gradients later pieces
+  left on carried keys and values), over 1F1B's;
+- speed: the median step time of 1F1B over this one's (medians of --repeats
+  repeats of --steps steps), and the simulator's prediction of the same
+  ratio from per-piece F and B costs measured on rank 0 (``simulated``).
+
+    PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 2
+    PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DIM, HQ, HKV, HEAD, LAYERS_PER_STAGE = 128, 8, 2, 16, 2
+MICROBATCHES, SEQ = 4, 1024
+PIECES = (1, 2, 4)
+
+
+def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    freqs = positions[:, None].float() * (10000.0 ** (-torch.arange(half).float() / half))[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.q, self.kv = nn.Linear(DIM, HQ * HEAD, bias=False), nn.Linear(DIM, 2 * HKV * HEAD, bias=False)
+        self.o = nn.Linear(HQ * HEAD, DIM, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipeline_ext.seqchunks import chunked_causal_attention, current_carry, piece_positions
+
+        b, length, _ = x.shape
+        carry = current_carry()
+        positions = piece_positions(carry, length, x.device)
+        h = self.norm1(x)
+        q = self.q(h).view(b, length, HQ, HEAD).transpose(1, 2)
+        k, v = self.kv(h).view(b, length, 2, HKV, HEAD).permute(2, 0, 3, 1, 4)
+        a = chunked_causal_attention(_rotary(q, positions), _rotary(k, positions), v, carry, self.layer)
+        x = x + self.o(a.transpose(1, 2).reshape(b, length, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def _stages(ranks: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(*(Block(s * LAYERS_PER_STAGE + i) for i in range(LAYERS_PER_STAGE))) for s in range(ranks)]
+
+
+def _piece_costs(stage: nn.Module, k: int, x: torch.Tensor) -> tuple[float, float]:
+    """Mean F and B time of one piece of one sequence on ``stage``, run as the runner runs them (rank 0, no comm)."""
+    from pipeline_ext.pipelining.seq_pieces import piece_lengths
+    from pipeline_ext.seqchunks import SequenceCarry
+
+    lengths = piece_lengths(x.shape[1], k)
+    fs, bs = [], []
+    for _ in range(3):
+        carry = SequenceCarry(k)
+        outs, leaves, t0, start = [], [], time.perf_counter(), 0
+        for p, n in enumerate(lengths):
+            xp = x[:, start:start + n].detach().requires_grad_()
+            with carry.active(piece=p, offset=start):
+                outs.append(stage(xp))
+            leaves.append(carry.joined_leaves(p))
+            start += n
+        t1 = time.perf_counter()
+        for p in reversed(range(k)):
+            roots = carry.extra_roots(p)
+            torch.autograd.backward([outs[p]] + [t for t, _ in roots], [torch.ones_like(outs[p])] + [g for _, g in roots])
+            carry.release(p)
+        t2 = time.perf_counter()
+        fs.append((t1 - t0) / k)
+        bs.append((t2 - t1) / k)
+        for m in stage.parameters():
+            m.grad = None
+    return statistics.median(fs), statistics.median(bs)
+
+
+def worker(rank: int, world: int, steps: int, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    import pipeline_ext as pe
+    from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
+    from pipeline_ext.runtime.memory import ActivationMeter
+    from pipeline_ext.schedules import Costs, lower, simulate
+    from pipeline_ext.schedules.pieces import build_pieces
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(MICROBATCHES, SEQ, DIM, generator=g)
+    y = torch.randn(MICROBATCHES, SEQ, DIM, generator=g)
+    ref = _stages(world)
+    out = x
+    for s in ref:
+        out = s(out)
+    F.mse_loss(out, y).backward()
+    ref_grads = [p.grad.clone() for p in ref[rank].parameters()]
+
+    scheds, mods, result = {}, {}, {}
+    for k in PIECES:
+        mods[k] = _stages(world)[rank]
+        stage = pe.PipelineStage(mods[k], rank, world, "cpu")
+        scheds[k] = pe.Schedule1F1B(stage, MICROBATCHES, loss_fn=F.mse_loss, seq_chunks=k, timeout=600)
+
+    def step(k: int) -> None:
+        for p in mods[k].parameters():
+            p.grad = None
+        scheds[k].step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+
+    # exactness and the activation peak, on one step each
+    for k in PIECES:
+        meter = ActivationMeter()
+        runner = scheds[k].stages[rank]._runner
+        handle = meter.watch(runner)
+        pieces = runner.pieces
+
+        def sample(_: object, meter=meter, pieces=pieces) -> None:
+            if pieces is not None:  # the gradients carried back to earlier pieces' keys and values count too
+                meter.track(pieces.carried_gradients())
+            meter.sample()
+
+        hook = scheds[k].register_action_hook(sample)
+        step(k)
+        hook.remove()
+        handle.remove()
+        rel = max(((p.grad - q).norm() / q.norm()).item() for p, q in zip(mods[k].parameters(), ref_grads))
+        ok = all(torch.allclose(p.grad, q, rtol=1e-4, atol=1e-6) for p, q in zip(mods[k].parameters(), ref_grads))
+        flags = torch.tensor([int(ok)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        result[k] = dict(exact=bool(flags.item()), grad_rel=rel, activations=meter.peak_bytes)
+    times = interleaved_medians({k: (lambda k=k: step(k)) for k in PIECES}, steps, repeats, warmup=1)
+    for k in PIECES:
+        result[k]["ms"] = times[k] * 1e3
+    # the simulator's prediction, from per-piece costs measured on this rank's stage
+    if rank == 0:
+        for k in PIECES:
+            f, b = _piece_costs(_stages(world)[0], k, x[:1])
+            sim = simulate(lower(build_pieces("1f1b", world, MICROBATCHES, k)), Costs(f=f, b=b, w=0.0, whole=b))
+            result[k]["sim"] = sim.makespan
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    from pipeline_ext.comm.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, choices=[2, 4])
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    out = spawn(worker, args.ranks, args.steps, args.repeats, timeout=3600, threads=1)
+    rows = out[0][1]
+    base = rows[1]
+    print(f"{args.ranks} Gloo CPU ranks (one thread each), 1F1B, {MICROBATCHES} microbatches of one sequence of {SEQ} "
+          f"tokens, {LAYERS_PER_STAGE} blocks of dim {DIM} per stage; torch {torch.__version__}; medians of "
+          f"{args.repeats} interleaved repeats x {args.steps} steps; rank 0's activations")
+    for k in PIECES[1:]:
+        r = rows[k]
+        print(f"long context: {k} chunks exact {'yes' if r['exact'] else 'no'} grad_rel {r['grad_rel']:.1e} "
+              f"activations {r['activations'] / base['activations']:.2f}x of 1F1B speed {base['ms'] / r['ms']:.2f}x "
+              f"of 1F1B (simulated {base['sim'] / r['sim']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
