@@ -8,11 +8,13 @@ one file:
   layers. A stage keeps the *unsplit model's names* (``model.layers.5...``),
   so checkpoints and ties are written against the names users know;
 - **what travels**: a stage returns ``(hidden_states, position_ids,
-  attention_mask)`` and the next one takes them positionally. Integer tensors
+  padding_mask)`` and the next one takes them positionally. Integer tensors
   travel without gradients. Each stage rebuilds the causal mask and the rotary
   embeddings from them (cheaper than sending a 4-D mask);
-- **kwargs**: the first stage gets ``attention_mask=`` as a keyword of
-  ``step()``; it is split into microbatches with the input ids;
+- **kwargs**: the first stage's rank passes ``attention_mask=`` to ``step()``;
+  it is cut into microbatches (and, with ``--seq-chunks``, into pieces) like
+  the input ids, and reaches every stage of that rank (as in torch), where it
+  is the padding mask;
 - **the loss**: ``pe.TokenMeanLoss`` over pre-shifted labels (``-100`` on
   padding) gives exactly the unsplit model's token mean, over the global batch
   of every data-parallel replica;
@@ -119,7 +121,10 @@ class LlamaStage(nn.Module):
             self.lm_head = full.lm_head
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None):
+                padding_mask: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
+        # the padding mask travels positionally from the previous stage; a rank's own keyword argument (it reaches
+        # every stage of the rank) is the same mask
+        attention_mask = attention_mask if attention_mask is not None else padding_mask
         if self.first:  # x: token ids; position ids are made here and travel with the activations
             # the piece's own positions under seq_chunks (arange(length) would restart every piece at 0)
             position_ids = piece_positions(current_carry(), x.shape[1], x.device).repeat(x.shape[0], 1)

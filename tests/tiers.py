@@ -95,6 +95,10 @@ LONG: dict[str, str] = {
     "schedules/test_schedules_auto.py::test_auto_vs_zb_h1[16-64-costs1]": "the smaller cases",
     "schedules/test_schedules_select.py::test_the_choice_flips_where_the_split_overhead_crosses_the_bubble[4-16]":
         "[4-8]",
+    # sequence pieces on the Hugging Face Llama: 1F1B with 4 pieces stays (and the step_microbatches case)
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[zb_h1-2]": "[1f1b-4]",
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[interleaved_1f1b-2]":
+        "[1f1b-4], tests/seqchunks/test_seq1f1b_pipeline.py's interleaved case",
     # the examples: the pp2 x dp2 run with --check stays
     "examples/test_example_llama.py::test_llama_example_balance_on_4_stages_prints_a_valid_split_and_passes_check":
         "test_llama_example_pp2_dp2_prints_layout_passes_check_and_trains, tests/pipe/test_balance.py",

@@ -24,7 +24,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from pipeline_ext.seqchunks import SequenceCarry
+from pipeline_ext.seqchunks import PiecesNotSupportedError, SequenceCarry
+from pipeline_ext.seqchunks.carry import DEFAULT_HF_NAME
+from pipeline_ext.seqchunks.hf import hf_attention_not_carrying
 
 __all__ = ["StagePieces"]
 
@@ -41,6 +43,13 @@ class StagePieces:
         self.pieces, self.seq_dim, self.stage_index = pieces, seq_dim, stage_index
         self.module = module
         self.has_attention = _has_attention(module)
+        impl = hf_attention_not_carrying(module) if self.has_attention else None
+        if impl is not None:  # refused when the schedule is built, on every rank, not at a step's first forward
+            raise PiecesNotSupportedError(
+                f"stage {stage_index}: the model's attention does not carry sequence pieces (its attn_implementation "
+                f"is {impl!r}), so each piece would attend within itself only: call "
+                "pipeline_ext.seqchunks.register_hf_attention() and set attn_implementation to the name it returns "
+                f"({DEFAULT_HF_NAME!r}; model.set_attn_implementation or the config)")
         self._carries: dict[int, SequenceCarry] = {}
         self._next_offset: dict[int, int] = {}
 

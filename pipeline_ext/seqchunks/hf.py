@@ -29,6 +29,21 @@ __all__ = ["register_hf_attention", "hf_piece_attention", "hf_piece_mask"]
 _REFUSED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
+#: the names ``register_hf_attention`` registered in this process
+_REGISTERED: set[str] = set()
+
+
+def hf_attention_not_carrying(module: torch.nn.Module) -> Optional[str]:
+    """The ``attn_implementation`` of a Hugging Face model in ``module`` whose attention does not carry pieces
+    (not a name ``register_hf_attention`` registered), else None: a pipeline refuses such a stage when it is
+    built, on every rank, before any step."""
+    for m in module.modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and impl not in _REGISTERED:
+            return impl
+    return None
+
+
 def register_hf_attention(name: str = DEFAULT_HF_NAME) -> str:
     """Registers the piece attention (and its mask function) under ``name``; returns ``name``.
 
@@ -38,6 +53,7 @@ def register_hf_attention(name: str = DEFAULT_HF_NAME) -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, hf_piece_attention)
+    _REGISTERED.add(name)
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # older transformers: the model builds a 4-D causal mask, which the attention refuses

@@ -164,3 +164,76 @@ def test_llama_example_check_verdict():
     bad = {0: {"grad_rel_err": 0.14, "norm_err": math.nan}}  # a wrong gradient, a NaN norm, no last stage reported
     assert llama_pipeline.check_verdict(bad) == (
         False, "check: FAIL (max grad rel err 1.4e-01 > 1e-04, norm rel err nan > 1e-04, loss rel err missing)")
+
+
+# -- sequence pieces (seq_chunks, Seq1F1B) on the Hugging Face Llama -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,pieces", [("1f1b", 4), ("zb_h1", 2), ("interleaved_1f1b", 2)])
+def test_llama_example_with_sequence_pieces_passes_check(schedule, pieces):
+    """The user's command with ``--seq-chunks``: padded sequences (the attention mask cut with them), the first
+    step against the unsplit Hugging Face model on the whole sequences."""
+    proc = _run_example("--spawn", "2", "--pp", "2", "--check", "--batch", "8", "--seq", "33", "--microbatches", "2",
+                        "--steps", "2", "--schedule", schedule, "--seq-chunks", str(pieces))
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    m = re.search(r"^check: PASS \(max grad rel err (\S+), norm rel err (\S+), loss rel err (\S+)\)$", out, re.M)
+    assert m and all(float(x) < 1e-5 for x in m.groups()), out[-2000:]
+
+
+def _llama_pieces(rank: int, world: int, attn: str) -> list[str]:
+    """Two microbatches of different lengths (``step_microbatches``), each cut into 2 pieces, on a 2-stage HF
+    Llama: loss and every gradient against the unsplit model on each whole sequence; or, with the model's
+    attention left on ``attn`` (not the one that carries pieces), the error this rank raised."""
+    from pipeline_ext.seqchunks import register_hf_attention
+
+    config = llama_pipeline.llama_config("tiny", 24)
+    config.tie_word_embeddings = False  # no tie_parameters here: the unsplit model's embedding and head apart
+    config._attn_implementation = register_hf_attention() if attn == "pieces" else attn
+    torch.manual_seed(0)
+    full = llama_pipeline.LlamaForCausalLM(config)
+    ref = llama_pipeline.LlamaForCausalLM(config)
+    ref.load_state_dict(full.state_dict())
+    ranges = pe.block_ranges([3, 3])
+    stage = llama_pipeline.LlamaStage(full, *ranges[rank], first=rank == 0, last=rank == 1)
+    loss_fn = pe.TokenMeanLoss()
+    batches = [llama_pipeline.make_batch(2, n, config.vocab_size, n) for n in (24, 17)]
+    try:
+        sched = pe.Schedule1F1B(pe.PipelineStage(stage, rank, 2, "cpu"), 2, loss_fn=loss_fn, seq_chunks=2, timeout=60)
+        sched.step_microbatches(arg_mbs=[(ids,) for ids, _, _ in batches] if rank == 0 else None,
+                                kwarg_mbs=[{"attention_mask": m} for _, m, _ in batches] if rank == 0 else None,
+                                target_mbs=[lab for _, _, lab in batches] if rank == 1 else None, losses=(losses := []))
+    except Exception as exc:  # noqa: BLE001 - the message is what the refusal test reads
+        return [f"{type(exc).__name__}: {exc}"]
+    tokens = sum(int((lab != -100).sum()) for _, _, lab in batches)
+    ref_loss = sum(llama_pipeline.lm_loss(ref(ids, attention_mask=m).logits, lab) * int((lab != -100).sum())
+                   for ids, m, lab in batches) / tokens
+    ref_loss.backward()
+    bad = []
+    if rank == 1 and not torch.allclose(loss_fn.combine(losses), ref_loss.detach(), **TOL):
+        bad.append(f"loss {float(loss_fn.combine(losses))} != {float(ref_loss)}")
+    for fqn, p in stage.named_parameters():
+        q = ref.get_parameter(fqn)
+        if p.grad is None or not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6):
+            bad.append(f"rank {rank} {fqn}: grad differs")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_llama_pieces_of_microbatches_of_different_lengths_match_the_unsplit_model():
+    from mp_utils import rank_values
+
+    bad = [b for v in rank_values(_llama_pieces, 2, "pieces", timeout=200).values() for b in v]
+    assert not bad, "\n".join(bad[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_llama_whose_attention_does_not_carry_pieces_is_refused_by_name_on_every_rank():
+    """Refused when the schedule is built, before any step, by every rank for its own stages."""
+    from mp_utils import rank_values
+
+    for rank, said in rank_values(_llama_pieces, 2, "sdpa", timeout=200).items():
+        assert len(said) == 1 and said[0].startswith("PiecesNotSupportedError"), said
+        assert all(w in said[0] for w in ("does not carry sequence pieces", "'sdpa'", "register_hf_attention")), said
