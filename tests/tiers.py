@@ -95,7 +95,27 @@ LONG: dict[str, str] = {
     "schedules/test_schedules_auto.py::test_auto_vs_zb_h1[16-64-costs1]": "the smaller cases",
     "schedules/test_schedules_select.py::test_the_choice_flips_where_the_split_overhead_crosses_the_bubble[4-16]":
         "[4-8]",
-    # sequence pieces on the Hugging Face Llama: 1F1B with 4 pieces stays (and the step_microbatches case)
+    # round two of the budget (the first of each pair stays)
+    "stages/test_distributed.py::test_every_schedule_matches_unsplit_model[shm-mlp-4]": "shm-mlp-2, gloo-blocks-4",
+    "stages/test_compiled_stages.py::test_split_backend_on_dtensors_splits_after_a_whole_backward":
+        "the composition matrix's split_backend x tp=replicate cases (its tier), "
+        "test_split_backend_i_computes_no_weight_grad_and_w_completes_it",
+    "comm/test_edge_transport.py::test_a_two_by_two_job_shares_memory_inside_each_host_and_is_exact":
+        "the hosts tier's two-host jobs, the single-host edge tests",
+    "comm/test_channels.py::test_dist_recv_times_out_naming_what[shm]": "[gloo]",
+    "runtime/test_split_regions.py::test_zero_bubble_schedules_train_exactly_on_four_ranks[attention]":
+        "[sac], the single-process [attention]",
+    "runtime/test_split_regions.py::test_zero_bubble_schedules_train_exactly_on_four_ranks[gated]":
+        "[sac], the single-process [gated]",
+    "parallel/test_tensor_parallel.py::test_torch_pipeline_stage_on_the_same_case_for_reference[replicate]":
+        "benchmarks/bench_tensor_parallel.py runs torch beside us; the pp x tp tests against the unsplit model",
+    "robustness/test_robustness.py::test_multi_process_peer_failure_makes_others_raise_within_timeout[shm-sigstop]":
+        "[gloo-stall], [gloo-exit], [shm-exit]",
+    "tools/test_rank_pool.py::test_a_rank_that_fails_is_named_and_the_next_run_gets_a_new_pool[hang]": "[raise], [exit]",
+    "tools/test_gpu_check_plan.py::test_the_tests_the_script_names_exist": "the dry-run plan tests",
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[1f1b-4]":
+        "test_llama_pieces_of_microbatches_of_different_lengths_match_the_unsplit_model (HF Llama, masks, in the pool)",
+    # sequence pieces on the Hugging Face Llama (the step_microbatches case in the pool stays)
     "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[zb_h1-2]": "[1f1b-4]",
     "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[interleaved_1f1b-2]":
         "[1f1b-4], tests/seqchunks/test_seq1f1b_pipeline.py's interleaved case",

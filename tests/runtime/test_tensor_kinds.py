@@ -80,13 +80,26 @@ def _run_child(kind: str, *entries: str) -> dict[str, dict]:
 
 
 #: imports torch and the child's module once, then forks one process per kind (its own process: a crash in one
-#: kind is that child's signal, seen by waitpid) that runs every entry, its output to a file of its own
+#: kind is that child's signal, seen by waitpid) that runs every entry, its output to a file of its own; two at a
+#: time (the machine's cores), since they share nothing
 _ZYGOTE = """
 import json, os, sys, tempfile, traceback
 import torch  # noqa: F401
 import tensor_kinds_child as child
-out = {}
+out, running = {}, {}
+
+
+def reap():
+    pid, status = os.wait()
+    kind, path = running.pop(pid)
+    with open(path) as f:
+        out[kind] = {"code": os.waitstatus_to_exitcode(status), "output": f.read()}
+    os.unlink(path)
+
+
 for kind in json.loads(sys.argv[1]):
+    if len(running) >= max(2, os.cpu_count() or 1):
+        reap()
     fd, path = tempfile.mkstemp(prefix="pe-tensor-kinds-")
     pid = os.fork()
     if pid == 0:
@@ -103,18 +116,23 @@ for kind in json.loads(sys.argv[1]):
         sys.stderr.flush()
         os._exit(code)
     os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    with open(path) as f:
-        out[kind] = {"code": os.waitstatus_to_exitcode(status), "output": f.read()}
-    os.unlink(path)
+    running[pid] = (kind, path)
+while running:
+    reap()
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
-def every_kind() -> dict[str, dict]:
-    """Each kind's child, forked from one process that imported torch once (a fresh process per kind)."""
-    proc = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(list(KINDS))], capture_output=True,
+def every_kind(request: pytest.FixtureRequest) -> dict[str, dict]:
+    """Each selected kind's child, forked from one process that imported torch once (a fresh process per kind).
+
+    Only the kinds this session runs (DTensor's child alone takes most of the time: tests/tiers.py runs it in
+    the long tier)."""
+    test = "test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
+    kinds = [k for k in KINDS if any(getattr(item, "originalname", "") == test and item.name.endswith(f"[{k}]")
+                                     for item in request.session.items)]
+    proc = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(kinds)], capture_output=True,
                           text=True, timeout=600, env=_env(), cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
