@@ -115,6 +115,14 @@ LONG: dict[str, str] = {
     "tools/test_gpu_check_plan.py::test_the_tests_the_script_names_exist": "the dry-run plan tests",
     "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[1f1b-4]":
         "test_llama_pieces_of_microbatches_of_different_lengths_match_the_unsplit_model (HF Llama, masks, in the pool)",
+    "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
+    "[sparse_csr]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
+    "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
+    "[quantized]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
+    "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
+    "[mkldnn]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
+    "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
+    "[meta]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
     # sequence pieces on the Hugging Face Llama (the step_microbatches case in the pool stays)
     "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[zb_h1-2]": "[1f1b-4]",
     "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[interleaved_1f1b-2]":
