@@ -16,6 +16,8 @@ prediction for the same plan is printed beside ours.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
 import torch
@@ -76,10 +78,8 @@ class _Probe:
         return lambda: (setattr(pg, "foreach_all_gather", gather), setattr(pg, "foreach_reduce", scatter))
 
 
-def _stages(v: int, dim: int, mesh, probe: _Probe) -> list[torch.nn.Module]:
-    """All 2V stages, seeded (the same weights for every configuration); this rank's are sharded over dp."""
-    from torch.distributed.fsdp import fully_shard
-
+def _stages(v: int, dim: int, probe: _Probe) -> list[torch.nn.Module]:
+    """All 2V stages, seeded (the same weights for every configuration), each block sampled by the probe."""
     from models import Block
 
     torch.manual_seed(0)
@@ -97,6 +97,7 @@ def worker(rank: int, world: int, v: int, dim: int, steps: int, repeats: int) ->
 
     import pipeline_ext as pe
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
+    from pipeline_ext.schedules import simulate
 
     mesh = pe.pipeline_mesh(pp=PP, dp=DP, device_type="cpu")
     layout = pe.pipeline_layout(mesh, "interleaved_1f1b", stages_per_rank=v)
@@ -109,7 +110,7 @@ def worker(rank: int, world: int, v: int, dim: int, steps: int, repeats: int) ->
     configs: dict = {}
 
     def build(kind: str, budget):
-        mods = _stages(v, dim, mesh, probe)
+        mods = _stages(v, dim, probe)
         for s in mine:
             fully_shard(mods[s][0], mesh=mesh["dp"], reshard_after_forward=False)
             fully_shard(mods[s], mesh=mesh["dp"], reshard_after_forward=False)
@@ -131,20 +132,35 @@ def worker(rank: int, world: int, v: int, dim: int, steps: int, repeats: int) ->
 
         return groups, P, step, sched
 
+    def mods_of(sched) -> torch.nn.Module:
+        """A pipeline_ext schedule's first stage module on this rank (its FSDP root)."""
+        return next(iter(sched.stages.values())).submod
+
     names = [("torch", None), ("pipeline_ext", None)] + [("pipeline_ext", b) for b in range(1, v + 1)]
-    steps_fns = {}
+    steps_fns: dict = {}
+    scheds: dict = {}
+    gather_s = None
     undo = probe.install()
     try:
         for kind, budget in names:
             key = f"{kind} " + ("default" if budget is None else f"max_active_stages={budget}")
             groups, P, step, sched = build(kind, budget)
+            if kind == "pipeline_ext" and budget is not None:
+                scheds[key] = sched
             probe.groups = groups
             step()  # warm-up: lazy init
             probe.reset()
             step()
             elapsed = time.perf_counter() - probe.t0
-            configs[key] = dict(gathers=probe.gathers, scatters=probe.scatters, peak=probe.peak / P,
+            configs[key] = dict(gathers=probe.gathers, scatters=probe.scatters, peak=probe.peak / P, P=P,
                                 scatter_at=[t / elapsed for t in probe.scatter_at])
+            if gather_s is None and kind == "pipeline_ext":  # one stage's all-gather, waited (what an UNSHARD costs when nothing hides it)
+                m = mods_of(sched)
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    m.unshard()
+                    m.reshard()
+                gather_s = (time.perf_counter() - t0) / 5
             if kind == "pipeline_ext":
                 from pipeline_ext.schedules import fsdp as F
 
@@ -156,6 +172,19 @@ def worker(rank: int, world: int, v: int, dim: int, steps: int, repeats: int) ->
         undo()
     for key, t in times.items():
         configs[key]["ms"] = t * 1e3
+    # the simulator on each planned schedule, at costs traced on one step and a measured all-gather
+    for key, sched in scheds.items():
+        sched.enable_tracing(True)
+        steps_fns[key]()
+        rep = sched.trace_report()
+        sched.enable_tracing(False)
+        if rep is not None and rep.schedule.has_fsdp:
+            stage_p = configs[key]["P"] / v
+            costs = dataclasses.replace(rep.costs, param_bytes=stage_p, unshard=gather_s, reduce_grad=gather_s)
+            sim = simulate(rep.schedule, costs)
+            configs[key]["sim_ms"] = sim.makespan * 1e3
+            configs[key]["sim_peak"] = sim.peak_unsharded_bytes[0] / configs[key]["P"]
+            configs[key]["traced_ms"] = statistics.median(rep.step_times) * 1e3
     dist.barrier()
     return configs
 
@@ -174,11 +203,16 @@ def main() -> None:
     print(f"pp2 x dp2, 4 Gloo CPU ranks, interleaved 1F1B, V={args.v} stages per rank, {M} microbatches, blocks of "
           f"dim {args.dim}, fully_shard(reshard_after_forward=False); torch {torch.__version__}; rank 0; medians of "
           f"{args.repeats} interleaved repeats x {args.steps} steps")
-    print(f"{'configuration':36s} {'all-gathers':>11s} {'reduce-scatters':>15s} {'first RS at':>11s} "
-          f"{'peak held / P':>13s} {'step ms':>8s}")
+    print(f"{'configuration':36s} {'all-gathers':>11s} {'reduce-scatters':>15s} {'RS at (first..last)':>19s} "
+          f"{'peak held / P':>13s} {'(simulated)':>11s} {'step ms':>8s} {'traced':>7s} {'(simulated)':>11s}")
     for key, r in rows.items():
-        first = min(r["scatter_at"]) if r["scatter_at"] else float("nan")
-        print(f"{key:36s} {r['gathers']:11d} {r['scatters']:15d} {first:11.2f} {r['peak']:13.2f} {r['ms']:8.1f}")
+        at = r["scatter_at"]
+        span = f"{min(at):.2f}..{max(at):.2f}" if at else "-"
+        sim_peak = f"{r['sim_peak']:.2f}" if "sim_peak" in r else "-"
+        traced = f"{r['traced_ms']:.1f}" if "traced_ms" in r else "-"
+        sim_ms = f"{r['sim_ms']:.1f}" if "sim_ms" in r else "-"
+        print(f"{key:36s} {r['gathers']:11d} {r['scatters']:15d} {span:>19s} {r['peak']:13.2f} {sim_peak:>11s} "
+              f"{r['ms']:8.1f} {traced:>7s} {sim_ms:>11s}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ time); 4 microbatches of one sequence each. Per K (1 = whole sequences, then
   left on carried keys and values), over 1F1B's;
 - speed: the median step time of 1F1B over this one's (medians of --repeats
   repeats of --steps steps), and the simulator's prediction of the same
-  ratio from per-piece F and B costs measured on rank 0 (``simulated``).
+  ratio (``simulated``): each schedule replayed at the per-stage F, B and
+  message costs its own traced step measured (``trace_report()``).
 
     PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 2
     PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 4
@@ -23,15 +24,13 @@ time); 4 microbatches of one sequence each. Per K (1 = whole sequences, then
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-DIM, HQ, HKV, HEAD, LAYERS_PER_STAGE = 128, 8, 2, 16, 2
-MICROBATCHES, SEQ = 4, 1024
+DIM, HQ, HKV, HEAD, LAYERS_PER_STAGE = 256, 8, 2, 32, 2
+MICROBATCHES, SEQ = 4, 2048
 PIECES = (1, 2, 4)
 
 
@@ -70,43 +69,12 @@ def _stages(ranks: int) -> list[nn.Module]:
     return [nn.Sequential(*(Block(s * LAYERS_PER_STAGE + i) for i in range(LAYERS_PER_STAGE))) for s in range(ranks)]
 
 
-def _piece_costs(stage: nn.Module, k: int, x: torch.Tensor) -> tuple[float, float]:
-    """Mean F and B time of one piece of one sequence on ``stage``, run as the runner runs them (rank 0, no comm)."""
-    from pipeline_ext.pipelining.seq_pieces import piece_lengths
-    from pipeline_ext.seqchunks import SequenceCarry
-
-    lengths = piece_lengths(x.shape[1], k)
-    fs, bs = [], []
-    for _ in range(3):
-        carry = SequenceCarry(k)
-        outs, leaves, t0, start = [], [], time.perf_counter(), 0
-        for p, n in enumerate(lengths):
-            xp = x[:, start:start + n].detach().requires_grad_()
-            with carry.active(piece=p, offset=start):
-                outs.append(stage(xp))
-            leaves.append(carry.joined_leaves(p))
-            start += n
-        t1 = time.perf_counter()
-        for p in reversed(range(k)):
-            roots = carry.extra_roots(p)
-            torch.autograd.backward([outs[p]] + [t for t, _ in roots], [torch.ones_like(outs[p])] + [g for _, g in roots])
-            carry.release(p)
-        t2 = time.perf_counter()
-        fs.append((t1 - t0) / k)
-        bs.append((t2 - t1) / k)
-        for m in stage.parameters():
-            m.grad = None
-    return statistics.median(fs), statistics.median(bs)
-
-
 def worker(rank: int, world: int, steps: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     import pipeline_ext as pe
     from bench_agreement import interleaved_medians  # benchmarks/ is on sys.path when run as a script
     from pipeline_ext.runtime.memory import ActivationMeter
-    from pipeline_ext.schedules import Costs, lower, simulate
-    from pipeline_ext.schedules.pieces import build_pieces
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(MICROBATCHES, SEQ, DIM, generator=g)
@@ -153,12 +121,14 @@ def worker(rank: int, world: int, steps: int, repeats: int) -> dict:
     times = interleaved_medians({k: (lambda k=k: step(k)) for k in PIECES}, steps, repeats, warmup=1)
     for k in PIECES:
         result[k]["ms"] = times[k] * 1e3
-    # the simulator's prediction, from per-piece costs measured on this rank's stage
-    if rank == 0:
-        for k in PIECES:
-            f, b = _piece_costs(_stages(world)[0], k, x[:1])
-            sim = simulate(lower(build_pieces("1f1b", world, MICROBATCHES, k)), Costs(f=f, b=b, w=0.0, whole=b))
-            result[k]["sim"] = sim.makespan
+    # the simulator's prediction: each schedule replayed at the costs its own traced step measured (runtime/trace.py)
+    for k in PIECES:
+        scheds[k].enable_tracing(True)
+        step(k)
+        report = scheds[k].trace_report()
+        scheds[k].enable_tracing(False)
+        if report is not None:
+            result[k]["sim"] = report.simulated.makespan
     dist.barrier()
     return result
 

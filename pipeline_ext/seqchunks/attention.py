@@ -125,6 +125,9 @@ class _PieceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, key_bias, scale, n, *kv):  # type: ignore[override]
+        if _flash_ok(q, kv):
+            return _flash_forward(ctx, q, key_bias, scale, n, kv)
+        ctx.flash = False
         ks, vs = kv[:n], kv[n:]
         b, hq, lq, d = q.shape
         hkv = ks[0].shape[1]
@@ -159,6 +162,8 @@ class _PieceAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
+        if ctx.flash:
+            return _flash_backward(ctx, dout)
         q, key_bias, out, lse, *kv = ctx.saved_tensors
         n, scale, groups = ctx.n, ctx.scale, ctx.groups
         ks, vs = kv[:n], kv[n:]
@@ -196,3 +201,98 @@ class _PieceAttention(torch.autograd.Function):
         if dq is not None:
             dq = (dq * scale).reshape(b, hq, lq, d).to(q.dtype)
         return (dq, None, None, None, *dks, *dvs)
+
+
+# -- the CPU path: torch's flash attention kernels per block ----------------------------------------------------
+# [Note: two blocks, torch's kernels, one log-sum-exp]
+# On CPU, torch's flash attention kernel (``_scaled_dot_product_flash_attention_for_cpu``) computes a block's
+# output and log-sum-exp without materialising the scores, and its backward takes the output and log-sum-exp
+# to use: given the merged ones, it gives exactly that block's share of the whole softmax's gradient. So a
+# piece is two kernel calls: the earlier pieces' keys, unmasked, and its own keys, causal (as many queries as
+# keys: the kernel's top-left alignment is the bottom-right one here); merged by log-sum-exp. The kernel
+# reports a log-sum-exp of 0 for a query that sees no key of a block (every key padded); that query's block
+# weight is set to 0 from the mask. Grouped-query heads are expanded for the kernel and their gradients summed
+# back per kv head.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _flash_ok(q: torch.Tensor, kv: tuple) -> bool:
+    return (_FLASH is not None and _FLASH_BACKWARD is not None and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64)
+            and all(t.dtype == q.dtype and t.shape[-1] == q.shape[-1] for t in kv))  # the kernel: one head size
+
+
+def _blocks(key_bias: Optional[torch.Tensor], n_prev: int, b: int, lq: int
+            ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per block (earlier keys, the piece's keys): the kernel's additive mask (B, 1, 1, keys) and which queries
+    see at least one key of it ((B, 1, Lq) bool), None where nothing is padded."""
+    if key_bias is None:
+        return None, None, None, None
+    prev, diag = key_bias[:, :n_prev], key_bias[:, n_prev:]
+    seen_prev = (prev > float("-inf")).any(-1)[:, None, None].expand(b, 1, lq) if n_prev else None
+    seen_diag = (diag > float("-inf")).cummax(-1).values[:, None, :]
+    return (prev[:, None, None, :] if n_prev else None), diag[:, None, None, :], seen_prev, seen_diag
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _flash_forward(ctx, q, key_bias, scale, n, kv):
+    ks, vs = kv[:n], kv[n:]
+    b, hq, lq, _ = q.shape
+    groups = hq // ks[0].shape[1]
+    n_prev = sum(k.shape[-2] for k in ks[:-1])
+    mask_prev, mask_diag, seen_prev, seen_diag = _blocks(key_bias, n_prev, b, lq)
+    out, lse = _FLASH(q, _expand(ks[-1], groups), _expand(vs[-1], groups), 0.0, True, attn_mask=mask_diag,
+                      scale=scale)
+    if seen_diag is not None:
+        lse = lse.masked_fill(~seen_diag, float("-inf"))
+    if n_prev:
+        k_prev = _expand(torch.cat(ks[:-1], dim=-2), groups)
+        v_prev = _expand(torch.cat(vs[:-1], dim=-2), groups)
+        out_p, lse_p = _FLASH(q, k_prev, v_prev, 0.0, False, attn_mask=mask_prev, scale=scale)
+        if seen_prev is not None:
+            lse_p = lse_p.masked_fill(~seen_prev, float("-inf"))
+        both = torch.logaddexp(lse, lse_p)
+        finite = both > float("-inf")
+        w_diag = torch.where(finite, torch.exp(lse - both), torch.zeros((), dtype=q.dtype))
+        w_prev = torch.where(finite, torch.exp(lse_p - both), torch.zeros((), dtype=q.dtype))
+        out = out * w_diag[..., None] + out_p * w_prev[..., None]
+        lse = both
+    out = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=q.dtype))
+    ctx.flash, ctx.scale, ctx.n, ctx.groups = True, scale, n, groups
+    ctx.save_for_backward(q, key_bias, out, lse, *ks, *vs)
+    return out
+
+
+def _flash_backward(ctx, dout):
+    q, key_bias, out, lse, *kv = ctx.saved_tensors
+    n, scale, groups = ctx.n, ctx.scale, ctx.groups
+    ks, vs = kv[:n], kv[n:]
+    b, hq, lq, _ = q.shape
+    n_prev = sum(k.shape[-2] for k in ks[:-1])
+    mask_prev, mask_diag, _, _ = _blocks(key_bias, n_prev, b, lq)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a query that saw no key: no gradient
+    dout = dout.contiguous()
+
+    def fold(g: torch.Tensor) -> torch.Tensor:  # expanded heads' gradients summed back per kv head
+        return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
+
+    dq, dk, dv = _FLASH_BACKWARD(dout, q, _expand(ks[-1], groups), _expand(vs[-1], groups), out, lse, 0.0, True,
+                                 attn_mask=mask_diag, scale=scale)
+    dks, dvs = [None] * (n - 1) + [fold(dk)], [None] * (n - 1) + [fold(dv)]
+    if n_prev:
+        k_prev = _expand(torch.cat(ks[:-1], dim=-2), groups)
+        v_prev = _expand(torch.cat(vs[:-1], dim=-2), groups)
+        dq_p, dk_p, dv_p = _FLASH_BACKWARD(dout, q, k_prev, v_prev, out, lse, 0.0, False, attn_mask=mask_prev,
+                                           scale=scale)
+        dq = dq + dq_p
+        sizes = [k.shape[-2] for k in ks[:-1]]
+        dks[:-1] = list(fold(dk_p).split(sizes, dim=-2))
+        dvs[:-1] = list(fold(dv_p).split(sizes, dim=-2))
+    need = ctx.needs_input_grad
+    dks = [g if need[4 + j] else None for j, g in enumerate(dks)]
+    dvs = [g if need[4 + n + j] else None for j, g in enumerate(dvs)]
+    return (dq if need[0] else None, None, None, None, *dks, *dvs)
