@@ -39,19 +39,9 @@ class _Probe:
         self.t0 = time.perf_counter()
 
     def held(self) -> int:
-        seen, total = set(), 0
-        for g in self.groups:
-            for fp in g.fsdp_params:
-                up = getattr(fp, "_unsharded_param", None)
-                if up is None:
-                    continue
-                st = up.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    total += st.nbytes()
-                if up.grad is not None:
-                    total += up.grad.numel() * up.grad.element_size()
-        return total
+        from models import unsharded_bytes
+
+        return unsharded_bytes(self.groups)
 
     def sample(self, *_: object) -> None:
         self.peak = max(self.peak, self.held())

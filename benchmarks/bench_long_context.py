@@ -18,8 +18,8 @@ time); 4 microbatches of one sequence each. Per K (1 = whole sequences, then
   ratio (``simulated``): each schedule replayed at the per-stage F, B and
   message costs its own traced step measured (``trace_report()``).
 
-    PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 2
-    PYTHONPATH=. python benchmarks/bench_long_context.py --ranks 4
+    PYTHONPATH=.:tests python benchmarks/bench_long_context.py --ranks 2
+    PYTHONPATH=.:tests python benchmarks/bench_long_context.py --ranks 4
 """
 from __future__ import annotations
 
@@ -34,39 +34,12 @@ MICROBATCHES, SEQ = 4, 2048
 PIECES = (1, 2, 4)
 
 
-def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    freqs = positions[:, None].float() * (10000.0 ** (-torch.arange(half).float() / half))[None]
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], dim=-1)
-
-
-class Block(nn.Module):
-    def __init__(self, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.q, self.kv = nn.Linear(DIM, HQ * HEAD, bias=False), nn.Linear(DIM, 2 * HKV * HEAD, bias=False)
-        self.o = nn.Linear(HQ * HEAD, DIM, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pipeline_ext.seqchunks import chunked_causal_attention, current_carry, piece_positions
-
-        b, length, _ = x.shape
-        carry = current_carry()
-        positions = piece_positions(carry, length, x.device)
-        h = self.norm1(x)
-        q = self.q(h).view(b, length, HQ, HEAD).transpose(1, 2)
-        k, v = self.kv(h).view(b, length, 2, HKV, HEAD).permute(2, 0, 3, 1, 4)
-        a = chunked_causal_attention(_rotary(q, positions), _rotary(k, positions), v, carry, self.layer)
-        x = x + self.o(a.transpose(1, 2).reshape(b, length, -1))
-        return x + self.mlp(self.norm2(x))
-
-
 def _stages(ranks: int) -> list[nn.Module]:
     torch.manual_seed(0)
-    return [nn.Sequential(*(Block(s * LAYERS_PER_STAGE + i) for i in range(LAYERS_PER_STAGE))) for s in range(ranks)]
+    from models import PieceBlock  # tests/ is on PYTHONPATH (the command in the docstring)
+
+    return [nn.Sequential(*(PieceBlock(s * LAYERS_PER_STAGE + i, DIM, HQ, HKV, HEAD, mlp=4)
+                            for i in range(LAYERS_PER_STAGE))) for s in range(ranks)]
 
 
 def worker(rank: int, world: int, steps: int, repeats: int) -> dict:

@@ -14,7 +14,7 @@ import copy
 import contextlib
 import os
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -189,3 +189,57 @@ def split_vs_whole(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     for a, p in zip(got, params):
         torch.testing.assert_close(a, p.grad)
     return after_i
+
+
+# -- shared by the sequence-piece tests and benchmarks/bench_long_context.py ----------------------------------
+def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (..., L, D) at ``positions`` (L,): a piece's own positions, not 0..L-1."""
+    half = x.shape[-1] // 2
+    freqs = positions[:, None].float() * (10000.0 ** (-torch.arange(half).float() / half))[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], dim=-1)
+
+
+class PieceBlock(nn.Module):
+    """Pre-norm block: grouped-query causal attention with rotary positions, carried across sequence pieces
+    (``pipeline_ext.seqchunks``: outside a pipeline the carry is None and it is plain causal attention), an MLP."""
+
+    def __init__(self, layer: int, dim: int = 16, hq: int = 4, hkv: int = 2, head: int = 4, mlp: int = 2) -> None:
+        super().__init__()
+        self.layer, self.hq, self.hkv, self.head = layer, hq, hkv, head
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.kv = nn.Linear(dim, hq * head), nn.Linear(dim, 2 * hkv * head)
+        self.o = nn.Linear(hq * head, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp * dim), nn.GELU(), nn.Linear(mlp * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipeline_ext.seqchunks import chunked_causal_attention, current_carry, piece_positions
+
+        b, length, _ = x.shape
+        carry = current_carry()
+        positions = piece_positions(carry, length, x.device)
+        h = self.norm1(x)
+        q = self.q(h).view(b, length, self.hq, self.head).transpose(1, 2)
+        k, v = self.kv(h).view(b, length, 2, self.hkv, self.head).permute(2, 0, 3, 1, 4)
+        a = chunked_causal_attention(rotary(q, positions), rotary(k, positions), v, carry, self.layer)
+        x = x + self.o(a.transpose(1, 2).reshape(b, length, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+# -- shared by the FSDP budget test and benchmarks/bench_fsdp_budget.py ----------------------------------------
+def unsharded_bytes(groups: Sequence[Any]) -> int:
+    """Bytes held now in FSDP2 groups' unsharded parameters (their storage: FSDP frees it by resizing to 0) plus
+    their unsharded gradients: what a parameter budget bounds, without FSDP's transient communication buffers."""
+    seen, total = set(), 0
+    for g in groups:
+        for fp in g.fsdp_params:
+            up = getattr(fp, "_unsharded_param", None)
+            if up is None:
+                continue
+            st = up.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            if up.grad is not None:
+                total += up.grad.numel() * up.grad.element_size()
+    return total

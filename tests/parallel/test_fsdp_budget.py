@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import D, TOL, BlockStage, loss_fn, run_stages
+from models import D, TOL, BlockStage, loss_fn, run_stages, unsharded_bytes
 from mp_utils import rank_values
 
 PP, DP, M, ROWS, STEPS = 2, 2, 8, 16, 2
@@ -39,20 +39,7 @@ class _Counts:
         self.after: list[tuple[str, dict[int, int]]] = []  # (action, reduce-scatters per stage so far)
 
     def held(self) -> int:
-        seen, total = set(), 0
-        for gs in self.groups_of.values():
-            for g in gs:
-                for fp in g.fsdp_params:
-                    up = getattr(fp, "_unsharded_param", None)
-                    if up is None:
-                        continue
-                    st = up.untyped_storage()
-                    if st.nbytes() and st.data_ptr() not in seen:
-                        seen.add(st.data_ptr())
-                        total += st.nbytes()
-                    if up.grad is not None:
-                        total += up.grad.numel() * up.grad.element_size()
-        return total
+        return unsharded_bytes([g for gs in self.groups_of.values() for g in gs])
 
     def sample(self, sample) -> None:
         self.peak = max(self.peak, self.held())

@@ -16,49 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import TOL, sac_context
+from models import TOL, PieceBlock, sac_context
 from mp_utils import rank_values
 
-from pipeline_ext.seqchunks import chunked_causal_attention, current_carry, piece_positions
 
 DIM, HQ, HKV, HEAD = 16, 4, 2, 4
 ROWS, SEQ, M = 4, 12, 2
 
 
-def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    freqs = positions[:, None].float() * (10000.0 ** (-torch.arange(half).float() / half))[None]
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], dim=-1)
-
-
-class Block(nn.Module):
-    """Pre-norm block: grouped-query causal attention with rotary positions (carried across pieces), an MLP."""
-
-    def __init__(self, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.q, self.kv = nn.Linear(DIM, HQ * HEAD), nn.Linear(DIM, 2 * HKV * HEAD)
-        self.o = nn.Linear(HQ * HEAD, DIM)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        carry = current_carry()
-        positions = piece_positions(carry, length, x.device)
-        h = self.norm1(x)
-        q = self.q(h).view(b, length, HQ, HEAD).transpose(1, 2)
-        k, v = self.kv(h).view(b, length, 2, HKV, HEAD).permute(2, 0, 3, 1, 4)
-        a = chunked_causal_attention(_rotary(q, positions), _rotary(k, positions), v, carry, self.layer)
-        x = x + self.o(a.transpose(1, 2).reshape(b, length, -1))
-        return x + self.mlp(self.norm2(x))
-
-
 class Stage(nn.Module):
     def __init__(self, first_layer: int, sac: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(first_layer), Block(first_layer + 1)])
+        self.blocks = nn.ModuleList([PieceBlock(first_layer, DIM, HQ, HKV, HEAD), PieceBlock(first_layer + 1, DIM, HQ, HKV, HEAD)])
         self.sac = sac
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
