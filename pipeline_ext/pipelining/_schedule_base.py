@@ -56,7 +56,7 @@ from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.stage import split_report
 from pipeline_ext.runtime.trace import ActionSample, Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
-from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces
+from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces, check_piece_order
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
 # imported from schedules.py, with torch's Schedule* classes over it
@@ -198,6 +198,8 @@ class PipelineSchedule:
                              f"but this rank was given stages {sorted(self.stages)}")
         self._unplanned = S.lower(schedule)
         S.validate(self._unplanned)
+        if self._cut is not None:  # a sequence's pieces: forwards in piece order, backwards in reverse, per stage
+            check_piece_order(self._unplanned, self._cut.pieces)
         self.schedule = self._unplanned if self._budget is None else self._budget.plan(self._unplanned)
         self._executors = {}
         if self._session is not None:

@@ -25,7 +25,8 @@ from tp_case import (D, M, ROWS, SEQ, STEPS, Block, Stage, batch, first_step_err
                      sgd_pair, split_fallbacks, stages_on_rank, unsplit_loss)
 
 
-def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1) -> list[str]:
+def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, given: str = "", dp: int = 1,
+           budget: bool = False) -> list[str]:
     """``given``: the step's inputs, targets and last outputs are DTensors of that placement (split into
     microbatches and merged back by the schedule); else plain tensors. ``dp`` (with ``mesh_kw="fsdp"``): FSDP
     replicas, each stepping on its own rows of the batch as torchtitan feeds them; the full gradients after
@@ -63,7 +64,9 @@ def _train(rank: int, world: int, case: str, names: list[str], mesh_kw: str, giv
             sched = cls(stages if issubclass(cls, tp_lib.schedules.PipelineScheduleMulti) else stages[0], M,
                         loss_fn=mse, scale_grads=True)
         else:
-            stages, sched = schedule(name, modules, mine, ns, pp, dev, **extra)
+            # ``budget``: FSDP stages gathered one at a time (DualPipeV's pairs: two), placed by the planner
+            tight = {"max_active_stages": 2 if name == "dualpipev" else 1} if budget else None
+            stages, sched = schedule(name, modules, mine, ns, pp, dev, sched_kw=tight, **extra)
         opt, ref_opt = sgd_pair(mine, modules, ref)
         for step in range(STEPS):
             x, y = (t.to(dev) for t in batch(step))
@@ -183,6 +186,17 @@ def test_pp_x_fsdp_x_tp_2x2x2_matches_the_unsplit_model(case):
     """8 ranks: two FSDP replicas, each on half the batch; FSDP's reduce-scatter over dp_shard averages them. The
     zero-bubble schedules' W and the V schedules' two stages per rank under FSDP included."""
     no_complaints(_train, 8, case, ["1f1b", "zb_h1", "interleaved_1f1b", "zbv", "dualpipev"], "fsdp", "", 2,
+                  timeout=800)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks8
+@pytest.mark.isolated
+@pytest.mark.timeout(900)
+def test_pp_x_fsdp_x_tp_2x2x2_under_the_tightest_parameter_budget_matches_the_unsplit_model():
+    """The same, the multi-stage schedules with FSDP stages gathered one at a time (max_active_stages=1, DualPipeV's
+    pairs 2): UNSHARD / RESHARD / REDUCE_GRAD over TP-sharded FSDP parameters, W after a reshard included."""
+    no_complaints(_train, 8, "replicate", ["interleaved_1f1b", "zbv", "dualpipev"], "fsdp", "", 2, True,
                   timeout=800)
 
 

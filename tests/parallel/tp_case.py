@@ -14,6 +14,8 @@ import them by their module's name. This file's name is unique under tests/
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -117,14 +119,15 @@ def rank_copies(ref: list[nn.Module], mine: list[int], make) -> dict[int, nn.Mod
 
 
 def schedule(name: str, modules: dict, mine: list[int], ns: int, pp, device="cpu", timeout: float = 120.0,
-             **stage_kw):
+             sched_kw: Optional[dict] = None, **stage_kw):
     """(this rank's ``PipelineStage``s over ``modules``, schedule ``name`` of ``M`` microbatches over them, ``mse``
-    its loss); ``stage_kw``: ``mesh=`` or ``get_mesh=`` for the receiving stage."""
+    its loss); ``stage_kw``: ``mesh=`` or ``get_mesh=`` for the receiving stage; ``sched_kw``: the schedule's
+    own (``max_active_stages=``)."""
     import pipeline_ext as pe
 
     stages = [pe.PipelineStage(modules[s], s, ns, device, group=pp, **stage_kw) for s in mine]
     return stages, pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=mse,
-                                               timeout=timeout)
+                                               timeout=timeout, **(sched_kw or {}))
 
 
 def sgd_pair(mine: list[int], modules: dict, ref: list[nn.Module], lr: float = 0.1):
