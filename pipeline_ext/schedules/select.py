@@ -47,6 +47,7 @@ zero-bubble run gives F, I, W, a 1F1B run gives B;
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
@@ -189,6 +190,27 @@ def _measure(name: str, schedule: Schedule, v: int, costs: Costs, budget: Option
     return Candidate(name, v, result.makespan, result.bubble_rate, peak, verdict, peak_bytes, note, splits)
 
 
+def _with_parameters(c: Candidate, schedule: Schedule, param_bytes: float, max_active: Optional[int],
+                     budget_bytes: Optional[float]) -> Candidate:
+    """``c`` with its peak plus the most FSDP bytes its rank holds at once (parameters gathered within the budget
+    and unsharded gradients, each stage ``param_bytes / v``), and its verdict against ``budget_bytes``."""
+    from pipeline_ext.schedules.fsdp import plan_fsdp
+
+    v = c.stages_per_rank
+    try:
+        planned = plan_fsdp(schedule, max_active_stages=None if max_active is None else min(max_active, v))
+    except ScheduleError as exc:
+        return dataclasses.replace(c, verdict=f"cannot run under max_active_stages={max_active}: {exc}")
+    held = max(simulate(planned, Costs(param_bytes=param_bytes / v)).peak_unsharded_bytes)
+    peak = (c.peak_bytes or 0.0) + held
+    verdict = c.verdict
+    if budget_bytes is not None and (verdict == "fits" or verdict.startswith("over budget")):
+        over = peak > budget_bytes * (1 + 1e-12)
+        verdict = (f"over budget: peak {format_bytes(peak)} (parameters and gradients {format_bytes(held)}) > "
+                   f"{format_bytes(budget_bytes)}") if over else "fits"
+    return dataclasses.replace(c, peak_bytes=peak, verdict=verdict)
+
+
 def _reason(chosen: Candidate, candidates: Sequence[Candidate], costs: Costs, p: int) -> str:
     """Why ``chosen``: the fastest that fits, and with ``costs.whole``, whether the I/W split pays for itself."""
     text = f"{chosen.name} is the fastest simulated schedule that fits ({chosen.makespan:.4g})"
@@ -211,7 +233,8 @@ def _reason(chosen: Candidate, candidates: Sequence[Candidate], costs: Costs, p:
 def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
            costs: Costs = Costs(), *, budget_bytes: Optional[float] = None,
            activation_bytes: Optional[float] = None,
-           split: Union[None, str, Sequence[Optional[str]]] = None) -> Selection:
+           split: Union[None, str, Sequence[Optional[str]]] = None,
+           param_bytes: Optional[float] = None, max_active_stages: Optional[int] = None) -> Selection:
     """The fastest schedule for ``num_ranks`` ranks and ``n_microbatches`` whose peak fits the budget on every rank.
 
     ``budget`` is in rank-microbatch units (module doc); or give
@@ -220,6 +243,11 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
     alone adds the bytes to the table without a budget). No budget: no limit.
     ``split``: whether each rank share's I/W split holds (module doc; None: assume it does, and say nothing).
     ``costs.whole``: the measured whole backward B, against which the split's I + W is weighed (module doc).
+    ``param_bytes`` (with ``activation_bytes``): the rank's share of the model is FSDP-sharded and P =
+    ``param_bytes`` when gathered; each candidate's ``peak_bytes`` then adds what its stages hold at once under
+    ``max_active_stages`` (None: all of a rank's stages), gathered parameters and unsharded gradients, simulated on
+    the schedule with its UNSHARD / RESHARD / REDUCE_GRAD placed (``fsdp.plan_fsdp``); a schedule that cannot run
+    under the budget (DualPipeV's pairs need 2) is rejected saying so.
     Ties in time go to the smaller bubble, then the smaller peak. Raises ``ScheduleError`` naming the
     smallest peak any candidate needs when none fits.
     """
@@ -258,6 +286,14 @@ def select(num_ranks: int, n_microbatches: int, budget: Optional[float] = None,
         greedy = auto(p, m, greedy_costs, max_activations=limit)
         schedules[("auto", 1)] = greedy
         candidates.append(_measure("auto", greedy, 1, costs, budget, activation_bytes, shares))
+    if param_bytes is not None:
+        if activation_bytes is None or not positive(param_bytes):
+            raise ScheduleError("param_bytes (a positive number of bytes) goes with activation_bytes: the peak "
+                                "adds parameters and gradients to activations")
+        candidates = [_with_parameters(c, schedules[(c.name, c.stages_per_rank)], param_bytes, max_active_stages,
+                                       budget_bytes)
+                      if (c.name, c.stages_per_rank) in schedules and c.peak_bytes is not None else c
+                      for c in candidates]
     candidates.sort(key=lambda c: (not c.fits, c.makespan, c.bubble_rate, c.peak_units, c.name))
     if not candidates or not candidates[0].fits:
         smallest = min((c.peak_units for c in candidates if math.isfinite(c.peak_units)), default=math.inf)

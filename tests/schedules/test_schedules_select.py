@@ -177,3 +177,18 @@ def test_measured_costs_per_rank_share_time_v_schedules_too():
     listed = S.select(2, 8, None, S.Costs([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.05, whole=[1.2, 1.2]))
     plain = S.select(2, 8, None, S.Costs(1.0, 1.0, 1.0, 0.05, whole=1.2))
     assert [(c.name, c.makespan) for c in listed.candidates] == [(c.name, c.makespan) for c in plain.candidates]
+
+
+def test_with_fsdp_parameters_the_peak_adds_what_a_budget_lets_a_rank_hold():
+    """P = 10 bytes of parameters per rank, FSDP-sharded, one stage gathered at a time: a rank with one stage holds
+    2P (its parameters and its unsharded gradients), one with two stages 1.5P; at 18 bytes only the two-stage
+    schedules fit, DualPipeV (its pairs need two stages at once) is rejected saying why."""
+    sel = S.select(2, 8, budget_bytes=18, activation_bytes=1, param_bytes=10, max_active_stages=1)
+    by_name = {c.name: c for c in sel.candidates}
+    assert sel.chosen.stages_per_rank == 2 and sel.chosen.fits
+    assert by_name["1f1b"].peak_bytes == by_name["1f1b"].peak_units + 20 and not by_name["1f1b"].fits
+    assert "parameters and gradients 20 B" in by_name["1f1b"].verdict
+    assert by_name["zbv"].peak_bytes == by_name["zbv"].peak_units + 15 and by_name["zbv"].fits
+    assert by_name["dualpipev"].verdict.startswith("cannot run under max_active_stages=1")
+    with pytest.raises(S.ScheduleError, match="param_bytes"):
+        S.select(2, 8, param_bytes=10)
