@@ -122,6 +122,7 @@ class FSDPSync(GradientSync):
         self._saved_last: list[tuple[object, bool]] = []
         self.planned = False
         self._gathering: list[object] = []  # the UNSHARD's handles, waited by ``ready`` or ``reshard``
+        self._finalize: list[nn.Module] = []  # roots whose reduce-scatters REDUCE_GRAD issued, waited at the step's end
 
     def _groups(self) -> Iterator[object]:
         for m in self.modules:
@@ -185,6 +186,7 @@ class FSDPSync(GradientSync):
         if self._saved is None:
             return
         self._wait()
+        planned = self.planned
         self._restore()
         if replace is not None:
             replace()
@@ -194,13 +196,24 @@ class FSDPSync(GradientSync):
             for st in state._state_ctx.all_states:
                 for group in st._fsdp_param_groups:
                     group.post_backward()
-            state._root_post_backward_final_callback()
+        if planned:  # REDUCE_GRAD: the reduce-scatters run (on CUDA, on FSDP's stream) while the step goes on
+            self._finalize.extend(self.tops)
+        else:
+            for top in self.tops:
+                top._get_fsdp_state()._root_post_backward_final_callback()
+
+    def end_step(self) -> None:
+        """The step's end: wait for the reduce-scatters REDUCE_GRAD issued and finalize the sharded gradients."""
+        tops, self._finalize = self._finalize, []
+        for top in tops:
+            top._get_fsdp_state()._root_post_backward_final_callback()
 
     def abort(self) -> None:
-        if self._saved is None:
+        if self._saved is None and not self._finalize:
             return
         self._wait()
         self._restore()
+        self._finalize = []
         for top in self.tops:
             state = top._get_fsdp_state()
             if getattr(state, "_is_root", False) and hasattr(top, "reset_iter_state"):

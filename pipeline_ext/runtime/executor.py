@@ -133,6 +133,8 @@ class Runner(Protocol):
 
     def reduce_grads(self, replace: Optional[Callable[[], None]] = None) -> None: ...
 
+    def end_step(self) -> None: ...
+
 
 @dataclass
 class StepInputs:
@@ -261,6 +263,8 @@ class Executor:
             ActionKind.REDUCE_GRAD: self._params,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        #: stages whose REDUCE_GRAD this rank runs: their reductions are waited at the step's end
+        self._reduced = sorted({a.stage for a in self.actions if a.kind == ActionKind.REDUCE_GRAD})
         self._first_message = next((i for i, a in enumerate(self.actions) if a.kind in _MESSAGES), len(self.actions))
         # [Note: receives are never batched]
         # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing
@@ -375,6 +379,8 @@ class Executor:
                 for a in group + between[0] + between[1]:  # each action with its own span (a pair's overlap)
                     on_action(a, *spans.get(a, (begin, end)))
         self._reap(st, block=True)
+        for stage in self._reduced:  # REDUCE_GRAD's reductions, waited once the step's work is issued
+            self.runners[stage].end_step()
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed data for {leftovers[:4]}")

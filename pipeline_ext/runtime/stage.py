@@ -103,6 +103,9 @@ class GradientSync:
     def ready(self, what: str) -> None:
         """Before a compute action of a planned step: wait for the stage's gathering; raise if it is sharded."""
 
+    def end_step(self) -> None:
+        """A planned step's end: wait for the reductions its REDUCE_GRAD issued (they overlap the rest of the step)."""
+
     def reshard(self) -> None:
         """RESHARD: free the stage's gathered parameters (their accumulated gradients stay)."""
         raise NotImplementedError(f"{self.name} does not shard parameters: a schedule cannot RESHARD it")
@@ -680,6 +683,11 @@ class StageRunner(StagePosition):
                              "microbatch(es) still to come; it goes after the stage's last B or W of the step")
         self._sync_left, self._planned = None, False
         sync.finish(replace)
+
+    def end_step(self) -> None:
+        """The step's end (the executor's, after its last action): what REDUCE_GRAD left running is waited for."""
+        if self.grad_sync is not None:
+            self.grad_sync.end_step()
 
 
 def split_report(runners: Any) -> dict[int, Optional[str]]:
