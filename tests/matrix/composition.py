@@ -38,9 +38,6 @@ FACTORS: dict[str, tuple] = {
     "tied": (False, True),  # the first stage's input projection tied to the last stage's output projection
     "shapes": ("fixed", "per_microbatch"),  # step(x) or step_microbatches with a sequence length per microbatch
     "kwargs": (False, True),  # a keyword tensor argument for the first stage, cut into microbatches
-    # FSDP stages' parameters placed by the planner at the tightest budget the schedule takes (1 stage at a time;
-    # DualPipeV's pairs: 2): every stage gathered and freed between its uses, W included
-    "budget": ("none", "tightest"),
 }
 #: tp levels: "local" = TP parameters, plain tensors between stages; "replicate" = Replicate DTensor activations
 #: and DTensor parameters in a non-TP module (each LayerNorm a replicated module); "sequence" = Shard(1)
@@ -57,22 +54,13 @@ CONSTRAINTS: list[tuple[str, object, str, object, str]] = [
     ("dp", "ddp", "tp", "local", "DDP does not take DTensor parameters (torch composes TP with FSDP2)"),
     ("dp", "ddp", "tp", "replicate", "DDP does not take DTensor parameters (torch composes TP with FSDP2)"),
     ("dp", "ddp", "tp", "sequence", "DDP does not take DTensor parameters (torch composes TP with FSDP2)"),
-    ("budget", "tightest", "dp", "none", "a parameter budget places the all-gathers of fully_shard stages"),
-    ("budget", "tightest", "dp", "ddp", "a parameter budget places the all-gathers of fully_shard stages"),
-    ("budget", "tightest", "front", "pipe", "the Pipe has no fully_shard stages"),
     ("split_fn", True, "tp", "sequence", "a SplitFunction's plain weight would see one sequence shard per tp rank: "
      "its gradient needs a DTensor weight, which a custom Function's halves do not take"),
 ]
 
 
-#: families whose schedule classes hold one stage per rank: a parameter budget has nothing to choose there
-ONE_STAGE_FAMILIES = ("1f1b", "zero_bubble")
-
-
 def allowed(family: str, case: Mapping[str, object]) -> bool:
     """Whether a (partial) case can exist in ``family``."""
-    if case.get("budget") == "tightest" and family in ONE_STAGE_FAMILIES:
-        return False
     for f1, l1, f2, l2, _ in CONSTRAINTS:
         if case.get(f1, object()) == l1 and case.get(f2, object()) == l2:
             return False
@@ -134,11 +122,9 @@ def generate(family: str) -> list[dict]:
 
 
 #: the default tier's slice (about 20 s): DTensor parameters and activations under the I/W split, a forward
-#: that communicates (TP all-reduces) inside DualPipeV's overlapped pairs, the Pipe with keyword arguments,
-#: per-microbatch shapes and checkpointing, and FSDP stages gathered one at a time under ZB-V (a W after its
-#: stage was resharded) with selective checkpointing and tied weights; each is a case of the generated design
-QUICK = ["zb_h1[tp=replicate]", "dualpipev[tp=local,ckpt=user]", "zb_h2[ckpt=user,kwargs,front=pipe,split_fn,shapes=per_microbatch]",
-         "zbv[ckpt=sac,budget=tightest,dp=fsdp,split_fn,tied]"]
+#: that communicates (TP all-reduces) inside DualPipeV's overlapped pairs, and the Pipe with keyword arguments,
+#: per-microbatch shapes and selective checkpointing; each is a case of the generated design
+QUICK = ["zb_h2[tp=replicate]", "dualpipev[tp=local,ckpt=user]", "zb_h1[ckpt=sac,kwargs,front=pipe,split_fn,shapes=per_microbatch]"]
 
 
 def quick_cases() -> list[dict]:

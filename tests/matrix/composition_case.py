@@ -240,8 +240,6 @@ def _train(case: dict, mesh, plan, mine: list[int], overlap: Optional[bool]) -> 
 
         run = {s: DDP(m, process_group=dp_mesh.get_group()) for s, m in modules.items()}
     extra = {"overlap": overlap} if overlap is not None else {}
-    if case.get("budget") == "tightest":
-        extra["max_active_stages"] = 2 if name == "dualpipev" else 1
     stages = [pe.PipelineStage(run[s], s, ns, "cpu", group=pp.get_group()) for s in mine]
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn,
                                        timeout=60.0, **extra)
