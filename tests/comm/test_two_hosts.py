@@ -41,6 +41,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.isolated, pytest.mark.hosts]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 JOB = HERE / "two_hosts_job.py"
+#: the job's imports: the package, the suite's shared modules and test_distributed (tests/stages), the job's folder
+JOB_PATH = [ROOT, ROOT / "tests", ROOT / "tests" / "stages", HERE]
 ADDRS = ("10.213.47.1", "10.213.47.2")  # a private /30 held only by the test's two namespaces
 HOSTS = ("hostA", "hostB")
 PORT = 29547  # inside the test's namespaces: nothing else listens there
@@ -103,7 +105,7 @@ class TwoHosts:
         inner = (f"mount --bind {self.shm[node]} /dev/shm && mount --bind {self.hosts_file} /etc/hosts && "
                  f"hostname {HOSTS[node]} && exec torchrun --node-rank {node} {' '.join(torchrun)} {JOB}")
         full_env = dict(os.environ, GLOO_SOCKET_IFNAME=self.ifs[node], JOB_MODE=mode, JOB_OUT=str(self.out),
-                        PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), OMP_NUM_THREADS="1", **env)
+                        PYTHONPATH=os.pathsep.join(map(str, JOB_PATH)), OMP_NUM_THREADS="1", **env)
         log = open(self.tmp / f"host{node}.log", "w")
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "--mount", "--pid",
                                  "--fork", "--kill-child", "--mount-proc", "sh", "-c", inner],
@@ -279,7 +281,7 @@ def _train_one_host(tmp: Path, die: str, name: str) -> dict[int, dict]:
     out.mkdir()
     ckpt.mkdir()
     env = dict(os.environ, JOB_MODE="train", JOB_OUT=str(out), JOB_STEPS="5", JOB_DIE=die, JOB_CKPT=str(ckpt),
-               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), OMP_NUM_THREADS="1")
+               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(map(str, JOB_PATH)), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "1", "--monitor-interval", "0.5", str(JOB)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
