@@ -61,7 +61,6 @@ class PieceCut:
             raise ValueError(f"seq_dim must be an int >= 1 (dimension 0 is the batch), got {seq_dim!r}")
         piece_lengths(pieces, pieces, split)  # checks ``split``
         self.pieces, self.seq_dim, self.split = pieces, seq_dim, split
-        self.lengths: list[list[int]] = []  # per microbatch of the last cut: its pieces' lengths
 
     def _length(self, microbatch: int, values: Sequence[Any]) -> int:
         leaves, _ = tree_flatten(list(values))
@@ -91,15 +90,15 @@ class PieceCut:
               ) -> tuple[Optional[list], Optional[list], Optional[list]]:
         """Per-microbatch lists (any of them None: not given on this rank) as per-unit lists."""
         n = next((len(x) for x in (args, kwargs, targets) if x is not None), 0)
-        self.lengths = []
+        lengths = []  # per microbatch: its pieces' lengths
         for j in range(n):
             found = [x[j] for x in (args, kwargs, targets) if x is not None and x[j] is not None]
-            self.lengths.append(piece_lengths(self._length(j, found), self.pieces, self.split))
+            lengths.append(piece_lengths(self._length(j, found), self.pieces, self.split))
 
         def cut_all(values: Optional[list]) -> Optional[list]:
             if values is None:
                 return None
-            return [p for j, v in enumerate(values) for p in (self.cut(v, self.lengths[j], j) if v is not None
+            return [p for j, v in enumerate(values) for p in (self.cut(v, lengths[j], j) if v is not None
                                                                else [None] * self.pieces)]
 
         return cut_all(args), cut_all(kwargs), cut_all(targets)
