@@ -211,8 +211,10 @@ class _PieceAttention(torch.autograd.Function):
 # piece is two kernel calls: the earlier pieces' keys, unmasked, and its own keys, causal (as many queries as
 # keys: the kernel's top-left alignment is the bottom-right one here); merged by log-sum-exp. The kernel
 # reports a log-sum-exp of 0 for a query that sees no key of a block (every key padded); that query's block
-# weight is set to 0 from the mask. Grouped-query heads are expanded for the kernel and their gradients summed
-# back per kv head.
+# weight is set to 0 from the mask. Grouped-query heads: the earlier keys are unmasked for every query, so
+# the query heads of one kv head are folded into rows ((B, Hkv, G*Lq, D) against (B, Hkv, N, D)): no copy of
+# the earlier keys per query head, and their gradients come back per kv head as they are. The piece's own
+# block is causal by row, so there the kv heads are expanded and their gradients summed back.
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -239,6 +241,16 @@ def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hq, L, ...) as (B, Hkv, G*L, ...): the query heads of one kv head as rows of one head."""
+    return t if groups == 1 else t.reshape(t.shape[0], t.shape[1] // groups, groups * t.shape[2], *t.shape[3:])
+
+
+def _unfold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``_fold`` undone: (B, Hkv, G*L, ...) as (B, Hq, L, ...)."""
+    return t if groups == 1 else t.reshape(t.shape[0], t.shape[1] * groups, t.shape[2] // groups, *t.shape[3:])
+
+
 def _flash_forward(ctx, q, key_bias, scale, n, kv):
     ks, vs = kv[:n], kv[n:]
     b, hq, lq, _ = q.shape
@@ -250,18 +262,22 @@ def _flash_forward(ctx, q, key_bias, scale, n, kv):
     if seen_diag is not None:
         lse = lse.masked_fill(~seen_diag, float("-inf"))
     if n_prev:
-        k_prev = _expand(torch.cat(ks[:-1], dim=-2), groups)
-        v_prev = _expand(torch.cat(vs[:-1], dim=-2), groups)
-        out_p, lse_p = _FLASH(q, k_prev, v_prev, 0.0, False, attn_mask=mask_prev, scale=scale)
+        out_p, lse_p = _FLASH(_fold(q, groups), torch.cat(ks[:-1], dim=-2), torch.cat(vs[:-1], dim=-2), 0.0, False,
+                              attn_mask=mask_prev, scale=scale)
+        out_p, lse_p = _unfold(out_p, groups), _unfold(lse_p, groups)
         if seen_prev is not None:
             lse_p = lse_p.masked_fill(~seen_prev, float("-inf"))
         both = torch.logaddexp(lse, lse_p)
-        finite = both > float("-inf")
-        w_diag = torch.where(finite, torch.exp(lse - both), torch.zeros((), dtype=q.dtype))
-        w_prev = torch.where(finite, torch.exp(lse_p - both), torch.zeros((), dtype=q.dtype))
-        out = out * w_diag[..., None] + out_p * w_prev[..., None]
+        if key_bias is None:  # every query sees its own key: both log-sum-exps are finite
+            out = torch.lerp(out_p, out, torch.exp(lse - both)[..., None])
+        else:
+            finite = both > float("-inf")
+            w_diag = torch.where(finite, torch.exp(lse - both), torch.zeros((), dtype=q.dtype))
+            w_prev = torch.where(finite, torch.exp(lse_p - both), torch.zeros((), dtype=q.dtype))
+            out = out * w_diag[..., None] + out_p * w_prev[..., None]
         lse = both
-    out = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=q.dtype))
+    if key_bias is not None:  # a query that saw no key (every key padded) gets zeros
+        out = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=q.dtype))
     ctx.flash, ctx.scale, ctx.n, ctx.groups = True, scale, n, groups
     ctx.save_for_backward(q, key_bias, out, lse, *ks, *vs)
     return out
@@ -277,21 +293,20 @@ def _flash_backward(ctx, dout):
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a query that saw no key: no gradient
     dout = dout.contiguous()
 
-    def fold(g: torch.Tensor) -> torch.Tensor:  # expanded heads' gradients summed back per kv head
+    def summed(g: torch.Tensor) -> torch.Tensor:  # expanded heads' gradients summed back per kv head
         return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
 
     dq, dk, dv = _FLASH_BACKWARD(dout, q, _expand(ks[-1], groups), _expand(vs[-1], groups), out, lse, 0.0, True,
                                  attn_mask=mask_diag, scale=scale)
-    dks, dvs = [None] * (n - 1) + [fold(dk)], [None] * (n - 1) + [fold(dv)]
+    dks, dvs = [None] * (n - 1) + [summed(dk)], [None] * (n - 1) + [summed(dv)]
     if n_prev:
-        k_prev = _expand(torch.cat(ks[:-1], dim=-2), groups)
-        v_prev = _expand(torch.cat(vs[:-1], dim=-2), groups)
-        dq_p, dk_p, dv_p = _FLASH_BACKWARD(dout, q, k_prev, v_prev, out, lse, 0.0, False, attn_mask=mask_prev,
-                                           scale=scale)
-        dq = dq + dq_p
+        dq_p, dk_p, dv_p = _FLASH_BACKWARD(_fold(dout, groups), _fold(q, groups), torch.cat(ks[:-1], dim=-2),
+                                           torch.cat(vs[:-1], dim=-2), _fold(out, groups), _fold(lse, groups), 0.0,
+                                           False, attn_mask=mask_prev, scale=scale)
+        dq = dq + _unfold(dq_p, groups)
         sizes = [k.shape[-2] for k in ks[:-1]]
-        dks[:-1] = list(fold(dk_p).split(sizes, dim=-2))
-        dvs[:-1] = list(fold(dv_p).split(sizes, dim=-2))
+        dks[:-1] = list(dk_p.split(sizes, dim=-2))
+        dvs[:-1] = list(dv_p.split(sizes, dim=-2))
     need = ctx.needs_input_grad
     dks = [g if need[4 + j] else None for j, g in enumerate(dks)]
     dvs = [g if need[4 + n + j] else None for j, g in enumerate(dvs)]
