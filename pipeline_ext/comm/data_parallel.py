@@ -203,7 +203,11 @@ class FSDPSync(GradientSync):
                 top._get_fsdp_state()._root_post_backward_final_callback()
 
     def end_step(self) -> None:
-        """The step's end: wait for the reduce-scatters REDUCE_GRAD issued and finalize the sharded gradients."""
+        """The step's end: wait for the reduce-scatters REDUCE_GRAD issued and finalize the sharded gradients;
+        after a planned eval (no gradients, no REDUCE_GRAD) put the user's settings back."""
+        if self._saved is not None and not self._finalize:
+            self._wait()
+            self._restore()
         tops, self._finalize = self._finalize, []
         for top in tops:
             top._get_fsdp_state()._root_post_backward_final_callback()

@@ -52,6 +52,12 @@ class ParamBudget:
                    stage_bytes=self.stage_bytes)
         return planned
 
+    def plan_forward(self, schedule: S.Schedule) -> S.Schedule:
+        """A forward-only ``schedule`` (``eval()``'s) with UNSHARD / RESHARD placed under the same budget (no
+        REDUCE_GRAD: no gradients): an eval gathers no more at once than a training step."""
+        return plan_fsdp(schedule, max_active_stages=self.max_active_stages,
+                         max_unsharded_bytes=self.max_unsharded_bytes, stage_bytes=self.stage_bytes)
+
 
 def param_budget(stages: Sequence[Any], max_active_stages: Optional[int], max_unsharded_bytes: Optional[int],
                  group: Optional[dist.ProcessGroup], num_stages: int) -> Optional[ParamBudget]:

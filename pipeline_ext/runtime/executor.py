@@ -264,7 +264,9 @@ class Executor:
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
         #: stages whose REDUCE_GRAD this rank runs: their reductions are waited at the step's end
-        self._reduced = sorted({a.stage for a in self.actions if a.kind == ActionKind.REDUCE_GRAD})
+        # the stages whose parameters the plan places: their step ends with the runner's ``end_step`` (REDUCE_GRAD's
+        # reductions waited; after a forward-only step, FSDP's settings the plan changed put back)
+        self._reduced = sorted({a.stage for a in self.actions if a.is_fsdp})
         self._first_message = next((i for i, a in enumerate(self.actions) if a.kind in _MESSAGES), len(self.actions))
         # [Note: receives are never batched]
         # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing

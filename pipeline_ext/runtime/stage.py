@@ -381,7 +381,7 @@ class StageRunner(StagePosition):
         self._skip_grads.clear()
         if self.pieces is not None:
             self.pieces.reset()
-        if self._sync_left is not None and self.grad_sync is not None:
+        if self.grad_sync is not None and (self._sync_left is not None or self._planned):  # a planned eval too
             self._sync_left = None
             self.grad_sync.abort()
         self._planned = False
@@ -660,11 +660,18 @@ class StageRunner(StagePosition):
             if self._sync_left is not None:
                 raise StageError(f"stage {self.stage_index}: UNSHARD after the step's first forward of the stage; "
                                  "a planned step unshards a stage before any of its actions")
+            sync.begin(planned=True)  # an eval too: FSDP's post-forward reshard is off while the plan places
             if torch.is_grad_enabled():
-                sync.begin(planned=True)
                 self._sync_left = self._n_microbatches
             self._planned = True
         (replace or sync.unshard)()
+
+    def shard(self) -> None:
+        """Free this stage's gathered parameters, if any (a fully_shard stage): a planned step or eval starts
+        from every stage sharded, as its plan does, whatever ran before (a failed step, the user's own forward,
+        FSDP's hooks)."""
+        if self.grad_sync is not None and self.grad_sync.shards:
+            self.grad_sync.reshard()
 
     def reshard(self, replace: Optional[Callable[[], None]] = None) -> None:
         """RESHARD: free this stage's gathered parameters; their gradients stay until REDUCE_GRAD."""
