@@ -56,7 +56,7 @@ from pipeline_ext.runtime.skips import declared_skips
 from pipeline_ext.runtime.stage import split_report
 from pipeline_ext.runtime.trace import ActionSample, Tracer, TraceReport
 from pipeline_ext.schedules.csv_io import torch_order
-from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces, check_piece_order
+from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces
 from pipeline_ext.schedules.ir import OVERLAP_F_B
 
 # imported from schedules.py, with torch's Schedule* classes over it
@@ -95,7 +95,7 @@ class PipelineSchedule:
         max_unsharded_bytes: Optional[int] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         given = [stages] if not isinstance(stages, (list, tuple)) else list(stages)
         if not given:
@@ -197,9 +197,8 @@ class PipelineSchedule:
             raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
                              f"but this rank was given stages {sorted(self.stages)}")
         self._unplanned = S.lower(schedule)
-        S.validate(self._unplanned)
-        if self._cut is not None:  # a sequence's pieces: forwards in piece order, backwards in reverse, per stage
-            check_piece_order(self._unplanned, self._cut.pieces)
+        # over sequence pieces, also each sequence's forwards in piece order and backwards in reverse, per stage
+        S.validate(self._unplanned, pieces=1 if self._cut is None else self._cut.pieces)
         self.schedule = self._unplanned if self._budget is None else self._budget.plan(self._unplanned)
         self._executors = {}
         if self._session is not None:
@@ -354,7 +353,8 @@ class PipelineSchedule:
         if self._tracer is None:
             raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
         got = gather_trace(self._tracer, self.group, dst)
-        return None if got is None else TraceReport(self.schedule, *got, transport=self.transport_per_edge)
+        return None if got is None else TraceReport(self.schedule, *got, transport=self.transport_per_edge,
+                                                    pieces=1 if self._cut is None else self._cut.pieces)
 
     def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
         """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""
@@ -574,8 +574,9 @@ class PipelineSchedule:
 
     def _executor(self, kind: int) -> Executor:
         if kind not in self._executors:  # the forward-only version of the schedule, built at its first use
-            self._executors[kind] = Executor(S.forward_only(self._unplanned), self.rank, self._runners,
-                                             timeout=self.timeout)
+            forward = S.forward_only(self._unplanned)  # under a budget, planned too: an eval holds what a step does
+            self._executors[kind] = Executor(forward if self._budget is None else self._budget.plan_forward(forward),
+                                             self.rank, self._runners, timeout=self.timeout)
         return self._executors[kind]
 
     def _run(self, kind: int, args: Any, kwargs: Any, target: Any, losses: Optional[list],
@@ -604,6 +605,8 @@ class PipelineSchedule:
                                    declared=None if first is None else first._declared)
         for r in self._runners.values():  # torch's save_forward_output: nothing returned, nothing kept
             r.reset(keep_outputs=return_outputs)
+            if self._budget is not None:  # the plan starts from every stage sharded, whatever ran before
+                r.shard()
         training = kind == TRAIN
         if training:
             for hook in list(self._step_pre_hooks.values()):

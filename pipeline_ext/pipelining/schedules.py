@@ -80,7 +80,7 @@ class PipelineScheduleSingle(PipelineSchedule):
         transport: Optional[str] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         if len(stages) != 1:
@@ -126,7 +126,7 @@ class PipelineScheduleMulti(PipelineSchedule):
         max_unsharded_bytes: Optional[int] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         # Without a schedule_name (torch's way of writing a custom schedule: subclass, then assign
         # self.pipeline_order), nothing runs until the order is assigned.
@@ -188,7 +188,7 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
         max_unsharded_bytes: Optional[int] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         # [Note: defer_pp_recv]
         # torch places each RECV as early as its order allows and, with defer_pp_recv=True, moves it to right
@@ -298,7 +298,7 @@ class _BuiltinRuntime(_PipelineScheduleRuntime):
         max_unsharded_bytes: Optional[int] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          use_full_backward, scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv,
@@ -351,7 +351,7 @@ class ScheduleLoopedBFS(_BuiltinRuntime):
         max_unsharded_bytes: Optional[int] = None,
         seq_chunks: int = 1,
         seq_dim: int = 1,
-        seq_split: str = "equal",
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads, backward_requires_autograd, defer_pp_recv, use_full_backward=use_full_backward,

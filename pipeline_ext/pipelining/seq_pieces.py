@@ -12,9 +12,8 @@ Cut: every tensor of the inputs, keyword arguments and target whose
 there; anything else goes whole to every piece. Targets are cut as they are:
 they must already be shifted (``target[t]`` belongs to position ``t``), since
 a loss that shifts inside a piece would lose each piece's last position. The
-lengths are equal (``"equal"``) or balanced by causal attention's cost
-(``"balanced"``: piece k ends at ``L * sqrt((k + 1) / K)``, so each piece
-attends to about as many (query, key) pairs, later pieces being shorter).
+lengths are ``schedules.pieces.piece_lengths``' (``seq_split``): equal, or
+balanced by cost, later pieces shorter since they attend to more keys.
 
 Weights: a mean-reduced loss of a piece is the mean over its elements, so
 the unit's weight is its share of the target's elements (its rows times its
@@ -23,38 +22,20 @@ keeps them.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["piece_lengths", "PieceCut", "PieceWeightedLoss"]
+from pipeline_ext.schedules.pieces import piece_lengths
 
-
-def piece_lengths(length: int, pieces: int, split: str = "equal") -> list[int]:
-    """The K lengths a sequence of ``length`` is cut into (``split``: "equal" or "balanced")."""
-    if split not in ("equal", "balanced"):
-        raise ValueError(f"seq_split must be 'equal' or 'balanced', got {split!r}")
-    if length < pieces:
-        raise ValueError(f"a sequence of {length} positions cannot be cut into seq_chunks={pieces} pieces")
-    if split == "equal":
-        ends = [round(length * (k + 1) / pieces) for k in range(pieces)]
-    else:
-        ends = [round(length * math.sqrt((k + 1) / pieces)) for k in range(pieces)]
-    lengths, start = [], 0
-    for k, end in enumerate(ends):
-        end = max(end, start + 1)
-        end = min(end, length - (pieces - 1 - k))  # every later piece keeps at least one position
-        lengths.append(end - start)
-        start = end
-    return lengths
+__all__ = ["PieceCut", "PieceWeightedLoss"]
 
 
 class PieceCut:
     """Cuts microbatches into pieces along ``seq_dim`` and puts outputs back; one per schedule."""
 
-    def __init__(self, pieces: int, seq_dim: int, split: str = "equal") -> None:
+    def __init__(self, pieces: int, seq_dim: int, split: Union[str, float] = "equal") -> None:
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"seq_chunks must be a positive int, got {pieces!r}")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:

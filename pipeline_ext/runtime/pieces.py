@@ -83,6 +83,10 @@ class StagePieces:
         if not torch.is_grad_enabled() and piece == self.pieces - 1:  # no backward will release them
             self.drop(seq)
 
+    def held(self) -> list[int]:
+        """The sequences whose carries are held: a piece's forward ran, their piece 0's backward has not."""
+        return sorted(self._carries)
+
     def drop(self, seq: int) -> None:
         self._carries.pop(seq, None)
         self._next_offset.pop(seq, None)

@@ -128,7 +128,7 @@ def transfer_samples(schedule: Schedule, spans: Sequence[Span]) -> list[float]:
     return out
 
 
-def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]]) -> Costs:
+def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]], pieces: int = 1) -> Costs:
     """Per-stage median F, B (or I), W and the median transfer time, as simulator ``Costs``.
 
     A stage that runs full backwards gets b = its B time and w = 0 (the
@@ -137,18 +137,37 @@ def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]]) -> Costs:
     overlapped middle, I and W at the ends) gets ``whole`` = the B time too,
     so each kind is charged what it measured (a median over B and I together
     would charge neither).
+
+    ``pieces``: the schedule runs K sequence pieces per microbatch (unit u is
+    piece u % K, ``schedules/pieces.py``), whose costs differ (later pieces
+    attend to more keys): each stage's cost of a kind is then the mean over
+    the pieces of the piece's median, and ``Costs.pieces[k]`` is piece k's
+    compute (every stage and kind, medians) over the mean piece's.
     """
     spans = [s for step in steps for s in step]
     stages = range(schedule.num_stages)
     kinds = [{s.action.kind for s in spans if s.action.stage == st} for st in stages]
-    f = [_median_by(spans, (ActionKind.F,), s) for s in stages]
-    whole = [_median_by(spans, (ActionKind.B,), s) for s in stages]
-    b = [_median_by(spans, (ActionKind.I,), s) if ActionKind.I in kinds[s] else whole[s] for s in stages]
-    w = [_median_by(spans, (ActionKind.W,), s) for s in stages]
+    parts = [spans] if pieces <= 1 else [[s for s in spans if s.action.microbatch % pieces == k]
+                                         for k in range(pieces)]
+
+    def cost(which: ActionKind, stage: int) -> list[float]:  # per piece (one part without pieces): its median
+        return [_median_by(part, (which,), stage) for part in parts]
+
+    f = [cost(ActionKind.F, s) for s in stages]
+    whole = [cost(ActionKind.B, s) for s in stages]
+    b = [cost(ActionKind.I, s) if ActionKind.I in kinds[s] else whole[s] for s in stages]
+    w = [cost(ActionKind.W, s) for s in stages]
+    weights = None
+    if pieces > 1:
+        compute = [sum(x[s][k] for x in (f, b, w) for s in stages) for k in range(pieces)]
+        mean = statistics.fmean(compute)
+        weights = [c / mean for c in compute] if mean > 0 else None
+    f, b, w, whole = ([statistics.fmean(per_piece) for per_piece in x] for x in (f, b, w, whole))
     mixed = any(ActionKind.B in k and ActionKind.I in k for k in kinds)
     samples = [c for step in steps for c in transfer_samples(schedule, step)]
     return Costs(f=f, b=b, w=w, comm=statistics.median(samples) if samples else 0.0,
-                 whole=[whole[s] if ActionKind.B in kinds[s] else b[s] + w[s] for s in stages] if mixed else None)
+                 whole=[whole[s] if ActionKind.B in kinds[s] else b[s] + w[s] for s in stages] if mixed else None,
+                 pieces=weights)
 
 
 def measured_bubble(spans: Sequence[Span], num_ranks: int) -> float:
@@ -308,6 +327,8 @@ class TraceReport:
     split: dict[int, Optional[str]] = field(default_factory=dict)
     #: the transport of each pipeline edge, ``{"0<->1": "shm", ...}`` (``PipelineSchedule.transport_per_edge``)
     transport: dict[str, str] = field(default_factory=dict)
+    #: sequence pieces per microbatch (``seq_chunks``): the costs are measured per piece (``measure_costs``)
+    pieces: int = 1
     costs: Costs = field(init=False)
     simulated: SimResult = field(init=False)
     bubble_per_step: list[float] = field(init=False)
@@ -316,7 +337,7 @@ class TraceReport:
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError("no traced steps: enable tracing and run at least one step first")
-        self.costs = measure_costs(self.schedule, self.steps)
+        self.costs = measure_costs(self.schedule, self.steps, self.pieces)
         self.simulated = simulate(self.schedule, self.costs)
         self.bubble_per_step = [measured_bubble(s, self.schedule.num_ranks) for s in self.steps]
         self.step_times = [max(s.end for s in st) - min(s.start for s in st) for st in self.steps]

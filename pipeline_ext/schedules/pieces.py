@@ -21,14 +21,34 @@ The orders: 1F1B and ZB-H1 with ``p - 1 - r + K - 1`` warm-up forwards on
 rank r (the last rank must have all K pieces of the first sequence forwarded
 before that sequence's last piece can start its backward), interleaved 1F1B
 with the same K - 1 more; every other schedule is refused by name.
+``check_piece_order`` (also ``validate(schedule, pieces=K)``) checks the
+order constraints of any schedule over pieces.
+
+The cut and its costs: later pieces attend to more keys, so equal lengths
+are unequal costs, and in a pipeline the most expensive piece sets the pace.
+``piece_lengths`` cuts a sequence into equal lengths or into lengths of equal
+cost under the model: the cost of positions 0..x (x a fraction of the
+length) is ``a x^2 + (1 - a) x``, where ``a`` is causal attention's share of
+the cost of the whole sequence and the rest (matrix products, norms) grows
+with the length. For a transformer whose layers have ``P`` weights in matrix
+products and attention ``w`` wide (query heads x head size), the forward's
+multiply-adds are ``L^2 w`` in causal attention (two products over the
+``L^2 / 2`` causal pairs) and ``L P`` in the rest: ``a = L w / (L w + P)``
+(``attention_share``). ``piece_costs`` gives the simulator each piece's
+cost under the same model (``Costs.pieces``); a traced step measures them
+(``runtime/trace.measure_costs``).
 """
 from __future__ import annotations
+
+import math
+from typing import Sequence, Union
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import loop_placement
 from pipeline_ext.schedules.orders import depth_first, interleaved_rounds, pipeline_order, split_backward_of
 
-__all__ = ["PIECE_SCHEDULES", "build_pieces", "piece_of", "unit_of", "check_piece_order"]
+__all__ = ["PIECE_SCHEDULES", "build_pieces", "piece_of", "unit_of", "check_piece_order", "attention_share",
+           "piece_lengths", "piece_costs", "piece_sizes"]
 
 F, B = ActionKind.F, ActionKind.B
 
@@ -124,3 +144,72 @@ def check_piece_order(schedule: Schedule, pieces: int) -> None:
                     f"{'forwards' if kind == 'F' else 'backwards'} on stage {a.stage} must run {order} (piece "
                     f"{piece} after {before}): causal attention carries keys and values between pieces")
             last[key] = (piece, pos)
+
+
+def attention_share(split: Union[str, float, None] = None, *, length: int = 0, width: int = 0,
+                    matmul_params: int = 0) -> float:
+    """Causal attention's share ``a`` of the cost of a whole sequence (module doc).
+
+    Of a ``seq_split``: "equal" is 0, "balanced" 1 (attention alone), a float
+    in [0, 1] itself. Or of a transformer: ``length`` positions, attention
+    ``width`` wide (query heads x head size) and ``matmul_params`` weights in
+    each layer's matrix products: ``length * width / (length * width +
+    matmul_params)``.
+    """
+    if split is None:
+        if length <= 0 or width <= 0 or matmul_params < 0:
+            raise ValueError(f"attention_share needs a seq_split, or length > 0, width > 0 and matmul_params >= 0 "
+                             f"(got length={length}, width={width}, matmul_params={matmul_params})")
+        return length * width / (length * width + matmul_params)
+    if isinstance(split, str) and split in ("equal", "balanced"):
+        return 0.0 if split == "equal" else 1.0
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0.0 <= split <= 1.0:
+        raise ValueError(f"seq_split must be 'equal', 'balanced' or causal attention's share of the cost of a "
+                         f"whole sequence, a float in [0, 1]; got {split!r}")
+    return float(split)
+
+
+def piece_lengths(length: int, pieces: int, split: Union[str, float] = "equal") -> list[int]:
+    """The K lengths a sequence of ``length`` is cut into (``split``: "equal", "balanced" or attention's share
+    of the cost, module doc)."""
+    a = attention_share(split)
+    if length < pieces:
+        raise ValueError(f"a sequence of {length} positions cannot be cut into seq_chunks={pieces} pieces")
+
+    def end(t: float) -> float:  # x in [0, 1] where a x^2 + (1 - a) x = t
+        return t if a == 0.0 else (-(1.0 - a) + math.sqrt((1.0 - a) ** 2 + 4.0 * a * t)) / (2.0 * a)
+
+    ends = [round(length * end((k + 1) / pieces)) for k in range(pieces)]
+    lengths, start = [], 0
+    for k, end in enumerate(ends):
+        end = max(end, start + 1)
+        end = min(end, length - (pieces - 1 - k))  # every later piece keeps at least one position
+        lengths.append(end - start)
+        start = end
+    return lengths
+
+
+
+def _cost(x: float, a: float) -> float:
+    """The cost of positions 0..x (x a fraction of the sequence) under the model of the module doc."""
+    return a * x * x + (1.0 - a) * x
+
+
+def piece_costs(lengths: Sequence[int], split: Union[str, float] = "equal") -> list[float]:
+    """Each piece's compute cost relative to the mean piece's (mean 1), under the cost model with attention's
+    share ``split`` (as ``attention_share`` takes it): what ``Costs.pieces`` charges piece k's F, B, I and W."""
+    a = attention_share(split)
+    total = sum(lengths)
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError(f"piece lengths must be positive, got {list(lengths)}")
+    ends = [sum(lengths[:k + 1]) / total for k in range(len(lengths))]
+    costs = [_cost(e, a) - _cost(e - n / total, a) for e, n in zip(ends, lengths)]
+    return [c * len(costs) / sum(costs) for c in costs]
+
+
+def piece_sizes(lengths: Sequence[int]) -> list[float]:
+    """Each piece's activations relative to the mean piece's (mean 1): activations grow with the positions (the
+    piece attention saves q, k, v, its output and the log-sum-exp, no positions x keys matrix)."""
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError(f"piece lengths must be positive, got {list(lengths)}")
+    return [n * len(lengths) / sum(lengths) for n in lengths]

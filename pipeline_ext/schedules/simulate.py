@@ -72,6 +72,10 @@ class Costs:
     #: bytes per cost unit an all-gather or a reduce-scatter moves (the effective bandwidth of the stage's
     #: data-parallel collectives), for the times not given
     fsdp_bandwidth: Optional[float] = None
+    #: sequence pieces (``schedules/pieces.py``: unit u of the schedule is piece u % K of a sequence): piece k's
+    #: F, B, I and W cost ``pieces[k]`` times their stage's cost above (K = len(pieces); ``piece_costs`` derives
+    #: them from the pieces' lengths, ``runtime/trace.measure_costs`` from traced steps). None: every unit alike
+    pieces: Optional[Sequence[float]] = None
 
     @classmethod
     def parse(cls, text: str) -> "Costs":
@@ -117,17 +121,30 @@ class Costs:
         return out
 
     def duration(self, action: Action) -> float:
-        """Time an action occupies its rank (0 for SEND/RECV)."""
+        """Time an action occupies its rank (0 for SEND/RECV); a piece's its stage's times its weight."""
         s, kind = action.stage, action.kind
         if kind is ActionKind.F:
-            return self._get("f", s)
-        if kind is ActionKind.I:
-            return self._get("b", s)
-        if kind is ActionKind.W:
-            return self._get("w", s)
-        if kind is ActionKind.B:
-            return self.backward(s)
-        return 0.0
+            cost = self._get("f", s)
+        elif kind is ActionKind.I:
+            cost = self._get("b", s)
+        elif kind is ActionKind.W:
+            cost = self._get("w", s)
+        elif kind is ActionKind.B:
+            cost = self.backward(s)
+        else:
+            return 0.0
+        return cost if self.pieces is None else cost * self.piece_weight(action.microbatch)
+
+    def piece_weight(self, unit: int) -> float:
+        """The cost weight of ``unit``'s piece (1 without ``pieces``)."""
+        if self.pieces is None:
+            return 1.0
+        if not len(self.pieces):
+            raise ScheduleError("costs.pieces is empty: give one weight per piece, or None")
+        weight = float(self.pieces[unit % len(self.pieces)])
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ScheduleError(f"costs.pieces must be finite and non-negative (got {list(self.pieces)!r})")
+        return weight
 
     def backward(self, stage: int) -> float:
         """The duration of an unsplit backward of ``stage``: ``whole`` where given, else ``b + w``."""
@@ -199,7 +216,7 @@ class SimResult:
     def spans_of(self, rank: int) -> list[Span]:
         return [s for s in self.timeline if s.rank == rank]
 
-    def peak_bytes(self, activation_bytes: Cost) -> list[float]:
+    def peak_bytes(self, activation_bytes: Cost, pieces: Optional[Sequence[float]] = None) -> list[float]:
         """Most activation bytes alive at once on each rank.
 
         ``activation_bytes`` is what one microbatch's activations of a stage
@@ -207,6 +224,9 @@ class SimResult:
         stage (stages of different sizes, e.g. an embedding stage). With one
         number this is ``peak_activations`` times it; with a sequence the
         peak is taken over the rank's timeline of live activations, weighted.
+        ``pieces``: a schedule over sequence pieces, each piece's activations
+        relative to the mean piece's (``schedules.pieces.piece_sizes``), the
+        mean piece's being ``activation_bytes``.
         """
         n_stages = self.schedule.num_stages
         if isinstance(activation_bytes, (int, float)):
@@ -217,8 +237,10 @@ class SimResult:
                 raise ScheduleError(f"activation_bytes has {len(sizes)} entries but the schedule has {n_stages} stages")
         if not all(math.isfinite(x) and x >= 0 for x in sizes):
             raise ScheduleError(f"activation_bytes must be finite and non-negative (got {activation_bytes!r})")
+        if pieces is not None and not (len(pieces) and all(math.isfinite(x) and x >= 0 for x in pieces)):
+            raise ScheduleError(f"pieces must be finite, non-negative piece sizes (got {pieces!r})")
         plain = self.schedule.compute_only()
-        return [peak_live_activations(acts, sizes) for acts in plain.actions]
+        return [peak_live_activations(acts, sizes, pieces) for acts in plain.actions]
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
@@ -363,11 +385,15 @@ def bubble_rates(busy: Sequence[float], lengths: Sequence[float]) -> list[float]
     return [(longest - b) / longest if longest > 0 else 0.0 for b in busy]
 
 
-def peak_live_activations(actions: Sequence[Action], sizes: Optional[Sequence[float]] = None):
-    """Most stage-microbatch activations alive at once along one rank's list (weighted by ``sizes[stage]`` if given)."""
+def peak_live_activations(actions: Sequence[Action], sizes: Optional[Sequence[float]] = None,
+                          pieces: Optional[Sequence[float]] = None):
+    """Most stage-microbatch activations alive at once along one rank's list (weighted by ``sizes[stage]`` and,
+    over sequence pieces, by ``pieces[unit % K]`` if given)."""
     live = peak = 0
     for action in actions:
         size = 1 if sizes is None else sizes[action.stage]
+        if pieces is not None:
+            size *= pieces[action.microbatch % len(pieces)]
         if action.kind is ActionKind.F:
             live += size
             peak = max(peak, live)

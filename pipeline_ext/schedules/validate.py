@@ -27,6 +27,7 @@ from pipeline_ext.schedules.fsdp import GRADIENT_KINDS, Budget
 from pipeline_ext.schedules.inorder import run_in_order
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError, check_structure, dependencies, done_key
 from pipeline_ext.schedules.lowering import check_deadlock, check_fifo, counterpart, receives_for, sends_for
+from pipeline_ext.schedules.pieces import check_piece_order
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 UNSHARD, RESHARD, REDUCE_GRAD = ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD
@@ -34,17 +35,20 @@ UNSHARD, RESHARD, REDUCE_GRAD = ActionKind.UNSHARD, ActionKind.RESHARD, ActionKi
 
 def validate(schedule: Schedule, *, max_active_stages: Optional[int] = None,
              max_unsharded_bytes: Optional[float] = None,
-             stage_bytes: Union[None, float, Sequence[float]] = None) -> None:
+             stage_bytes: Union[None, float, Sequence[float]] = None, pieces: int = 1) -> None:
     """Raise :class:`ScheduleError` describing the first problem found; return None if valid.
 
     The budget arguments (as :func:`.fsdp.plan_fsdp` takes them) are checked against the schedule's
     UNSHARD/RESHARD placement; a schedule without FSDP actions given a budget fails, since it computes on
-    stages it never unshards.
+    stages it never unshards. ``pieces``: the schedule runs sequence pieces, unit u being piece u % pieces of
+    a sequence (:mod:`.pieces`): each stage must run a sequence's forwards in piece order and its backwards
+    in reverse piece order.
     """
     check_structure(schedule)
     positions = _positions(schedule)
     _check_completeness(schedule, positions)
     _check_stage_order(positions, schedule.stage_to_rank)
+    check_piece_order(schedule, pieces)
     budget = Budget.of(schedule, max_active_stages, max_unsharded_bytes, stage_bytes)
     if schedule.has_fsdp or budget.limited:
         check_fsdp(schedule, budget)

@@ -6,8 +6,10 @@
 whole). Each microbatch is one sequence cut into K pieces; loss, every
 gradient and the parameters after an SGD step are compared with the unsplit
 model on the whole sequences, under 1F1B, ZB-H1 (the I/W split held) and
-interleaved 1F1B, with selective checkpointing inside the blocks, and with
-microbatches of different lengths (``step_microbatches``).
+interleaved 1F1B, with selective checkpointing inside the blocks, with
+microbatches of different lengths (``step_microbatches``) and with pieces cut
+to equal cost (``seq_split`` a float); the traced steps give the simulator
+one cost weight per piece.
 """
 from __future__ import annotations
 
@@ -57,27 +59,28 @@ def _unsplit(stages: list[nn.Module], xs: list[torch.Tensor], ys: list[torch.Ten
     return loss
 
 
-def _pieces_of(y: torch.Tensor, k: int) -> list[torch.Tensor]:
-    from pipeline_ext.pipelining.seq_pieces import piece_lengths
+def _pieces_of(y: torch.Tensor, k: int, split: object) -> list[torch.Tensor]:
+    from pipeline_ext.schedules.pieces import piece_lengths
 
-    return list(torch.split(y, piece_lengths(y.shape[1], k), dim=1))
+    return list(torch.split(y, piece_lengths(y.shape[1], k, split), dim=1))
 
 
-def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str]]) -> list[str]:
+def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str, object]]) -> list[str]:
     import pipeline_ext as pe
     import torch.distributed as dist
 
     bad: list[str] = []
-    for name, v, k, sac, shapes in cases:
+    for name, v, k, sac, shapes, split in cases:
         ns = world * v
         stages, ref = _stages(ns, sac), _stages(ns)
         mine = [s for s in range(ns) if (s % world if name != "zbv" else min(s, 2 * world - 1 - s)) == rank]
         pstages = [pe.PipelineStage(stages[s], s, ns, "cpu") for s in mine]
         cls = pe.get_schedule_class(name)
-        sched = cls(pstages if v > 1 else pstages[0], M, loss_fn=F.mse_loss, seq_chunks=k)
+        sched = cls(pstages if v > 1 else pstages[0], M, loss_fn=F.mse_loss, seq_chunks=k, seq_split=split,
+                    trace=True)
         opt = torch.optim.SGD([p for s in mine for p in stages[s].parameters()], lr=0.1)
         ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
-        where = f"{name} v={v} seq_chunks={k} sac={sac} {shapes} rank {rank}"
+        where = f"{name} v={v} seq_chunks={k} seq_split={split} sac={sac} {shapes} rank {rank}"
         for step in range(2):
             g = torch.Generator().manual_seed(step)
             lengths = [SEQ] * M if shapes == "fixed" else [SEQ, SEQ - 4]
@@ -96,7 +99,7 @@ def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str]]) 
             ref_loss = _unsplit(ref, xs, ys)
             ref_loss.backward()
             if last:  # one loss per piece, each the mean over its positions
-                weights = [t.numel() for y in ys for t in _pieces_of(y, k)]
+                weights = [t.numel() for y in ys for t in _pieces_of(y, k, split)]
                 got = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
                 if len(losses) != M * k or not torch.allclose(got, ref_loss.detach(), **TOL):
                     bad.append(f"{where} step {step}: loss {got} != {ref_loss.item()} ({len(losses)} losses)")
@@ -120,11 +123,17 @@ def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str]]) 
         for st in pstages:  # the I/W split held where the schedule splits
             if st._runner.split_seen and st._runner.split_fallback is not None:
                 bad.append(f"{where}: stage {st.stage_index}'s I ran the whole backward: {st._runner.split_fallback}")
+        report = sched.trace_report()  # the simulator's costs: one weight per piece, measured
+        if report is not None:
+            weights = report.costs.pieces
+            if weights is None or len(weights) != k or not all(w > 0 for w in weights):
+                bad.append(f"{where}: the traced costs have piece weights {weights}, not {k} positive ones")
         dist.barrier()
     return bad
 
 
-QUICK = [("1f1b", 1, 4, False, "fixed"), ("zb_h1", 1, 2, True, "fixed"), ("interleaved_1f1b", 2, 2, False, "lengths")]
+QUICK = [("1f1b", 1, 4, False, "fixed", 0.5), ("zb_h1", 1, 2, True, "fixed", "equal"),
+         ("interleaved_1f1b", 2, 2, False, "lengths", "balanced")]
 
 
 @pytest.mark.timeout(300)
@@ -136,7 +145,7 @@ def test_sequence_pieces_match_the_unsplit_model():
 @pytest.mark.long
 @pytest.mark.timeout(600)
 def test_sequence_pieces_every_supported_schedule_and_setting():
-    cases = [(name, v, k, sac, shapes) for name, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
-             for k in (2, 3) for sac in (False, True) for shapes in ("fixed", "lengths")]
+    cases = [(name, v, k, sac, shapes, split) for name, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
+             for k in (2, 3) for sac in (False, True) for shapes, split in (("fixed", "equal"), ("lengths", 0.6))]
     bad = [b for v in rank_values(_train, 2, cases, timeout=540).values() for b in v]
     assert not bad, "\n".join(bad[:20])

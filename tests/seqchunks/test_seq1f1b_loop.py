@@ -1,0 +1,80 @@
+"""Sequence pieces in a whole training loop: eval between steps, a failed step, the steps after; exact.
+
+A training loop does more than ``step()``: it evaluates between steps (a
+forward-only schedule over the same pieces, no backward, so no carry may be
+left for a backward that never comes) and skips a batch whose step failed
+(a module that raised in the middle of a sequence, with earlier pieces'
+keys and values carried and their gradients half collected). The steps after
+either must be those of the unsplit model on the whole sequences.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import TOL
+from mp_utils import rank_values
+from test_seq1f1b_pipeline import DIM, M, ROWS, SEQ, _stages, _unsplit
+
+
+def _loop(rank: int, world: int, name: str, k: int) -> list[str]:
+    import pipeline_ext as pe
+
+    stages, ref = _stages(world), _stages(world)
+    sched = pe.get_schedule_class(name)(pe.PipelineStage(stages[rank], rank, world, "cpu"), M, loss_fn=F.mse_loss,
+                                        seq_chunks=k, timeout=60)
+    opt = torch.optim.SGD(stages[rank].parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+    forwards = [0]
+
+    def flaky(module, args):  # the last stage raises in piece 1 of sequence 1 of step 1, mid-sequence
+        forwards[0] += 1
+        if forwards[0] == 2 * M * k + k + 2:  # step 0 and the eval after it ran M * k each
+            raise ValueError("boom in the user's module")
+
+    if rank == world - 1:
+        stages[rank].register_forward_pre_hook(flaky)
+    said: list[str] = []
+    first, last = rank == 0, rank == world - 1
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(ROWS, SEQ, DIM, generator=g), torch.randn(ROWS, SEQ, DIM, generator=g)
+        xs, ys = list(x.chunk(M)), list(y.chunk(M))
+        opt.zero_grad(set_to_none=True)
+        try:
+            sched.step(*((x,) if first else ()), target=y if last else None)
+        except Exception as exc:  # a loop that skips a bad batch
+            said.append(f"{i}:{type(exc).__name__}")
+            continue
+        ref_opt.zero_grad(set_to_none=True)
+        _unsplit(ref, xs, ys).backward()
+        for (n, p), q in zip(stages[rank].named_parameters(), ref[rank].parameters()):
+            if not torch.allclose(p.grad, q.grad, **TOL):
+                said.append(f"step {i}: {n}'s gradient differs from the unsplit model's")
+        opt.step()
+        ref_opt.step()
+        # eval between steps: the merged outputs and one loss per piece, the unsplit model's
+        losses: list = []
+        out = sched.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
+        if last:
+            with torch.no_grad():
+                whole = x
+                for m in ref:
+                    whole = m(whole)
+            if not torch.allclose(out, whole, **TOL):
+                said.append(f"eval after step {i}: the outputs differ from the unsplit model's")
+            if len(losses) != M * k:
+                said.append(f"eval after step {i}: {len(losses)} losses, not one per piece ({M * k})")
+        held = sched.stages[rank]._runner.pieces.held()
+        if held:
+            said.append(f"after eval {i}: carries still held for sequences {held}")
+    return said
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_eval_between_steps_and_a_failed_step_leave_the_next_steps_exact(name):
+    said = rank_values(_loop, 2, name, 2, timeout=150)
+    assert said[1] == ["1:ValueError"], said
+    assert said[0] == ["1:StepFailedError"] or (len(said[0]) == 1 and said[0][0].startswith("1:")), said
