@@ -14,6 +14,8 @@ after SGD steps.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -80,10 +82,23 @@ def _equal_stages(n: int) -> list[torch.nn.Module]:
     return [BlockStage() for _ in range(n)]
 
 
-def _run(rank: int, world: int, cases: list[tuple[str, int, object]], reshard_after_forward: bool = False) -> list:
-    """Per case (schedule, stages per rank, budget): exact against the unsplit model, and what was counted."""
+def _sharded(mesh: Any, modules: list[torch.nn.Module], mine: list[int], reshard_after_forward: bool = False
+             ) -> tuple[_Counts, int]:
+    """This rank's stages ``fully_shard``ed over dp (each block, then the stage); their counter, and P: the rank's
+    stages' unsharded parameter bytes."""
     from torch.distributed.fsdp import fully_shard
 
+    for s in mine:
+        fully_shard(modules[s].block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        fully_shard(modules[s], mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+    counts = _Counts({s: [g for m in (modules[s].block, modules[s]) for g in m._get_fsdp_state()._fsdp_param_groups]
+                      for s in mine})
+    P = sum(sum(fp._orig_size.numel() * 4 for fp in g.fsdp_params) for gs in counts.groups_of.values() for g in gs)
+    return counts, P
+
+
+def _run(rank: int, world: int, cases: list[tuple[str, int, object]], reshard_after_forward: bool = False) -> list:
+    """Per case (schedule, stages per rank, budget): exact against the unsplit model, and what was counted."""
     import pipeline_ext as pe
 
     mesh = pe.pipeline_mesh(pp=PP, dp=DP, device_type="cpu")
@@ -92,12 +107,7 @@ def _run(rank: int, world: int, cases: list[tuple[str, int, object]], reshard_af
         layout = pe.pipeline_layout(mesh, name, stages_per_rank=v)
         ns, mine = layout.num_stages, layout.stages
         modules, ref = _equal_stages(ns), _equal_stages(ns)
-        for s in mine:
-            fully_shard(modules[s].block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-            fully_shard(modules[s], mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-        counts = _Counts({s: [g for m in (modules[s].block, modules[s]) for g in m._get_fsdp_state()._fsdp_param_groups]
-                          for s in mine})
-        P = sum(sum(fp._orig_size.numel() * 4 for fp in g.fsdp_params) for gs in counts.groups_of.values() for g in gs)
+        counts, P = _sharded(mesh, modules, mine, reshard_after_forward)
         stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=mesh["pp"]) for s in mine]
         kw = {} if budget is None else {"max_active_stages": budget}
         sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn, **kw)

@@ -17,14 +17,12 @@ import torch
 
 from models import D, TOL, loss_fn, run_stages
 from mp_utils import rank_values
-from test_fsdp_budget import DP, M, PP, ROWS, _count_collectives, _Counts, _equal_stages, _full
+from test_fsdp_budget import DP, M, PP, ROWS, _count_collectives, _equal_stages, _full, _sharded
 
 BUDGET, V, STEPS = 1, 2, 4
 
 
 def _loop(rank: int, world: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
     import pipeline_ext as pe
     from pipeline_ext.comm.session import FORWARD
 
@@ -32,12 +30,7 @@ def _loop(rank: int, world: int) -> dict:
     layout = pe.pipeline_layout(mesh, "interleaved_1f1b", stages_per_rank=V)
     ns, mine = layout.num_stages, layout.stages
     modules, ref = _equal_stages(ns), _equal_stages(ns)
-    for s in mine:
-        fully_shard(modules[s].block, mesh=mesh["dp"], reshard_after_forward=False)
-        fully_shard(modules[s], mesh=mesh["dp"], reshard_after_forward=False)
-    counts = _Counts({s: [g for m in (modules[s].block, modules[s]) for g in m._get_fsdp_state()._fsdp_param_groups]
-                      for s in mine})
-    P = sum(sum(fp._orig_size.numel() * 4 for fp in g.fsdp_params) for gs in counts.groups_of.values() for g in gs)
+    counts, P = _sharded(mesh, modules, mine)
     stages = [pe.PipelineStage(modules[s], s, ns, "cpu", group=mesh["pp"]) for s in mine]
     bad_batch = [False]
 
