@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pipeline_ext.schedules.pieces import piece_lengths
+from pipeline_ext.schedules.pieces import attention_share, piece_lengths
 
 __all__ = ["PieceCut", "PieceWeightedLoss"]
 
@@ -40,7 +40,7 @@ class PieceCut:
             raise ValueError(f"seq_chunks must be a positive int, got {pieces!r}")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
             raise ValueError(f"seq_dim must be an int >= 1 (dimension 0 is the batch), got {seq_dim!r}")
-        piece_lengths(pieces, pieces, split)  # checks ``split``
+        attention_share(split)  # checks ``split``
         self.pieces, self.seq_dim, self.split = pieces, seq_dim, split
 
     def _length(self, microbatch: int, values: Sequence[Any]) -> int:

@@ -263,10 +263,9 @@ class Executor:
             ActionKind.REDUCE_GRAD: self._params,
         }
         self._recv_actions = [a for a in self.actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
-        #: stages whose REDUCE_GRAD this rank runs: their reductions are waited at the step's end
-        # the stages whose parameters the plan places: their step ends with the runner's ``end_step`` (REDUCE_GRAD's
-        # reductions waited; after a forward-only step, FSDP's settings the plan changed put back)
-        self._reduced = sorted({a.stage for a in self.actions if a.is_fsdp})
+        #: the stages whose parameters the plan places: their step ends with the runner's ``end_step`` (REDUCE_GRAD's
+        #: reductions waited; after a forward-only step, FSDP's settings the plan changed put back)
+        self._placed = sorted({a.stage for a in self.actions if a.is_fsdp})
         self._first_message = next((i for i, a in enumerate(self.actions) if a.kind in _MESSAGES), len(self.actions))
         # [Note: receives are never batched]
         # Back-to-back sends go as one batch (one launch on NCCL): they are issued together and nothing
@@ -381,7 +380,7 @@ class Executor:
                 for a in group + between[0] + between[1]:  # each action with its own span (a pair's overlap)
                     on_action(a, *spans.get(a, (begin, end)))
         self._reap(st, block=True)
-        for stage in self._reduced:  # REDUCE_GRAD's reductions, waited once the step's work is issued
+        for stage in self._placed:  # once the step's work is issued
             self.runners[stage].end_step()
         leftovers = [k for d in (st.activations, st.grads, st.to_send, st.skips) for k in d]
         if leftovers:

@@ -104,7 +104,8 @@ class GradientSync:
         """Before a compute action of a planned step: wait for the stage's gathering; raise if it is sharded."""
 
     def end_step(self) -> None:
-        """A planned step's end: wait for the reductions its REDUCE_GRAD issued (they overlap the rest of the step)."""
+        """A planned step's end: wait for the reductions its REDUCE_GRAD issued (they overlap the rest of the step);
+        after a planned eval, put back the settings ``begin`` changed."""
 
     def reshard(self) -> None:
         """RESHARD: free the stage's gathered parameters (their accumulated gradients stay)."""
@@ -692,7 +693,8 @@ class StageRunner(StagePosition):
         sync.finish(replace)
 
     def end_step(self) -> None:
-        """The step's end (the executor's, after its last action): what REDUCE_GRAD left running is waited for."""
+        """A planned step's end (the executor's, after its last action): what REDUCE_GRAD left running is waited
+        for; after a planned eval, the wrapper's settings are put back."""
         if self.grad_sync is not None:
             self.grad_sync.end_step()
 

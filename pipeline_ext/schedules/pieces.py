@@ -176,10 +176,10 @@ def piece_lengths(length: int, pieces: int, split: Union[str, float] = "equal") 
     if length < pieces:
         raise ValueError(f"a sequence of {length} positions cannot be cut into seq_chunks={pieces} pieces")
 
-    def end(t: float) -> float:  # x in [0, 1] where a x^2 + (1 - a) x = t
+    def position(t: float) -> float:  # x in [0, 1] where a x^2 + (1 - a) x = t
         return t if a == 0.0 else (-(1.0 - a) + math.sqrt((1.0 - a) ** 2 + 4.0 * a * t)) / (2.0 * a)
 
-    ends = [round(length * end((k + 1) / pieces)) for k in range(pieces)]
+    ends = [round(length * position((k + 1) / pieces)) for k in range(pieces)]
     lengths, start = [], 0
     for k, end in enumerate(ends):
         end = max(end, start + 1)
@@ -188,6 +188,10 @@ def piece_lengths(length: int, pieces: int, split: Union[str, float] = "equal") 
         start = end
     return lengths
 
+
+def _check_lengths(lengths: Sequence[int]) -> None:
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError(f"piece lengths must be positive, got {list(lengths)}")
 
 
 def _cost(x: float, a: float) -> float:
@@ -199,9 +203,8 @@ def piece_costs(lengths: Sequence[int], split: Union[str, float] = "equal") -> l
     """Each piece's compute cost relative to the mean piece's (mean 1), under the cost model with attention's
     share ``split`` (as ``attention_share`` takes it): what ``Costs.pieces`` charges piece k's F, B, I and W."""
     a = attention_share(split)
+    _check_lengths(lengths)
     total = sum(lengths)
-    if not lengths or any(n <= 0 for n in lengths):
-        raise ValueError(f"piece lengths must be positive, got {list(lengths)}")
     ends = [sum(lengths[:k + 1]) / total for k in range(len(lengths))]
     costs = [_cost(e, a) - _cost(e - n / total, a) for e, n in zip(ends, lengths)]
     return [c * len(costs) / sum(costs) for c in costs]
@@ -210,6 +213,5 @@ def piece_costs(lengths: Sequence[int], split: Union[str, float] = "equal") -> l
 def piece_sizes(lengths: Sequence[int]) -> list[float]:
     """Each piece's activations relative to the mean piece's (mean 1): activations grow with the positions (the
     piece attention saves q, k, v, its output and the log-sum-exp, no positions x keys matrix)."""
-    if not lengths or any(n <= 0 for n in lengths):
-        raise ValueError(f"piece lengths must be positive, got {list(lengths)}")
+    _check_lengths(lengths)
     return [n * len(lengths) / sum(lengths) for n in lengths]

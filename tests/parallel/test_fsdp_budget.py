@@ -97,6 +97,12 @@ def _sharded(mesh: Any, modules: list[torch.nn.Module], mine: list[int], reshard
     return counts, P
 
 
+def _grads_differ(modules: list[torch.nn.Module], ref: list[torch.nn.Module], mine: list[int]) -> list[str]:
+    """"stage s name" of each gradient of this rank's stages that is not the unsplit model's (a DTensor's in full)."""
+    return [f"stage {s} {n}" for s in mine for (n, p), q in zip(modules[s].named_parameters(), ref[s].parameters())
+            if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **TOL)]
+
+
 def _run(rank: int, world: int, cases: list[tuple[str, int, object]], reshard_after_forward: bool = False) -> list:
     """Per case (schedule, stages per rank, budget): exact against the unsplit model, and what was counted."""
     import pipeline_ext as pe
@@ -127,10 +133,7 @@ def _run(rank: int, world: int, cases: list[tuple[str, int, object]], reshard_af
                 sched.step(*((x[rows],) if 0 in mine else ()), target=y[rows] if ns - 1 in mine else None)
                 ref_opt.zero_grad()
                 loss_fn(run_stages(ref, x), y).backward()
-                for s in mine:
-                    for (pn, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                        if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **TOL):
-                            bad.append(f"{where} step {step}: stage {s} {pn} grad differs")
+                bad += [f"{where} step {step}: {g} grad differs" for g in _grads_differ(modules, ref, mine)]
                 opt.step()
                 ref_opt.step()
         finally:

@@ -17,7 +17,7 @@ import torch
 
 from models import D, TOL, loss_fn, run_stages
 from mp_utils import rank_values
-from test_fsdp_budget import DP, M, PP, ROWS, _count_collectives, _equal_stages, _full, _sharded
+from test_fsdp_budget import DP, M, PP, ROWS, _count_collectives, _equal_stages, _grads_differ, _sharded
 
 BUDGET, V, STEPS = 1, 2, 4
 
@@ -49,6 +49,12 @@ def _loop(rank: int, world: int) -> dict:
     evaluating = sched._executor(FORWARD).schedule  # the planned schedule eval() runs
     eval_unshards = {s: sum(str(a) == f"{s}UNSHARD" for a in evaluating.actions[layout.pp_rank]) for s in mine}
     said, peaks, eval_peaks = [], [], []
+
+    def off_plan(what: str, before: dict, plan: dict) -> None:  # each group gathered once per UNSHARD of its stage
+        for s in mine:
+            got = [counts.gathers[id(gr)] - before[id(gr)] for gr in counts.groups_of[s]]
+            if got != [plan[s]] * len(got):
+                said.append(f"{what}: stage {s} all-gathers {got}, the plan has {plan[s]}")
     undo = _count_collectives(counts)
     try:
         for i in range(STEPS):
@@ -56,7 +62,7 @@ def _loop(rank: int, world: int) -> dict:
             x, y = torch.randn(ROWS, 3, D, generator=g), torch.randn(ROWS, 3, D, generator=g)
             opt.zero_grad(set_to_none=True)
             bad_batch[0] = i == 1
-            before = {k: n for k, n in counts.gathers.items()}
+            before = dict(counts.gathers)
             counts.peak = 0
             try:
                 sched.step(*((x[rows],) if first else ()), target=y[rows] if last else None)
@@ -64,20 +70,15 @@ def _loop(rank: int, world: int) -> dict:
                 said.append(f"{i}:{type(exc).__name__}")
                 continue
             peaks.append(counts.peak / P)
-            for s in mine:  # every parameter group gathered once per UNSHARD the plan placed, whatever came before
-                got = [counts.gathers[id(gr)] - before[id(gr)] for gr in counts.groups_of[s]]
-                if got != [unshards[s]] * len(got):
-                    said.append(f"step {i}: stage {s} all-gathers {got}, the plan has {unshards[s]}")
+            off_plan(f"step {i}", before, unshards)  # whatever came before
             ref_opt.zero_grad(set_to_none=True)
             loss_fn(run_stages(ref, x), y).backward()
-            for s in mine:
-                for (n, p), q in zip(modules[s].named_parameters(), ref[s].parameters()):
-                    if p.grad is None or not torch.allclose(_full(p.grad), q.grad, **TOL):
-                        said.append(f"step {i}: stage {s} {n}'s gradient differs from the unsplit model's")
+            said += [f"step {i}: {g}'s gradient differs from the unsplit model's"
+                     for g in _grads_differ(modules, ref, mine)]
             opt.step()
             ref_opt.step()
             losses: list = []  # eval between steps: the unsplit model's outputs and loss
-            before, counts.peak = {k: n for k, n in counts.gathers.items()}, 0
+            before, counts.peak = dict(counts.gathers), 0
             bad_batch[0] = i == 2  # the eval after step 2 fails too
             try:
                 out = sched.eval(*((x[rows],) if first else ()), target=y[rows] if last else None, losses=losses)
@@ -85,10 +86,7 @@ def _loop(rank: int, world: int) -> dict:
                 said.append(f"eval {i}:{type(exc).__name__}")
                 continue
             eval_peaks.append(counts.peak / P)
-            for s in mine:  # the eval's plan: one stage gathered at a time, each once per UNSHARD of it
-                got = [counts.gathers[id(gr)] - before[id(gr)] for gr in counts.groups_of[s]]
-                if got != [eval_unshards[s]] * len(got):
-                    said.append(f"eval after step {i}: stage {s} all-gathers {got}, the plan has {eval_unshards[s]}")
+            off_plan(f"eval after step {i}", before, eval_unshards)  # one stage gathered at a time
             if last:
                 with torch.no_grad():
                     want = run_stages(ref, x[rows])
@@ -110,7 +108,7 @@ def test_eval_and_a_failed_step_between_planned_steps_keep_them_exact_as_planned
         if r["last"]:
             assert failed == ["1:FloatingPointError", "eval 2:FloatingPointError"], (rank, r["said"])
         assert r["said"] == failed, (rank, r["said"])
-        # 3 steps ran (and 2 evals); max_active_stages=1 on 2 stages of equal size: at most one stage's parameters (0.5 P) and
-        # the gradients of both (P) at once
+        # 3 steps ran (and 2 evals); max_active_stages=1 on 2 stages of equal size: at most one stage's parameters
+        # (0.5 P) and the gradients of both (P) at once
         assert len(r["peaks"]) == STEPS - 1 and max(r["peaks"]) <= 1.5 + 1e-6, (rank, r["peaks"])
         assert max(r["eval_peaks"]) <= 0.5 + 1e-6, (rank, r["eval_peaks"])  # an eval: one stage, no gradients
