@@ -44,7 +44,7 @@ from pipeline_ext.pipe.batchnorm import DeferredStats
 from pipeline_ext.pipe.call import Call, CallerContext, stage_call
 from pipeline_ext.pipe.lockstep import Lockstep, LockstepRunner
 from pipeline_ext.pipe.placement import (Device, Partition, build_schedule, check_chunks, check_shared_layers,
-                                         fit_balance, resolve_devices)
+                                         fit_balance, refuse_sequence_pieces, resolve_devices)
 from pipeline_ext.pipe.recompute import CallRng, RngHeldBackward, checkpoint_predicate, uses_randomness
 from pipeline_ext.runtime.microbatch import (given_microbatches, given_targets, loss_weights, merge_chunks,
                                              split_step_inputs, split_step_target)
@@ -103,6 +103,13 @@ class Pipe(nn.Module):
         unpack_tuples: spread a tuple returned by a layer into the next layer's
             positional arguments (the multi-process API's convention) instead
             of passing it as one argument (torchgpipe's).
+        seq_chunks, seq_dim, seq_split: the schedules' sequence pieces
+            (Seq1F1B), which the Pipe does not run: taken only so that
+            ``seq_chunks > 1`` is a ``ValueError`` naming what does run them,
+            not Python's "unexpected keyword argument" (``seq_chunks=1``, no
+            pieces, is accepted and the other two are then ignored, as the
+            schedules ignore them). A ``Schedule`` built over pieces
+            (``build_pieces``) is refused the same way.
     """
 
     def __init__(
@@ -117,8 +124,13 @@ class Pipe(nn.Module):
         timeout: Optional[float] = 300.0,
         deferred_batch_norm: bool = False,
         unpack_tuples: bool = False,
+        *,
+        seq_chunks: int = 1,
+        seq_dim: int = 1,
+        seq_split: Union[str, float] = "equal",
     ) -> None:
         super().__init__()
+        refuse_sequence_pieces(seq_chunks, schedule)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}")
         self.chunks = check_chunks(chunks)

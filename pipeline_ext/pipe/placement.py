@@ -3,14 +3,15 @@
 ``Pipe(module, balance, devices, chunks, schedule)``'s arguments, checked and
 resolved before anything runs: the devices (``resolve_devices``: every
 visible GPU by default, else the CPU), the number of microbatches
-(``check_chunks``), the balance and the devices it uses (``fit_balance``:
-extra devices ignored and fewer an ``IndexError`` for one-stage-per-device
-schedules, parameter-count balancing when none is given), the schedule for
-them (``build_schedule``), and that no module or parameter is shared by
-stages on different devices (``check_shared_layers``). ``Partition`` is the
-stage module that results: consecutive layers under their names in the
-user's Sequential, passing outputs on as torchgpipe does. The functions
-depend on the arguments alone; running the pipe is ``pipe.py``'s.
+(``check_chunks``), no sequence pieces (``refuse_sequence_pieces``), the
+balance and the devices it uses (``fit_balance``: extra devices ignored and
+fewer an ``IndexError`` for one-stage-per-device schedules, parameter-count
+balancing when none is given), the schedule for them (``build_schedule``),
+and that no module or parameter is shared by stages on different devices
+(``check_shared_layers``). ``Partition`` is the stage module that results:
+consecutive layers under their names in the user's Sequential, passing
+outputs on as torchgpipe does. The functions depend on the arguments alone;
+running the pipe is ``pipe.py``'s.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from torch import nn
 
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.partition import balance_by_params
+from pipeline_ext.schedules.pieces import labelled_pieces
 
 __all__ = ["Device", "MULTI_STAGE_SCHEDULES", "Partition", "build_schedule", "check_chunks", "check_shared_layers",
-           "fit_balance", "resolve_devices"]
+           "fit_balance", "refuse_sequence_pieces", "resolve_devices"]
 
 Device = Union[str, int, torch.device]
 
@@ -115,6 +117,24 @@ def fit_balance(
             )
         devices = devices[: len(balance)]  # extra devices are ignored, as in torchgpipe
     return balance, devices
+
+def refuse_sequence_pieces(seq_chunks: Any, schedule: Union[str, S.Schedule]) -> None:
+    """``ValueError`` for sequence pieces (Seq1F1B): ``seq_chunks`` other than 1, or a ``Schedule`` that
+    ``build_pieces`` made over pieces (labelled ``1f1b[seq_chunks=4]``).
+
+    The Pipe cuts a batch into microbatches along its rows only and carries no
+    keys and values between pieces, so a schedule over pieces would run each
+    piece as one more microbatch of rows: a wrong step, not a slow one. The
+    error names what does run pieces.
+    """
+    where = ("they run over processes: PipelineStage with Schedule1F1B, ScheduleZBH1 or ScheduleInterleaved1F1B "
+             "and seq_chunks=K (docs/training.md, 'Long context: sequence pieces (Seq1F1B)')")
+    if seq_chunks != 1:
+        raise ValueError(f"the Pipe does not run sequence pieces (seq_chunks={seq_chunks!r}); {where}")
+    if isinstance(schedule, S.Schedule) and labelled_pieces(schedule.name) > 1:
+        raise ValueError(f"schedule {schedule.name!r} is built over sequence pieces (seq_chunks="
+                         f"{labelled_pieces(schedule.name)}), which the Pipe does not run; {where}")
+
 
 def build_schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Sequence[int]) -> S.Schedule:
     """The schedule for ``p`` devices, ``chunks`` microbatches and ``len(balance)`` stages (a given one, checked)."""

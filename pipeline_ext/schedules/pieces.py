@@ -41,19 +41,32 @@ cost under the same model (``Costs.pieces``); a traced step measures them
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence, Union
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import loop_placement
 from pipeline_ext.schedules.orders import depth_first, interleaved_rounds, pipeline_order, split_backward_of
 
-__all__ = ["PIECE_SCHEDULES", "build_pieces", "piece_of", "unit_of", "check_piece_order", "attention_share",
-           "piece_lengths", "piece_costs", "piece_sizes"]
+__all__ = ["PIECE_SCHEDULES", "build_pieces", "labelled_pieces", "piece_of", "unit_of", "check_piece_order",
+           "attention_share", "piece_lengths", "piece_costs", "piece_sizes"]
 
 F, B = ActionKind.F, ActionKind.B
 
 #: the built-in schedules that run sequence pieces, and the stages per rank each uses by default
 PIECE_SCHEDULES = {"1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2}
+
+
+#: how ``build_pieces`` labels a schedule over K > 1 pieces: ``1f1b[seq_chunks=4]``
+_LABEL = re.compile(r"\[seq_chunks=(\d+)\]")
+
+
+def labelled_pieces(name: str) -> int:
+    """K of a schedule ``name`` that ``build_pieces`` labelled as over K > 1 pieces, else 1: what lets a consumer
+    that runs whole microbatches only (the ``Pipe``) refuse such a schedule instead of running its pieces as
+    microbatches."""
+    found = _LABEL.search(name)
+    return int(found.group(1)) if found else 1
 
 
 def unit_of(microbatch: int, piece: int, pieces: int) -> int:
@@ -92,7 +105,7 @@ def build_pieces(name: str, num_ranks: int, n_microbatches: int, pieces: int,
     if m < p and name != "interleaved_1f1b":
         raise ScheduleError(f"{name} needs n_microbatches >= num_ranks (got n_microbatches={m}, num_ranks={p})")
     n = m * k
-    label = f"{name}[seq_chunks={k}]" if k > 1 else name
+    label = f"{name}[seq_chunks={k}]" if k > 1 else name  # labelled_pieces reads it back
 
     if name == "interleaved_1f1b":
         rounds, g = interleaved_rounds(p, m)

@@ -12,6 +12,7 @@ from torch import nn
 import pipeline_ext as pe
 from models import ATOL, build, loss_fn, make_batch, reference, RTOL, run_stages
 from pipeline_ext import schedules as S
+from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces
 from pipeline_ext.pipe.partition import balance_by_params, balance_by_time, split_min_max
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "dualpipev", "v_half", "v_min"]
@@ -227,6 +228,28 @@ def test_split_min_max_and_balancing():
 def test_bad_construction_is_a_clear_error(make, match):
     with pytest.raises((ValueError, TypeError, S.ScheduleError), match=match):
         make()
+
+
+def test_sequence_pieces_are_refused_by_name_and_the_message_names_what_runs_them():
+    """The Pipe cuts rows only and carries no keys and values between pieces: seq_chunks must be a ValueError that
+    says so (not Python's "unexpected keyword argument"), and a Schedule built over pieces must not run its pieces
+    as microbatches of rows (it did: chunks = sequences x pieces made a valid, wrong pipe)."""
+    model = lambda: nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # noqa: E731
+    piece_classes = sorted(pe.get_schedule_class(n).__name__ for n in PIECE_SCHEDULES)
+    for kw in ({"seq_chunks": 2}, {"seq_chunks": 4, "seq_split": "balanced", "seq_dim": 1}):
+        with pytest.raises(ValueError, match=r"does not run sequence pieces \(seq_chunks=") as err:
+            pe.Pipe(model(), devices=["cpu"] * 2, chunks=2, schedule="1f1b", **kw)
+        assert all(c in str(err.value) for c in piece_classes), str(err.value)
+    pieces = build_pieces("1f1b", 2, 2, 2)  # 2 sequences of 2 pieces: 4 units
+    with pytest.raises(ValueError, match=r"'1f1b\[seq_chunks=2\]' is built over sequence pieces \(seq_chunks=2\)"):
+        pe.Pipe(model(), devices=["cpu"] * 2, chunks=4, schedule=pieces)
+    with pytest.raises(ValueError, match="seq_chunks=2"):  # lowered or forward-only, it keeps its label
+        pe.Pipe(model(), devices=["cpu"] * 2, chunks=4, schedule=S.forward_only(S.lower(pieces)))
+    # seq_chunks=1 means no pieces: accepted, and the same pipe as without it
+    pipe = pe.Pipe(model(), devices=["cpu"] * 2, chunks=2, schedule="1f1b", seq_chunks=1, seq_split="balanced")
+    assert pipe.schedule.name == "1f1b" and pipe.schedule.n_microbatches == 2
+    plain = build_pieces("1f1b", 2, 2, 1)  # one piece: the built-in itself, unlabelled
+    assert pe.Pipe(model(), devices=["cpu"] * 2, chunks=2, schedule=plain).schedule.n_microbatches == 2
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -15,8 +15,8 @@ import pytest
 from pipeline_ext import schedules as S
 from pipeline_ext.runtime.trace import TraceReport, measure_costs, replay
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
-from pipeline_ext.schedules.pieces import (PIECE_SCHEDULES, attention_share, build_pieces, piece_costs,
-                                           piece_lengths, piece_sizes)
+from pipeline_ext.schedules.pieces import (PIECE_SCHEDULES, attention_share, build_pieces, labelled_pieces,
+                                           piece_costs, piece_lengths, piece_sizes)
 
 F, B = ActionKind.F, ActionKind.B
 
@@ -39,6 +39,17 @@ def test_every_order_over_pieces_is_valid_with_its_piece_constraints(name, p, m,
 @pytest.mark.parametrize("name", sorted(PIECE_SCHEDULES))
 def test_one_piece_is_the_builtin_itself(name):
     assert build_pieces(name, 4, 8, 1).actions == S.build(name, 4, 8).actions
+
+
+@pytest.mark.parametrize("name", sorted(PIECE_SCHEDULES))
+def test_the_label_tells_a_schedule_over_pieces_from_one_over_microbatches(name):
+    """The Pipe refuses a schedule over pieces by its label (it would run the pieces as microbatches of rows): the
+    label must survive lowering and forward_only, and neither a built-in nor one piece may carry it."""
+    sched = build_pieces(name, 2, 4, 3)
+    assert labelled_pieces(sched.name) == 3
+    assert labelled_pieces(S.forward_only(S.lower(sched)).name) == 3
+    assert labelled_pieces(build_pieces(name, 2, 4, 1).name) == 1
+    assert labelled_pieces(S.build(name, 2, 4).name) == 1
 
 
 def _swap(sched: Schedule, rank: int, a: Action, b: Action) -> Schedule:
