@@ -128,7 +128,7 @@ class PipelineSchedule:
         #: what the schedule and the runners count: microbatches, or their pieces
         self._units = n_microbatches * seq_chunks
         if self._cut is not None and loss_fn is not None:
-            loss_fn = PieceWeightedLoss(loss_fn)
+            loss_fn = PieceWeightedLoss(loss_fn, seq_chunks)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.chunk_spec = (args_chunk_spec, kwargs_chunk_spec)

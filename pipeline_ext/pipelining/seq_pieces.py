@@ -15,10 +15,12 @@ a loss that shifts inside a piece would lose each piece's last position. The
 lengths are ``schedules.pieces.piece_lengths``' (``seq_split``): equal, or
 balanced by cost, later pieces shorter since they attend to more keys.
 
-Weights: a mean-reduced loss of a piece is the mean over its elements, so
-the unit's weight is its share of the target's elements (its rows times its
-length); a loss with its own ``microbatch_weights`` (``TokenMeanLoss``)
-keeps them.
+Weights: the step's objective is the one without pieces (microbatches
+weighted by their rows, 1 each with ``scale_grads=False``, or by the loss's
+own ``microbatch_weights``); a mean-reduced loss of a piece is the mean over
+its elements, so within its microbatch a piece weighs its share of the
+target's elements (its length), or of the loss's own weights
+(``PieceWeightedLoss``).
 """
 from __future__ import annotations
 
@@ -105,23 +107,54 @@ def _tree_zip(fn: Callable[..., Any], trees: list[Any]) -> Any:
 
 
 class PieceWeightedLoss:
-    """The user's loss, with each unit's weight its share of the target's elements (or the loss's own weights)."""
+    """The user's loss, each unit weighted so that the step's objective is the one without pieces.
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+    Without pieces a microbatch's loss is weighted by its share of the rows
+    (1 with ``scale_grads=False``, torch's plain sum), or by the loss's own
+    ``microbatch_weights`` (``TokenMeanLoss``: its share of valid tokens). A
+    piece's loss is the mean over the piece, so within its microbatch a piece
+    weighs its share of the microbatch's target elements (or of the loss's
+    own weights): the pieces of one microbatch add up to that microbatch's
+    loss, and turning ``seq_chunks`` on changes no gradient, also when the
+    microbatches have different lengths (``step_microbatches``).
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], pieces: int) -> None:
         self.loss_fn = loss_fn
+        self.pieces = pieces
         self._own = getattr(loss_fn, "microbatch_weights", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.loss_fn(*args, **kwargs)
 
-    def microbatch_weights(self, targets: list[Any]) -> list[float]:
+    def piece_weights(self, sizes: Sequence[int], targets: list[Any], scale_grads: bool) -> list[Any]:
+        """Each unit's loss weight (``runtime/microbatch.loss_weights``); ``sizes`` (rows) and ``targets`` per unit,
+        a microbatch's K pieces next to each other."""
+        k = self.pieces
         if self._own is not None:
-            return self._own(targets)
-        sizes = []
-        for t in targets:
-            leaves = [x for x in tree_flatten(t)[0] if isinstance(x, torch.Tensor)]
-            if not leaves:
-                raise ValueError("seq_chunks weighs each piece's loss by its target's elements; a target has no tensor")
-            sizes.append(leaves[0].numel())
-        total = sum(sizes)
-        return [s / total for s in sizes]
+            own = self._own(targets)
+            if isinstance(own, torch.Tensor):  # stays on its device (never read on the host)
+                own = own.reshape(-1, k)
+                if not scale_grads:  # a microbatch's loss weighs 1: its pieces share it by their own weights
+                    own = own / own.sum(dim=1, keepdim=True).clamp(min=torch.finfo(own.dtype).tiny)
+                return list(own.reshape(-1).unbind(0))
+            own = [float(w) for w in own]
+            if scale_grads:
+                return own
+            shares = own
+        else:
+            shares = []
+            for t in targets:
+                leaves = [x for x in tree_flatten(t)[0] if isinstance(x, torch.Tensor)]
+                if not leaves:
+                    raise ValueError("seq_chunks weighs each piece's loss by its target's elements; a target has "
+                                     "no tensor")
+                shares.append(float(leaves[0].numel()))
+        rows = [sizes[j] for j in range(0, len(sizes), k)]
+        per_mb = [r / sum(rows) for r in rows] if scale_grads and self._own is None else [1.0] * len(rows)
+        out: list[Any] = []
+        for j, weight in enumerate(per_mb):
+            group = shares[j * k:(j + 1) * k]
+            total = sum(group)
+            out += [weight * g / total if total else 0.0 for g in group]
+        return out

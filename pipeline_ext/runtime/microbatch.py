@@ -366,11 +366,16 @@ def loss_weights(loss_fn: Any, sizes: Sequence[int], targets: Sequence[Any],
                  scale_grads: bool = True) -> list[Union[float, torch.Tensor]]:
     """Weight of each microbatch's loss in backward (used by the schedules and ``Pipe``).
 
-    ``scale_grads=False``: 1 each (a plain sum, as torch). Else the loss
+    ``scale_grads=False``: 1 each (a plain sum, as torch). A loss over
+    sequence pieces weighs its units itself (``piece_weights``: each
+    microbatch's weight shared out over its pieces). Else the loss
     function's own ``microbatch_weights(targets)`` when it has one and the
     targets are here (the last stage), else each microbatch's share of rows.
     Weights given as a tensor come back as 0-d tensors (never read on the host).
     """
+    pieces = getattr(loss_fn, "piece_weights", None)  # sequence pieces (pipelining/seq_pieces.py)
+    if pieces is not None and targets:
+        return pieces(sizes, list(targets), scale_grads)
     if not scale_grads:
         return [1.0] * len(sizes)
     own = getattr(loss_fn, "microbatch_weights", None)

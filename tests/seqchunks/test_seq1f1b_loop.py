@@ -78,3 +78,38 @@ def test_eval_between_steps_and_a_failed_step_leave_the_next_steps_exact(name):
     said = rank_values(_loop, 2, name, 2, timeout=150)
     assert said[1] == ["1:ValueError"], said
     assert said[0] == ["1:StepFailedError"] or (len(said[0]) == 1 and said[0][0].startswith("1:")), said
+
+
+def _objective(rank: int, world: int, name: str, k: int, split: object) -> list[str]:
+    """The same schedule with and without pieces, on microbatches of different lengths: equal gradients."""
+    import pipeline_ext as pe
+
+    said: list[str] = []
+    for scale_grads in (True, False):
+        grads = []
+        for pieces in (1, k):
+            stages = _stages(world)
+            sched = pe.get_schedule_class(name)(pe.PipelineStage(stages[rank], rank, world, "cpu"), M,
+                                                loss_fn=F.mse_loss, seq_chunks=pieces, seq_split=split,
+                                                scale_grads=scale_grads, timeout=60)
+            g = torch.Generator().manual_seed(7)
+            lengths = [SEQ, SEQ - 4, SEQ - 2, SEQ][:M]
+            xs = [torch.randn(ROWS // M, n, DIM, generator=g) for n in lengths]
+            ys = [torch.randn(ROWS // M, n, DIM, generator=g) for n in lengths]
+            sched.step_microbatches([(x,) for x in xs] if rank == 0 else None,
+                                    target_mbs=ys if rank == world - 1 else None)
+            grads.append([p.grad for p in stages[rank].parameters()])
+        for i, (a, b) in enumerate(zip(*grads)):
+            if not torch.allclose(a, b, **TOL):
+                said.append(f"scale_grads={scale_grads} parameter {i}: pieces change the gradient "
+                            f"(max {(a - b).abs().max():.3g})")
+    return said
+
+
+@pytest.mark.timeout(200)
+def test_pieces_keep_the_objective_of_the_schedule_without_them():
+    """A microbatch weighs what it weighs without pieces (its rows' share, or 1 with ``scale_grads=False``),
+    shared among its pieces by length: turning ``seq_chunks`` on changes no gradient, also when the microbatches
+    have different lengths."""
+    said = rank_values(_objective, 2, "zb_h1", 2, 0.6, timeout=150)
+    assert not said[0] and not said[1], said

@@ -49,13 +49,13 @@ def _stages(n: int, sac: bool = False) -> list[nn.Module]:
 
 
 def _unsplit(stages: list[nn.Module], xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
-    """The mean loss over every position of every sequence, each sequence run whole."""
-    total = sum(y.numel() for y in ys)
+    """The step's objective without pieces: each microbatch's mean loss, weighted by its share of the rows
+    (equal rows here), each sequence run whole; pieces must not change it, also for unequal lengths."""
     loss = 0
     for x, y in zip(xs, ys):
         for s in stages:
             x = s(x)
-        loss = loss + F.mse_loss(x, y, reduction="sum") / total
+        loss = loss + F.mse_loss(x, y) / len(ys)
     return loss
 
 
@@ -98,9 +98,10 @@ def _train(rank: int, world: int, cases: list[tuple[str, int, int, bool, str, ob
             ref_opt.zero_grad()
             ref_loss = _unsplit(ref, xs, ys)
             ref_loss.backward()
-            if last:  # one loss per piece, each the mean over its positions
-                weights = [t.numel() for y in ys for t in _pieces_of(y, k, split)]
-                got = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+            if last:  # one loss per piece, each the mean over its positions; a microbatch's is their mean by size
+                sizes = [[t.numel() for t in _pieces_of(y, k, split)] for y in ys]
+                got = sum(sum(losses[j * k + i] * n for i, n in enumerate(per)) / sum(per)
+                          for j, per in enumerate(sizes)) / len(ys)
                 if len(losses) != M * k or not torch.allclose(got, ref_loss.detach(), **TOL):
                     bad.append(f"{where} step {step}: loss {got} != {ref_loss.item()} ({len(losses)} losses)")
                 with torch.no_grad():
