@@ -134,6 +134,23 @@ def _batch(case: dict, step: int, dp: int) -> list[tuple[torch.Tensor, torch.Ten
              torch.randn(rows, t, D, generator=g)) for t in lengths]
 
 
+def _per_microbatch(case: dict, losses: list, own: list) -> Optional[torch.Tensor]:
+    """The step's mean loss from what ``losses`` holds: one loss per microbatch, or with sequence pieces one per
+    piece (each the mean over its positions, so a microbatch's loss is their mean weighted by length)."""
+    k = case.get("seq_chunks", 1)
+    if len(losses) != M * k:
+        return None
+    if k == 1:
+        return torch.stack([_full(v) for v in losses]).mean()
+    from pipeline_ext.schedules.pieces import piece_lengths
+
+    per_mb = []
+    for j, (x, _, _) in enumerate(own):
+        lengths = piece_lengths(x.shape[1], k, "equal")
+        per_mb.append(sum(_full(losses[j * k + i]) * n for i, n in enumerate(lengths)) / sum(lengths))
+    return torch.stack(per_mb).mean()
+
+
 def _unsplit(ref: list[nn.Module], x, scale):
     for s in ref:
         x = s(x, scale=scale) if s.inp is not None else s(x)
@@ -240,6 +257,8 @@ def _train(case: dict, mesh, plan, mine: list[int], overlap: Optional[bool]) -> 
 
         run = {s: DDP(m, process_group=dp_mesh.get_group()) for s, m in modules.items()}
     extra = {"overlap": overlap} if overlap is not None else {}
+    if case.get("seq_chunks", 1) > 1:
+        extra["seq_chunks"] = case["seq_chunks"]
     stages = [pe.PipelineStage(run[s], s, ns, "cpu", group=pp.get_group()) for s in mine]
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn,
                                        timeout=60.0, **extra)
@@ -274,7 +293,7 @@ def _train(case: dict, mesh, plan, mine: list[int], overlap: Optional[bool]) -> 
             with torch.no_grad():
                 want = torch.stack([loss_fn(_unsplit(ref, x, sc if case["kwargs"] else None), y)
                                     for x, sc, y in own]).mean()
-            got = torch.stack([_full(v) for v in losses]).mean() if len(losses) == M else None
+            got = _per_microbatch(case, losses, own)
             if got is None or not torch.allclose(got, want, **TOL):
                 bad.append(f"{where} step {step}: loss {got} vs the unsplit model's {want} ({len(losses)} losses)")
         for s in mine:

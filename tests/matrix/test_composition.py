@@ -48,6 +48,20 @@ def test_every_pair_of_features_meets_every_family_and_constraints_hold():
         assert C.generate(family) == cases  # deterministic: the same cases in every run
 
 
+def test_every_pair_of_features_meets_sequence_pieces_in_every_family_that_runs_them():
+    for family in C.FAMILIES:
+        cases = C.generate(family, pieces=True)
+        if family not in C.PIECE_FAMILIES:  # DualPipeV's and ZBV's V shapes refuse seq_chunks by name
+            assert cases == []
+            continue
+        assert cases and all(c["seq_chunks"] == C.PIECES for c in cases)
+        covered = set().union(*(C.pairs_of(c) for c in cases))
+        missing = C.required_piece_pairs(family) - covered
+        assert not missing, f"{family} with pieces: pairs never met: {sorted(missing, key=repr)[:5]}"
+        assert all(C.allowed(family, c) and c["front"] == "stage" for c in cases)
+        assert C.generate(family, pieces=True) == cases
+
+
 @pytest.mark.timeout(300)
 def test_quick_slice_of_the_matrix_is_exact():
     bad = _run(C.quick_cases(), timeout=280)
@@ -59,4 +73,12 @@ def test_quick_slice_of_the_matrix_is_exact():
 @pytest.mark.timeout(1200)
 def test_composition_matrix(family):
     bad = _run(C.generate(family), timeout=1100)
+    assert not bad, _summary(bad)
+
+
+@pytest.mark.parametrize("family", list(C.PIECE_FAMILIES))
+@pytest.mark.matrix
+@pytest.mark.timeout(1200)
+def test_composition_matrix_with_sequence_pieces(family):
+    bad = _run(C.generate(family, pieces=True), timeout=1100)
     assert not bad, _summary(bad)
