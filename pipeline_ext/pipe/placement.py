@@ -118,6 +118,7 @@ def fit_balance(
         devices = devices[: len(balance)]  # extra devices are ignored, as in torchgpipe
     return balance, devices
 
+
 def refuse_sequence_pieces(seq_chunks: Any, schedule: Union[str, S.Schedule]) -> None:
     """``ValueError`` for sequence pieces (Seq1F1B): ``seq_chunks`` other than 1, or a ``Schedule`` that
     ``build_pieces`` made over pieces (labelled ``1f1b[seq_chunks=4]``).

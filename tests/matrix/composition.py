@@ -14,6 +14,7 @@ without running anything, and runs the cases (``composition_case.py``).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
 #: family -> the built-in schedules that stand for it (cases alternate between them)
@@ -59,60 +60,91 @@ CONSTRAINTS: list[tuple[str, object, str, object, str]] = [
 ]
 
 
-#: sequence pieces (``seq_chunks=2``, Seq1F1B): a design of its own, so the one above keeps its cases. Each family
-#: whose schedules run pieces meets every pair of the other features with pieces on (strength two among them, three
-#: with the pieces); the model is position-wise, so pieces are exact by the cut, the loss weights and the schedule
-#: alone, which is what meets every feature here (attention across pieces has its own tests, tests/seqchunks)
-PIECES = 2
-PIECE_FAMILIES: dict[str, tuple[str, ...]] = {
-    "1f1b": ("1f1b",),
-    "interleaved": ("interleaved_1f1b",),
-    "zero_bubble": ("zb_h1",),
+@dataclass(frozen=True)
+class Design:
+    """A design of its own: one feature fixed on in every case, all-pairs over the rest, so that feature meets
+    every pair of the others (strength three with it) and the base design keeps its cases.
+
+    ``fixed``: feature -> level in every case (a key outside ``FACTORS`` is a schedule argument);
+    ``families``: the families that run it, with the schedules that stand for each; ``refused``: (feature,
+    level, why) that cannot meet it."""
+
+    fixed: dict
+    families: dict
+    refused: tuple = ()
+
+
+#: what each schedule argument outside ``FACTORS`` is when a case does not set it
+ARGUMENT_DEFAULTS: dict[str, object] = {"seq_chunks": 1, "max_active_stages": None}
+
+DESIGNS: dict[str, Design] = {
+    # sequence pieces (Seq1F1B). The model is position-wise, so pieces are exact by the cut, the loss weights and
+    # the schedule alone, which is what meets every feature here (attention across pieces: tests/seqchunks)
+    "pieces": Design(
+        fixed={"seq_chunks": 2},
+        families={"1f1b": ("1f1b",), "interleaved": ("interleaved_1f1b",), "zero_bubble": ("zb_h1",)},
+        refused=(("front", "pipe", "the Pipe does not run sequence pieces (it refuses seq_chunks by name)"),)),
+    # FSDP under a parameter budget: one stage's parameters gathered at a time on each rank, the all-gathers,
+    # reshards and reduce-scatters placed as schedule actions (schedules/fsdp.py), on the schedules with several
+    # stages per rank, which take a budget (ZBV: each reduce-scatter after a stage's last W). DualPipeV's
+    # overlapped pairs need two stages at once, all of its rank's (a budget of 1 is refused by name)
+    "budget": Design(
+        fixed={"dp": "fsdp", "max_active_stages": 1},
+        families={"interleaved": ("interleaved_1f1b",), "v": ("zbv",)},
+        refused=(("front", "pipe", "the Pipe runs in one process: no data-parallel group"),)),
 }
-#: what cannot meet sequence pieces, and why (the refusals are tested by name in tests/seqchunks)
-PIECE_CONSTRAINTS: list[tuple[str, object, str]] = [
-    ("front", "pipe", "the Pipe does not run sequence pieces (it refuses seq_chunks by name)"),
-]
 
 
 #: combinations torch 2.13's compiler itself fails on, loudly (it raises; nothing runs wrong), each with the error:
 #: left out so the matrix tests this library; every pair in them is still met in other cases
 TORCH_FAILURES: list[tuple[dict, str]] = [
     ({"dp": "ddp", "compiled": "split_backend", "ckpt": "sac"},
-     "inductor's min-cut partitioner raises TypeError ('>' between None and None in cleanup_recompute_tags) on "
-     "the graphs DDP's compile_fn splits when they hold selective-checkpoint tags"),
-    ({"seq_chunks": PIECES, "compiled": "aot_eager", "split_fn": True, "shapes": "per_microbatch"},
-     "recompiling a custom autograd Function for the pieces' lengths (1 to 3 here) recurses without end in "
-     "proxy_tensor's symbolic thunks (RecursionError at any recursion limit)"),
-    ({"seq_chunks": PIECES, "compiled": "split_backend", "split_fn": True, "shapes": "per_microbatch"},
-     "as with aot_eager: RecursionError in proxy_tensor's symbolic thunks"),
+     "inductor's min-cut partitioner (pe.split_backend partitions with it, as inductor does) raises TypeError "
+     "('>' between None and None in cleanup_recompute_tags) on the graphs DDP's compile_fn splits when they hold "
+     "selective-checkpoint tags"),
+    ({"tp": ("local", "replicate"), "compiled": ("aot_eager", "split_backend"), "shapes": "per_microbatch"},
+     "tensor-parallel blocks (ColwiseParallel / RowwiseParallel) compiled, then called with another sequence "
+     "length: the recompile recurses without end in proxy_tensor's symbolic thunks (RecursionError at any "
+     "recursion limit; also without a pipeline: the same blocks in a plain loop over lengths 4, 6, 2, 6)"),
 ]
 
 
-def allowed(family: str, case: Mapping[str, object]) -> bool:
-    """Whether a (partial) case can exist in ``family`` (with sequence pieces when ``case`` has ``seq_chunks``)."""
+_UNSET = object()
+
+
+def _level(case: Mapping[str, object], feature: str) -> object:
+    """A feature's level in a (partial) case; a schedule argument it does not set is at its default."""
+    return case.get(feature, ARGUMENT_DEFAULTS.get(feature, _UNSET))
+
+
+def allowed(family: str, case: Mapping[str, object], design: Optional[str] = None) -> bool:
+    """Whether a (partial) case can exist in ``family`` (in ``design``, one of ``DESIGNS``, when given)."""
     for f1, l1, f2, l2, _ in CONSTRAINTS:
-        if case.get(f1, object()) == l1 and case.get(f2, object()) == l2:
+        if case.get(f1, _UNSET) == l1 and case.get(f2, _UNSET) == l2:
             return False
-    for levels, _ in TORCH_FAILURES:
-        if all(case.get(f, 1 if f == "seq_chunks" else object()) == level for f, level in levels.items()):
+    for levels, _ in TORCH_FAILURES:  # a tuple of levels: any of them
+        if all(_level(case, f) in (level if isinstance(level, tuple) else (level,)) for f, level in levels.items()):
             return False
-    if case.get("seq_chunks", 1) > 1:
-        if family not in PIECE_FAMILIES:
+    if design is not None:
+        d = DESIGNS[design]
+        if family not in d.families:
             return False
-        if any(case.get(f, object()) == level for f, level, _ in PIECE_CONSTRAINTS):
+        if any(case.get(f, level) != level for f, level in d.fixed.items()):
+            return False
+        if any(case.get(f, _UNSET) == level for f, level, _ in d.refused):
             return False
     return True
 
 
-def required_pairs(family: str) -> set[tuple[str, object, str, object]]:
-    """Every pair of levels of two features that can meet in ``family``: what its cases must cover."""
+def required_pairs(family: str, design: Optional[str] = None) -> set[tuple[str, object, str, object]]:
+    """Every pair of levels of two features that can meet in ``family`` (in ``design``): what its cases must
+    cover."""
     names = list(FACTORS)
     out = set()
     for i, j in itertools.combinations(range(len(names)), 2):
         a, b = names[i], names[j]
         for la, lb in itertools.product(FACTORS[a], FACTORS[b]):
-            if allowed(family, {a: la, b: lb}):
+            if allowed(family, {a: la, b: lb}, design):
                 out.add((a, la, b, lb))
     return out
 
@@ -122,7 +154,7 @@ def pairs_of(case: Mapping[str, object]) -> set[tuple[str, object, str, object]]
     return {(a, case[a], b, case[b]) for a, b in itertools.combinations(names, 2)}
 
 
-def _fill(family: str, case: dict, todo: set) -> Optional[dict]:
+def _fill(family: str, case: dict, todo: set, design: Optional[str] = None) -> Optional[dict]:
     """Complete ``case`` feature by feature, each time with the level covering most of ``todo`` that keeps the
     case allowed (first level on ties, so a case stays as plain as its pairs let it)."""
     for name, levels in FACTORS.items():
@@ -131,7 +163,7 @@ def _fill(family: str, case: dict, todo: set) -> Optional[dict]:
         best, best_gain = None, -1
         for level in levels:
             trial = {**case, name: level}
-            if not allowed(family, trial):
+            if not allowed(family, trial, design):
                 continue
             gain = sum(1 for (a, la, b, lb) in todo
                        if trial.get(a, object()) == la and trial.get(b, object()) == lb and name in (a, b))
@@ -143,31 +175,23 @@ def _fill(family: str, case: dict, todo: set) -> Optional[dict]:
     return case
 
 
-def required_piece_pairs(family: str) -> set[tuple[str, object, str, object]]:
-    """What the family's cases with sequence pieces must cover: every allowed pair of levels, pieces on."""
-    if family not in PIECE_FAMILIES:
-        return set()
-    return {p for p in required_pairs(family)
-            if allowed(family, {p[0]: p[1], p[2]: p[3], "seq_chunks": PIECES})}
-
-
-def generate(family: str, pieces: bool = False) -> list[dict]:
+def generate(family: str, design: Optional[str] = None) -> list[dict]:
     """The family's cases: greedy all-pairs (deterministic), each case a dict feature -> level plus
-    ``schedule`` (alternating over the family's schedules) and ``family``; with ``pieces``, the design with
-    ``seq_chunks=PIECES`` in every case (empty for a family that does not run pieces)."""
-    if pieces and family not in PIECE_FAMILIES:
+    ``schedule`` (alternating over the family's schedules) and ``family``; with ``design`` (one of ``DESIGNS``),
+    that design's cases, its fixed levels in each (none for a family that does not run it)."""
+    d = DESIGNS[design] if design is not None else None
+    if d is not None and family not in d.families:
         return []
-    todo = required_piece_pairs(family) if pieces else required_pairs(family)
-    seed = {"seq_chunks": PIECES} if pieces else {}
+    todo = required_pairs(family, design)
     cases: list[dict] = []
     while todo:
         # seed with the uncovered pair that sorts first, then fill greedily
         a, la, b, lb = min(todo, key=repr)
-        case = _fill(family, {**seed, a: la, b: lb}, todo)
+        case = _fill(family, {**(d.fixed if d else {}), a: la, b: lb}, todo, design)
         assert case is not None, f"{family}: no allowed case holds {a}={la}, {b}={lb}"
         todo -= pairs_of(case)
         cases.append(case)
-    schedules = PIECE_FAMILIES[family] if pieces else FAMILIES[family]
+    schedules = d.families[family] if d is not None else FAMILIES[family]
     return [{**c, "family": family, "schedule": schedules[k % len(schedules)]} for k, c in enumerate(cases)]
 
 
@@ -185,7 +209,7 @@ def quick_cases() -> list[dict]:
 
 
 def all_cases() -> list[dict]:
-    return [c for fam in FAMILIES for c in generate(fam)] + [c for fam in PIECE_FAMILIES for c in generate(fam, True)]
+    return [c for design in (None, *DESIGNS) for fam in FAMILIES for c in generate(fam, design)]
 
 
 def world_of(case: Mapping[str, object]) -> int:
@@ -198,7 +222,7 @@ def world_of(case: Mapping[str, object]) -> int:
 def case_id(case: Mapping[str, object]) -> str:
     """A short readable name: the schedule and every feature that is not off."""
     on = [f"{k}={v}" if not isinstance(v, bool) else k for k, v in case.items()
-          if (k in FACTORS and v != FACTORS[k][0]) or (k == "seq_chunks" and v != 1)]
+          if (k in FACTORS and v != FACTORS[k][0]) or (k in ARGUMENT_DEFAULTS and v != ARGUMENT_DEFAULTS[k])]
     return f"{case['schedule']}[{','.join(on) or 'plain'}]"
 
 

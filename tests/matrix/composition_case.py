@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline_ext as pe
+from composition import ARGUMENT_DEFAULTS
 from models import sac_context, TOL
 from mp_utils import forget_dtensor_caches as _fresh_dtensor_caches
 
@@ -257,8 +258,9 @@ def _train(case: dict, mesh, plan, mine: list[int], overlap: Optional[bool]) -> 
 
         run = {s: DDP(m, process_group=dp_mesh.get_group()) for s, m in modules.items()}
     extra = {"overlap": overlap} if overlap is not None else {}
-    if case.get("seq_chunks", 1) > 1:
-        extra["seq_chunks"] = case["seq_chunks"]
+    for arg, default in ARGUMENT_DEFAULTS.items():  # a design's schedule arguments (seq_chunks, a budget)
+        if case.get(arg, default) != default:
+            extra[arg] = case[arg]
     stages = [pe.PipelineStage(run[s], s, ns, "cpu", group=pp.get_group()) for s in mine]
     sched = pe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn,
                                        timeout=60.0, **extra)

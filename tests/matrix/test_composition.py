@@ -48,18 +48,20 @@ def test_every_pair_of_features_meets_every_family_and_constraints_hold():
         assert C.generate(family) == cases  # deterministic: the same cases in every run
 
 
-def test_every_pair_of_features_meets_sequence_pieces_in_every_family_that_runs_them():
+@pytest.mark.parametrize("design", list(C.DESIGNS))
+def test_every_pair_of_features_meets_each_design_in_every_family_that_runs_it(design):
+    d = C.DESIGNS[design]
     for family in C.FAMILIES:
-        cases = C.generate(family, pieces=True)
-        if family not in C.PIECE_FAMILIES:  # DualPipeV's and ZBV's V shapes refuse seq_chunks by name
+        cases = C.generate(family, design)
+        if family not in d.families:  # refused by name (tests/seqchunks, tests/parallel)
             assert cases == []
             continue
-        assert cases and all(c["seq_chunks"] == C.PIECES for c in cases)
+        assert cases and all(c[f] == level for c in cases for f, level in d.fixed.items())
         covered = set().union(*(C.pairs_of(c) for c in cases))
-        missing = C.required_piece_pairs(family) - covered
-        assert not missing, f"{family} with pieces: pairs never met: {sorted(missing, key=repr)[:5]}"
-        assert all(C.allowed(family, c) and c["front"] == "stage" for c in cases)
-        assert C.generate(family, pieces=True) == cases
+        missing = C.required_pairs(family, design) - covered
+        assert not missing, f"{family} in {design}: pairs never met: {sorted(missing, key=repr)[:5]}"
+        assert all(C.allowed(family, c, design) and c["front"] == "stage" for c in cases)
+        assert C.generate(family, design) == cases
 
 
 @pytest.mark.timeout(300)
@@ -76,9 +78,9 @@ def test_composition_matrix(family):
     assert not bad, _summary(bad)
 
 
-@pytest.mark.parametrize("family", list(C.PIECE_FAMILIES))
+@pytest.mark.parametrize("design,family", [(d, f) for d in C.DESIGNS for f in C.DESIGNS[d].families])
 @pytest.mark.matrix
 @pytest.mark.timeout(1200)
-def test_composition_matrix_with_sequence_pieces(family):
-    bad = _run(C.generate(family, pieces=True), timeout=1100)
+def test_composition_matrix_designs(design, family):
+    bad = _run(C.generate(family, design), timeout=1100)
     assert not bad, _summary(bad)
