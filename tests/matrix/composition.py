@@ -102,10 +102,12 @@ TORCH_FAILURES: list[tuple[dict, str]] = [
      "inductor's min-cut partitioner (pe.split_backend partitions with it, as inductor does) raises TypeError "
      "('>' between None and None in cleanup_recompute_tags) on the graphs DDP's compile_fn splits when they hold "
      "selective-checkpoint tags"),
-    ({"tp": ("local", "replicate"), "compiled": ("aot_eager", "split_backend"), "shapes": "per_microbatch"},
-     "tensor-parallel blocks (ColwiseParallel / RowwiseParallel) compiled, then called with another sequence "
-     "length: the recompile recurses without end in proxy_tensor's symbolic thunks (RecursionError at any "
-     "recursion limit; also without a pipeline: the same blocks in a plain loop over lengths 4, 6, 2, 6)"),
+    ({"tp": ("local", "replicate", "sequence"), "compiled": ("aot_eager", "split_backend"),
+      "shapes": "per_microbatch"},
+     "tensor-parallel blocks (ColwiseParallel / RowwiseParallel, SequenceParallel norms) compiled, then called "
+     "with another sequence length: the recompile recurses without end in proxy_tensor's symbolic thunks "
+     "(RecursionError at any recursion limit; also without a pipeline: the same blocks in a plain loop over "
+     "lengths 4, 6, 2, 6, or for sequence parallelism over the pieces' lengths 2, 3, 1)"),
 ]
 
 
