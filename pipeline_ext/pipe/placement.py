@@ -132,9 +132,10 @@ def refuse_sequence_pieces(seq_chunks: Any, schedule: Union[str, S.Schedule]) ->
              "and seq_chunks=K (docs/training.md, 'Long context: sequence pieces (Seq1F1B)')")
     if seq_chunks != 1:
         raise ValueError(f"the Pipe does not run sequence pieces (seq_chunks={seq_chunks!r}); {where}")
-    if isinstance(schedule, S.Schedule) and labelled_pieces(schedule.name) > 1:
-        raise ValueError(f"schedule {schedule.name!r} is built over sequence pieces (seq_chunks="
-                         f"{labelled_pieces(schedule.name)}), which the Pipe does not run; {where}")
+    pieces = labelled_pieces(schedule.name) if isinstance(schedule, S.Schedule) else 1
+    if pieces > 1:
+        raise ValueError(f"schedule {schedule.name!r} is built over sequence pieces (seq_chunks={pieces}), which the "
+                         f"Pipe does not run; {where}")
 
 
 def build_schedule(schedule: Union[str, S.Schedule], p: int, chunks: int, balance: Sequence[int]) -> S.Schedule:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from pipeline_ext.runtime.microbatch import microbatch_weights
 from pipeline_ext.schedules.pieces import attention_share, piece_lengths
 
 __all__ = ["PieceCut", "PieceWeightedLoss"]
@@ -151,7 +152,7 @@ class PieceWeightedLoss:
                                      "no tensor")
                 shares.append(float(leaves[0].numel()))
         rows = [sizes[j] for j in range(0, len(sizes), k)]
-        per_mb = [r / sum(rows) for r in rows] if scale_grads and self._own is None else [1.0] * len(rows)
+        per_mb = microbatch_weights(rows) if scale_grads and self._own is None else [1.0] * len(rows)
         out: list[Any] = []
         for j, weight in enumerate(per_mb):
             group = shares[j * k:(j + 1) * k]
