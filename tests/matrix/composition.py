@@ -77,21 +77,13 @@ class Design:
 #: what each schedule argument outside ``FACTORS`` is when a case does not set it
 ARGUMENT_DEFAULTS: dict[str, object] = {"seq_chunks": 1, "max_active_stages": None}
 
-#: compiled blocks, left out of the designs: in them torch 2.13's compiler raises (BackendCompilerFailed, the
-#: RecursionError of TORCH_FAILURES and others) in most compiled cases, and after one such failure the next
-#: compiled cases in the same process fail too; compiled stages with pieces and with a budget are tested on their
-#: own (tests/stages/test_compiled_stages.py, tests/seqchunks)
-COMPILE_FAILS = tuple(("compiled", level, "torch 2.13's compiler fails in this design (see COMPILE_FAILS)")
-                      for level in ("aot_eager", "split_backend"))
-
 DESIGNS: dict[str, Design] = {
     # sequence pieces (Seq1F1B). The model is position-wise, so pieces are exact by the cut, the loss weights and
     # the schedule alone, which is what meets every feature here (attention across pieces: tests/seqchunks)
     "pieces": Design(
         fixed={"seq_chunks": 2},
         families={"1f1b": ("1f1b",), "interleaved": ("interleaved_1f1b",), "zero_bubble": ("zb_h1",)},
-        refused=(("front", "pipe", "the Pipe does not run sequence pieces (it refuses seq_chunks by name)"),
-                 *COMPILE_FAILS)),
+        refused=(("front", "pipe", "the Pipe does not run sequence pieces (it refuses seq_chunks by name)"),)),
     # FSDP under a parameter budget: one stage's parameters gathered at a time on each rank, the all-gathers,
     # reshards and reduce-scatters placed as schedule actions (schedules/fsdp.py), on the schedules with several
     # stages per rank, which take a budget (ZBV: each reduce-scatter after a stage's last W). DualPipeV's
@@ -99,17 +91,17 @@ DESIGNS: dict[str, Design] = {
     "budget": Design(
         fixed={"dp": "fsdp", "max_active_stages": 1},
         families={"interleaved": ("interleaved_1f1b",), "v": ("zbv",)},
-        refused=(("front", "pipe", "the Pipe runs in one process: no data-parallel group"), *COMPILE_FAILS)),
+        refused=(("front", "pipe", "the Pipe runs in one process: no data-parallel group"),)),
 }
 
 
 #: combinations torch 2.13's compiler itself fails on, loudly (it raises; nothing runs wrong), each with the error:
 #: left out so the matrix tests this library; every pair in them is still met in other cases
 TORCH_FAILURES: list[tuple[dict, str]] = [
-    ({"dp": "ddp", "compiled": "split_backend", "ckpt": "sac"},
-     "inductor's min-cut partitioner (pe.split_backend partitions with it, as inductor does) raises TypeError "
-     "('>' between None and None in cleanup_recompute_tags) on the graphs DDP's compile_fn splits when they hold "
-     "selective-checkpoint tags"),
+    ({"dp": "ddp", "compiled": ("aot_eager", "split_backend"), "ckpt": "sac"},
+     "AOTAutograd's min-cut partitioner (aot_eager's, and pe.split_backend's, which partitions as inductor does) "
+     "raises TypeError ('>' between None and None in cleanup_recompute_tags) on the graphs DDP's compile_fn splits "
+     "when they hold selective-checkpoint tags"),
     ({"tp": ("local", "replicate", "sequence"), "compiled": ("aot_eager", "split_backend"),
       "shapes": "per_microbatch"},
      "tensor-parallel blocks (ColwiseParallel / RowwiseParallel, SequenceParallel norms) compiled, then called "
