@@ -100,6 +100,17 @@ def llama_config(size: str, seq: int, vocab: Optional[int] = None) -> LlamaConfi
                        tie_word_embeddings=True, attention_dropout=0.0)
 
 
+def cost_split(model: LlamaForCausalLM, seq: int) -> float:
+    """``seq_split`` for pieces of equal cost: causal attention's share ``a`` of a decoder layer's cost over ``seq``
+    positions (``attention_share``: the query heads' width against the layer's weights in matrix products)."""
+    from pipeline_ext.schedules.pieces import attention_share
+
+    config, layer = model.config, model.model.layers[0]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+    return attention_share(length=seq, width=config.num_attention_heads * head_dim, matmul_params=matmul)
+
+
 class LlamaStage(nn.Module):
     """Decoder layers ``[lo, hi)`` of a ``LlamaForCausalLM``, plus the embedding (first) or norm and head (last).
 
@@ -303,6 +314,9 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         check_rope(config)
     torch.manual_seed(0)  # the same random weights on every rank
     full = LlamaForCausalLM(config).to(device)
+    seq_split = cfg.get("seq_split", "equal")
+    if seq_split == "cost":  # pieces of equal cost: later pieces attend to more keys, so the first is the longest
+        seq_split = cost_split(full, cfg["seq"])
     reference = copy.deepcopy(full) if cfg.get("check") else None
 
     if cfg.get("balance"):  # rank 0 times each layer; every rank cuts where rank 0 says
@@ -332,7 +346,7 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     stages = [pe.PipelineStage(wrapped[s], s, n, device, group=mesh["pp"]) for s in mine]
     loss_fn = pe.TokenMeanLoss(dp_group=dp_group)
     sched = pe.get_schedule_class(name)(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=loss_fn,
-                                        **({"seq_chunks": pieces} if pieces > 1 else {}))
+                                        **({"seq_chunks": pieces, "seq_split": seq_split} if pieces > 1 else {}))
     # names as in the stage module (the DDP wrapper's "module." prefix is not needed)
     pe.tie_parameters(sched, {"embed": {0: "model.embed_tokens.weight", n - 1: "lm_head.weight"}})
     params = list(nn.ModuleList(modules.values()).parameters())  # a weight shared by two local stages: once
@@ -448,10 +462,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seq-chunks", type=int, default=1,
                     help="cut each sequence into this many pieces and pipeline the pieces (Seq1F1B: 1f1b, zb_h1, "
                          "interleaved_1f1b)")
+    ap.add_argument("--seq-split", choices=("equal", "cost"), default="equal",
+                    help="with --seq-chunks: pieces of equal length, or of equal cost (the first longest: later "
+                         "pieces attend to more keys)")
     ap.add_argument("--spawn", type=int, default=0, help="start this many local ranks (Gloo) instead of torchrun")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("pp", "tp", "schedule", "size", "batch", "seq", "microbatches", "steps",
-                                         "lr", "clip", "check", "balance", "seq_chunks")}
+                                         "lr", "clip", "check", "balance", "seq_chunks", "seq_split")}
     if args.balance and args.tp > 1:
         ap.error("--balance times layers on one rank: it does not combine with --tp")
     if args.balance:

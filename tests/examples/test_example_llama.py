@@ -169,12 +169,14 @@ def test_llama_example_check_verdict():
 # -- sequence pieces (seq_chunks, Seq1F1B) on the Hugging Face Llama -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,pieces", [("1f1b", 4), ("zb_h1", 2), ("interleaved_1f1b", 2)])
-def test_llama_example_with_sequence_pieces_passes_check(schedule, pieces):
+@pytest.mark.parametrize("schedule,pieces,split", [("1f1b", 4, "cost"), ("zb_h1", 2, "equal"),
+                                                   ("interleaved_1f1b", 2, "equal")])
+def test_llama_example_with_sequence_pieces_passes_check(schedule, pieces, split):
     """The user's command with ``--seq-chunks``: padded sequences (the attention mask cut with them), the first
-    step against the unsplit Hugging Face model on the whole sequences."""
+    step against the unsplit Hugging Face model on the whole sequences; pieces of equal length, or of equal cost
+    (unequal lengths)."""
     proc = _run_example("--spawn", "2", "--pp", "2", "--check", "--batch", "8", "--seq", "33", "--microbatches", "2",
-                        "--steps", "2", "--schedule", schedule, "--seq-chunks", str(pieces))
+                        "--steps", "2", "--schedule", schedule, "--seq-chunks", str(pieces), "--seq-split", split)
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     m = re.search(r"^check: PASS \(max grad rel err (\S+), norm rel err (\S+), loss rel err (\S+)\)$", out, re.M)
