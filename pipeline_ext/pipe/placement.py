@@ -23,7 +23,6 @@ from torch import nn
 
 from pipeline_ext import schedules as S
 from pipeline_ext.pipe.partition import balance_by_params
-from pipeline_ext.schedules.pieces import labelled_pieces
 
 __all__ = ["Device", "MULTI_STAGE_SCHEDULES", "Partition", "build_schedule", "check_chunks", "check_shared_layers",
            "fit_balance", "refuse_sequence_pieces", "resolve_devices"]
@@ -121,7 +120,7 @@ def fit_balance(
 
 def refuse_sequence_pieces(seq_chunks: Any, schedule: Union[str, S.Schedule]) -> None:
     """``ValueError`` for sequence pieces (Seq1F1B): ``seq_chunks`` other than 1, or a ``Schedule`` that
-    ``build_pieces`` made over pieces (labelled ``1f1b[seq_chunks=4]``).
+    over pieces (``Schedule.pieces``, as ``build_pieces`` makes them).
 
     The Pipe cuts a batch into microbatches along its rows only and carries no
     keys and values between pieces, so a schedule over pieces would run each
@@ -132,7 +131,7 @@ def refuse_sequence_pieces(seq_chunks: Any, schedule: Union[str, S.Schedule]) ->
              "and seq_chunks=K (docs/training.md, 'Long context: sequence pieces (Seq1F1B)')")
     if seq_chunks != 1:
         raise ValueError(f"the Pipe does not run sequence pieces (seq_chunks={seq_chunks!r}); {where}")
-    pieces = labelled_pieces(schedule.name) if isinstance(schedule, S.Schedule) else 1
+    pieces = schedule.pieces if isinstance(schedule, S.Schedule) else 1
     if pieces > 1:
         raise ValueError(f"schedule {schedule.name!r} is built over sequence pieces (seq_chunks={pieces}), which the "
                          f"Pipe does not run; {where}")

@@ -119,9 +119,15 @@ class PipelineSchedule:
                 )
             schedule = (S.build(schedule, self.num_ranks, n_microbatches, stages_per_rank=v) if seq_chunks == 1 else
                         build_pieces(schedule, self.num_ranks, n_microbatches, seq_chunks, stages_per_rank=v))
+        elif isinstance(schedule, S.Schedule) and schedule.pieces > 1:  # it says it runs pieces: run them
+            if seq_chunks not in (1, schedule.pieces):
+                raise ValueError(f"schedule {schedule.name!r} is over seq_chunks={schedule.pieces} pieces, but "
+                                 f"seq_chunks={seq_chunks} was given")
+            seq_chunks = schedule.pieces
         elif seq_chunks != 1:
             raise ValueError("seq_chunks= builds a built-in schedule over sequence pieces: give its name "
-                             f"({', '.join(sorted(PIECE_SCHEDULES))}), not a Schedule")
+                             f"({', '.join(sorted(PIECE_SCHEDULES))}), or a Schedule over pieces "
+                             "(schedules.pieces.build_pieces, or Schedule(..., pieces=K))")
         #: sequence pieces (``seq_chunks=K``, Seq1F1B): each microbatch cut into K pieces along ``seq_dim``, which the
         #: schedule runs as units (seq_pieces.py); None: whole microbatches
         self._cut: Optional[PieceCut] = PieceCut(seq_chunks, seq_dim, seq_split) if seq_chunks != 1 else None

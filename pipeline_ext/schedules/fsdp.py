@@ -160,14 +160,12 @@ def plan_fsdp(schedule: Schedule, max_active_stages: Optional[int] = None,
     budget = Budget.of(schedule, max_active_stages, max_unsharded_bytes, stage_bytes)
     budget.require_runnable(schedule)
     rows = [_plan_rank(schedule, rank, budget, prefetch) for rank in range(schedule.num_ranks)]
-    return Schedule(rows, list(schedule.stage_to_rank), schedule.n_microbatches, schedule.name,
-                    tuple(schedule.overlapped))
+    return schedule.with_actions(rows)
 
 
 def strip_fsdp(schedule: Schedule) -> Schedule:
     """``schedule`` without its FSDP actions (the rest, overlapped pairs included, as it is)."""
-    return Schedule([[a for a in acts if not a.is_fsdp] for acts in schedule.actions], list(schedule.stage_to_rank),
-                    schedule.n_microbatches, schedule.name, tuple(schedule.overlapped))
+    return schedule.with_actions([[a for a in acts if not a.is_fsdp] for acts in schedule.actions])
 
 
 def unshard_counts(schedule: Schedule) -> dict[int, int]:

@@ -21,7 +21,7 @@ microbatches is the largest microbatch index plus one and the name is
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -158,6 +158,18 @@ class Schedule:
     #: order). Kept by ``lower`` and the CSV round trip; other transformations (and the text
     #: format) drop it, and it is left out of ``==``: the order is the same with or without it.
     overlapped: tuple[tuple[Action, Action], ...] = field(default=(), compare=False)
+    #: sequence pieces (Seq1F1B, :mod:`.pieces`): each microbatch index is a unit, piece ``u % pieces`` of
+    #: sequence ``u // pieces``, so ``n_microbatches`` counts pieces; 1: whole microbatches. The schedule says
+    #: what it runs, so every consumer asks it: ``validate`` checks the pieces' order, a front end that runs
+    #: whole microbatches only (the ``Pipe``) refuses it, and the multi-process schedules cut each microbatch
+    #: into this many pieces. Kept by every transformation of the schedule (``with_actions``); the text and CSV
+    #: formats do not hold it (a schedule read from them is over whole microbatches, unless given again).
+    pieces: int = 1
+
+    def with_actions(self, actions: list[list[Action]], **changes: object) -> "Schedule":
+        """The same schedule (placement, microbatches, name, pairs, pieces) with other per-rank lists: what every
+        transformation returns, so none of them drops what the schedule says about itself."""
+        return replace(self, actions=actions, stage_to_rank=list(self.stage_to_rank), **changes)
 
     @property
     def num_ranks(self) -> int:
@@ -182,13 +194,7 @@ class Schedule:
 
     def compute_only(self) -> "Schedule":
         """The same schedule with every SEND/RECV and FSDP action dropped (the compute order; pairs kept)."""
-        return Schedule(
-            [[a for a in acts if a.is_compute] for acts in self.actions],
-            list(self.stage_to_rank),
-            self.n_microbatches,
-            self.name,
-            tuple(self.overlapped),
-        )
+        return self.with_actions([[a for a in acts if a.is_compute] for acts in self.actions])
 
     def to_text(self) -> str:
         """Header line plus one line per rank; :meth:`from_text` reads it back exactly."""

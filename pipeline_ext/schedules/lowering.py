@@ -95,8 +95,7 @@ def lower(schedule: Schedule) -> Schedule:
     check_structure(schedule)
     placement = list(schedule.stage_to_rank)
     if schedule.lowered:
-        return Schedule([list(a) for a in schedule.actions], placement, schedule.n_microbatches, schedule.name,
-                        tuple(schedule.overlapped))
+        return schedule.with_actions([list(a) for a in schedule.actions])
     compute = schedule.actions
     send_order: dict[Channel, list[Action]] = defaultdict(list)  # expected RECVs, in send order
     for rank, acts in enumerate(compute):
@@ -135,7 +134,7 @@ def lower(schedule: Schedule) -> Schedule:
             row.extend(sends_for(action, placement))
         row.extend(a for rest in at.values() for a in rest)  # receives nobody consumes: validate reports them
         lowered.append(row)
-    return Schedule(lowered, placement, schedule.n_microbatches, schedule.name, tuple(schedule.overlapped))
+    return schedule.with_actions(lowered)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -145,12 +144,8 @@ def forward_only(schedule: Schedule) -> Schedule:
     forward-only schedule; lowering gives them their activation sends and
     receives (no gradients travel).
     """
-    return lower(Schedule(
-        [[a for a in acts if a.kind == ActionKind.F] for acts in schedule.actions],
-        list(schedule.stage_to_rank),
-        schedule.n_microbatches,
-        name=f"{schedule.name}-forward",
-    ))
+    return lower(schedule.with_actions([[a for a in acts if a.kind == ActionKind.F] for acts in schedule.actions],
+                                       name=f"{schedule.name}-forward", overlapped=()))
 
 
 def check_fifo(lowered: Schedule) -> None:
@@ -210,8 +205,7 @@ def as_units(lowered: Schedule) -> Schedule:
                 others = [a for a in between if not a.is_comm]  # rank-local (FSDP): validate refuses them here
                 row[i:j + 1] = recvs + others + [first, second] + sends
         rows.append(row)
-    return Schedule(rows, list(lowered.stage_to_rank), lowered.n_microbatches, lowered.name,
-                    tuple(lowered.overlapped))
+    return lowered.with_actions(rows)
 
 
 def check_deadlock(lowered: Schedule) -> None:

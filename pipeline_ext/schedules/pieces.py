@@ -21,8 +21,8 @@ The orders: 1F1B and ZB-H1 with ``p - 1 - r + K - 1`` warm-up forwards on
 rank r (the last rank must have all K pieces of the first sequence forwarded
 before that sequence's last piece can start its backward), interleaved 1F1B
 with the same K - 1 more; every other schedule is refused by name.
-``check_piece_order`` (also ``validate(schedule, pieces=K)``) checks the
-order constraints of any schedule over pieces.
+A schedule over pieces says so (``Schedule.pieces``); ``check_piece_order``
+(also ``validate``) checks the order constraints of any schedule over pieces.
 
 The cut and its costs: later pieces attend to more keys, so equal lengths
 are unequal costs, and in a pipeline the most expensive piece sets the pace.
@@ -41,32 +41,19 @@ cost under the same model (``Costs.pieces``); a traced step measures them
 from __future__ import annotations
 
 import math
-import re
 from typing import Sequence, Union
 
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from pipeline_ext.schedules.lowering import loop_placement
 from pipeline_ext.schedules.orders import depth_first, interleaved_rounds, pipeline_order, split_backward_of
 
-__all__ = ["PIECE_SCHEDULES", "build_pieces", "labelled_pieces", "piece_of", "unit_of", "check_piece_order",
+__all__ = ["PIECE_SCHEDULES", "build_pieces", "piece_of", "unit_of", "check_piece_order",
            "attention_share", "piece_lengths", "piece_costs", "piece_sizes"]
 
 F, B = ActionKind.F, ActionKind.B
 
 #: the built-in schedules that run sequence pieces, and the stages per rank each uses by default
 PIECE_SCHEDULES = {"1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2}
-
-
-#: how ``build_pieces`` labels a schedule over K > 1 pieces: ``1f1b[seq_chunks=4]``
-_LABEL = re.compile(r"\[seq_chunks=(\d+)\]")
-
-
-def labelled_pieces(name: str) -> int:
-    """K of a schedule ``name`` that ``build_pieces`` labelled as over K > 1 pieces, else 1: what lets a consumer
-    that runs whole microbatches only (the ``Pipe``) refuse such a schedule instead of running its pieces as
-    microbatches."""
-    found = _LABEL.search(name)
-    return int(found.group(1)) if found else 1
 
 
 def unit_of(microbatch: int, piece: int, pieces: int) -> int:
@@ -90,7 +77,7 @@ def build_pieces(name: str, num_ranks: int, n_microbatches: int, pieces: int,
     """The built-in ``name`` over ``n_microbatches`` sequences of ``pieces`` pieces each (unlowered).
 
     ``n_microbatches`` counts sequences; the schedule's ``n_microbatches`` is
-    their pieces (``n_microbatches * pieces``). ``pieces=1`` gives the
+    their pieces (``n_microbatches * pieces``), and its ``pieces`` is ``pieces``. ``pieces=1`` gives the
     built-in itself, in the same order.
     """
     if name not in PIECE_SCHEDULES:
@@ -105,7 +92,7 @@ def build_pieces(name: str, num_ranks: int, n_microbatches: int, pieces: int,
     if m < p and name != "interleaved_1f1b":
         raise ScheduleError(f"{name} needs n_microbatches >= num_ranks (got n_microbatches={m}, num_ranks={p})")
     n = m * k
-    label = f"{name}[seq_chunks={k}]" if k > 1 else name  # labelled_pieces reads it back
+    label = f"{name}[seq_chunks={k}]" if k > 1 else name  # for people; the schedule's ``pieces`` says it
 
     if name == "interleaved_1f1b":
         rounds, g = interleaved_rounds(p, m)
@@ -119,7 +106,7 @@ def build_pieces(name: str, num_ranks: int, n_microbatches: int, pieces: int,
             return pipeline_order(fwd, [[Action(s, B, u)] for s, u in order],
                                   warmup=min((p - 1 - r) * 2 + (v - 1) * g * k + k - 1, n * v))
 
-        return Schedule([rank(r) for r in range(p)], loop_placement(p, v), n, label)
+        return Schedule([rank(r) for r in range(p)], loop_placement(p, v), n, label, pieces=k)
 
     def single(r: int) -> list[Action]:
         fwd = [Action(r, F, u) for u in range(n)]
@@ -127,7 +114,7 @@ def build_pieces(name: str, num_ranks: int, n_microbatches: int, pieces: int,
         bwd = split_backward_of(order, lag=r) if name == "zb_h1" else [[Action(s, B, u)] for s, u in order]
         return pipeline_order(fwd, bwd, warmup=p - 1 - r + k - 1)
 
-    return Schedule([single(r) for r in range(p)], loop_placement(p, 1), n, label)
+    return Schedule([single(r) for r in range(p)], loop_placement(p, 1), n, label, pieces=k)
 
 
 def check_piece_order(schedule: Schedule, pieces: int) -> None:

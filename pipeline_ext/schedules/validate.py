@@ -35,20 +35,22 @@ UNSHARD, RESHARD, REDUCE_GRAD = ActionKind.UNSHARD, ActionKind.RESHARD, ActionKi
 
 def validate(schedule: Schedule, *, max_active_stages: Optional[int] = None,
              max_unsharded_bytes: Optional[float] = None,
-             stage_bytes: Union[None, float, Sequence[float]] = None, pieces: int = 1) -> None:
+             stage_bytes: Union[None, float, Sequence[float]] = None, pieces: Optional[int] = None) -> None:
     """Raise :class:`ScheduleError` describing the first problem found; return None if valid.
 
     The budget arguments (as :func:`.fsdp.plan_fsdp` takes them) are checked against the schedule's
     UNSHARD/RESHARD placement; a schedule without FSDP actions given a budget fails, since it computes on
-    stages it never unshards. ``pieces``: the schedule runs sequence pieces, unit u being piece u % pieces of
-    a sequence (:mod:`.pieces`): each stage must run a sequence's forwards in piece order and its backwards
-    in reverse piece order.
+    stages it never unshards. Over sequence pieces (``schedule.pieces``, or ``pieces`` for a schedule that does
+    not say it, as one read from text), unit u being piece u % pieces of a sequence (:mod:`.pieces`), each
+    stage must run a sequence's forwards in piece order and its backwards in reverse piece order.
     """
     check_structure(schedule)
     positions = _positions(schedule)
     _check_completeness(schedule, positions)
     _check_stage_order(positions, schedule.stage_to_rank)
-    check_piece_order(schedule, pieces)
+    if pieces is not None and schedule.pieces not in (1, pieces):
+        raise ScheduleError(f"schedule {schedule.name!r} is over seq_chunks={schedule.pieces} pieces, not {pieces}")
+    check_piece_order(schedule, schedule.pieces if pieces is None else pieces)
     budget = Budget.of(schedule, max_active_stages, max_unsharded_bytes, stage_bytes)
     if schedule.has_fsdp or budget.limited:
         check_fsdp(schedule, budget)

@@ -243,7 +243,7 @@ def test_sequence_pieces_are_refused_by_name_and_the_message_names_what_runs_the
     pieces = build_pieces("1f1b", 2, 2, 2)  # 2 sequences of 2 pieces: 4 units
     with pytest.raises(ValueError, match=r"'1f1b\[seq_chunks=2\]' is built over sequence pieces \(seq_chunks=2\)"):
         pe.Pipe(model(), devices=["cpu"] * 2, chunks=4, schedule=pieces)
-    with pytest.raises(ValueError, match="seq_chunks=2"):  # lowered or forward-only, it keeps its label
+    with pytest.raises(ValueError, match="seq_chunks=2"):  # lowered or forward-only, it still says so
         pe.Pipe(model(), devices=["cpu"] * 2, chunks=4, schedule=S.forward_only(S.lower(pieces)))
     # seq_chunks=1 means no pieces: accepted, and the same pipe as without it
     pipe = pe.Pipe(model(), devices=["cpu"] * 2, chunks=2, schedule="1f1b", seq_chunks=1, seq_split="balanced")

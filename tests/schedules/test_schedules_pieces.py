@@ -15,7 +15,8 @@ import pytest
 from pipeline_ext import schedules as S
 from pipeline_ext.runtime.trace import TraceReport, measure_costs, replay
 from pipeline_ext.schedules.ir import Action, ActionKind, Schedule, ScheduleError
-from pipeline_ext.schedules.pieces import (PIECE_SCHEDULES, attention_share, build_pieces, labelled_pieces,
+from pipeline_ext.schedules.validate import validate
+from pipeline_ext.schedules.pieces import (PIECE_SCHEDULES, attention_share, build_pieces,
                                            piece_costs, piece_lengths, piece_sizes)
 
 F, B = ActionKind.F, ActionKind.B
@@ -42,14 +43,29 @@ def test_one_piece_is_the_builtin_itself(name):
 
 
 @pytest.mark.parametrize("name", sorted(PIECE_SCHEDULES))
-def test_the_label_tells_a_schedule_over_pieces_from_one_over_microbatches(name):
-    """The Pipe refuses a schedule over pieces by its label (it would run the pieces as microbatches of rows): the
-    label must survive lowering and forward_only, and neither a built-in nor one piece may carry it."""
+def test_a_schedule_over_pieces_says_so_through_every_transformation(name):
+    """Consumers ask the schedule whether it runs pieces (the Pipe refuses it, the multi-process schedules cut
+    that many, validate checks their order): ``pieces`` must survive lowering, forward_only, the FSDP plan and
+    its removal, the compute order and the executor's units, and neither a built-in nor one piece may say it."""
+    from pipeline_ext.schedules.fsdp import plan_fsdp, strip_fsdp
+    from pipeline_ext.schedules.lowering import as_units
+
     sched = build_pieces(name, 2, 4, 3)
-    assert labelled_pieces(sched.name) == 3
-    assert labelled_pieces(S.forward_only(S.lower(sched)).name) == 3
-    assert labelled_pieces(build_pieces(name, 2, 4, 1).name) == 1
-    assert labelled_pieces(S.build(name, 2, 4).name) == 1
+    lowered = S.lower(sched)
+    planned = plan_fsdp(lowered, max_active_stages=1)
+    kept = [sched, lowered, S.forward_only(lowered), planned, strip_fsdp(planned), lowered.compute_only(),
+            as_units(lowered)]
+    assert [s.pieces for s in kept] == [3] * len(kept)
+    assert build_pieces(name, 2, 4, 1).pieces == 1 and S.build(name, 2, 4).pieces == 1
+    assert sched != Schedule(sched.actions, sched.stage_to_rank, sched.n_microbatches, sched.name)
+    # validate reads it: the same order with two of a sequence's forwards swapped is refused without being told
+    rows = [list(r) for r in sched.actions]
+    i, j = rows[0].index(Action(0, F, 0)), rows[0].index(Action(0, F, 1))
+    rows[0][i], rows[0][j] = rows[0][j], rows[0][i]
+    with pytest.raises(ScheduleError, match="must run in piece order"):
+        validate(sched.with_actions(rows))
+    with pytest.raises(ScheduleError, match="over seq_chunks=3 pieces, not 2"):
+        validate(sched, pieces=2)
 
 
 def _swap(sched: Schedule, rank: int, a: Action, b: Action) -> Schedule:
@@ -69,8 +85,9 @@ def test_validate_refuses_a_sequence_whose_pieces_run_out_of_order():
     backwards = _swap(sched, 1, Action(1, B, 0), Action(1, B, 1))  # piece 0's backward before piece 1's
     with pytest.raises(ScheduleError, match="backwards on stage 1 must run in reverse piece order"):
         S.validate(backwards, pieces=2)
+    unsaid = Schedule(sched.actions, sched.stage_to_rank, sched.n_microbatches, sched.name)  # as read from text
     with pytest.raises(ScheduleError, match="not a multiple of seq_chunks=3"):
-        S.validate(sched, pieces=3)
+        S.validate(unsaid, pieces=3)
 
 
 def test_other_schedules_are_refused_by_name():
