@@ -92,6 +92,12 @@ DESIGNS: dict[str, Design] = {
         fixed={"dp": "fsdp", "max_active_stages": 1},
         families={"interleaved": ("interleaved_1f1b",), "v": ("zbv",)},
         refused=(("front", "pipe", "the Pipe runs in one process: no data-parallel group"),)),
+    # the two together: sequence pieces under the parameter budget, on the one schedule class that runs both
+    # (the V-shaped ones refuse pieces by name)
+    "pieces_budget": Design(
+        fixed={"seq_chunks": 2, "dp": "fsdp", "max_active_stages": 1},
+        families={"interleaved": ("interleaved_1f1b",)},
+        refused=(("front", "pipe", "the Pipe runs in one process: no data-parallel group"),)),
 }
 
 
