@@ -35,6 +35,9 @@
 #   9. benchmarks/bench_kernels.py and benchmarks/bench_overlap.py on CUDA
 #  10. compute-sanitizer memcheck and racecheck over the CUDA tests
 #  11. the whole suite, in the time left
+# Beside them, from step 1b on, on two cores of their own (when the machine has 8 or more; every other step
+# keeps off them): benchmarks/bench_long_context.py --ranks 2, the long-context speed on CPU ranks, which a
+# machine with quiet cores measures better than a shared 2-core VM (its speed criterion, docs/training.md).
 # --budget SECONDS: the whole run fits in it. Each step's timeout is the
 # smaller of its own cap and what is left of the budget (less 15 s for the
 # report); a step with under 30 s left is not started and says so. Without
@@ -212,6 +215,11 @@ write_report() {
     section "Host-device synchronisations in a known multi-process step (tools/gpu_sync_count.py --ranks 2)" \
       syncs_multiprocess.md sync_count_multiprocess
     section "Host-device synchronisations in one Pipe.step (tools/gpu_sync_count.py)" syncs.md sync_count
+    echo "## Long context on two CPU cores of their own (benchmarks/bench_long_context.py --ranks 2)"
+    echo
+    echo '```'
+    grep -E '^(2 Gloo|long context|  [0-9]+ chunks|  where)' "$LOGS/long_context_cpu.log" 2>/dev/null || echo "(not run, or still running)"
+    echo '```'
   } >"$REPORT"
 }
 
@@ -250,6 +258,26 @@ if [ "$DRY" != 1 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOGS/versions.log" 2>&1
   nvcc --version | tail -n 2 >>"$LOGS/versions.log" 2>&1
   write_report
+fi
+
+# 1c (beside the rest). Long context on two CPU cores of their own: bench_long_context's speed criterion needs
+# cores whose speed does not wander (each rank alone on its core, a bubble idle time); a GPU machine's spare
+# cores are quieter than a 2-core VM. The rest of the run is moved off those two cores.
+BG_PID="" BG_NAME=long_context_cpu
+read -r BG_CORES REST_CORES < <("$PY" -c 'import os; c = sorted(os.sched_getaffinity(0))
+print(",".join(map(str, c[-2:])), ",".join(map(str, c[:-2])) if len(c) >= 8 else "")')
+if [ -n "${REST_CORES:-}" ] && [[ $SKIP != *" $BG_NAME "* ]]; then
+  bg_limit=$(limit_for 600)
+  bg_cmd=(env PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}" taskset -c "$BG_CORES" "$PY" benchmarks/bench_long_context.py --ranks 2 --repeats 8)
+  if [ "$DRY" = 1 ]; then
+    echo "  $BG_NAME (beside the steps below, cores $BG_CORES): ${bg_limit}s: ${bg_cmd[*]}"
+  elif [ "$bg_limit" -gt 0 ]; then
+    taskset -pc "$REST_CORES" $$ >/dev/null
+    echo "== $BG_NAME (beside the rest, cores $BG_CORES, up to ${bg_limit}s): ${bg_cmd[*]}"
+    BG_T0=$SECONDS
+    timeout --kill-after=10 "$bg_limit" "${bg_cmd[@]}" >"$LOGS/$BG_NAME.log" 2>&1 &
+    BG_PID=$!
+  fi
 fi
 
 # 1b. NCCL itself between two ranks sharing cuda:0: where it stops, if it does
@@ -384,6 +412,15 @@ else
   all_cap=$(( all_cap > 60 ? all_cap : 60 ))
 fi
 step pytest_all "$all_cap" 600 "$PY" -m pytest -v -p no:cacheprovider --junitxml="$LOGS/all.xml" "${xdist[@]}"
+
+# the long-context benchmark beside the steps: its own timeout ends it within the budget
+if [ -n "$BG_PID" ]; then
+  wait "$BG_PID"
+  rc=$?
+  status=pass
+  if [ $rc -ne 0 ]; then status="FAIL (exit $rc$([ $rc -eq 124 ] && echo ", timed out"))"; FAILED=1; fi
+  SUMMARY+=("| $BG_NAME (beside the rest) | $status | $((SECONDS - BG_T0))s | \`logs/$BG_NAME.log\` |")
+fi
 
 if [ "$DRY" = 1 ]; then
   echo "(dry run: nothing was built or run)"
