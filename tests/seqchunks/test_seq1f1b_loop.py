@@ -115,39 +115,45 @@ def test_pieces_keep_the_objective_of_the_schedule_without_them():
     assert not said[0] and not said[1], said
 
 
-def _given_schedule(rank: int, world: int) -> list[str]:
+def _given_schedule(rank: int, world: int, name: str) -> list[str]:
     """A ``Schedule`` over pieces handed in (renamed, so only its ``pieces`` says it): the step of the built-in
     over the same pieces, exact against the unsplit model; a ``seq_chunks`` that contradicts it is refused."""
     import dataclasses
 
     import pipeline_ext as pe
-    from pipeline_ext.schedules.pieces import build_pieces
+    from pipeline_ext.schedules.pieces import PIECE_SCHEDULES, build_pieces
 
     said: list[str] = []
-    mine = dataclasses.replace(build_pieces("1f1b", world, M, 2), name="my order")
-    stages, ref = _stages(world), _stages(world)
-    stage = pe.PipelineStage(stages[rank], rank, world, "cpu")
+    v = PIECE_SCHEDULES[name]
+    mine = dataclasses.replace(build_pieces(name, world, M, 2), name="my order")
+    n = world * v
+    stages, ref = _stages(n), _stages(n)
+    held = [s for s in range(n) if mine.stage_to_rank[s] == rank]
+    given = [pe.PipelineStage(stages[s], s, n, "cpu") for s in held]
     try:
-        pe.PipelineSchedule(stage, mine, M, loss_fn=F.mse_loss, seq_chunks=4)
+        pe.PipelineSchedule(given, mine, M, loss_fn=F.mse_loss, seq_chunks=4)
         said.append("seq_chunks=4 with a schedule over 2 pieces was accepted")
     except ValueError as exc:
         if "over seq_chunks=2 pieces, but seq_chunks=4" not in str(exc):
             said.append(f"unclear refusal: {exc}")
-    sched = pe.PipelineSchedule(stage, mine, M, loss_fn=F.mse_loss, timeout=60)
+    sched = pe.PipelineSchedule(given, mine, M, loss_fn=F.mse_loss, timeout=60)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(ROWS, SEQ, DIM, generator=g), torch.randn(ROWS, SEQ, DIM, generator=g)
     losses: list = []
-    sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None, losses=losses)
+    first, last = 0 in held, n - 1 in held
+    sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
     _unsplit(ref, list(x.chunk(M)), list(y.chunk(M))).backward()
-    for (n, p), q in zip(stages[rank].named_parameters(), ref[rank].parameters()):
-        if not torch.allclose(p.grad, q.grad, **TOL):
-            said.append(f"{n}'s gradient differs from the unsplit model's")
-    if rank == world - 1 and len(losses) != M * 2:
+    for s in held:
+        for (pn, p), q in zip(stages[s].named_parameters(), ref[s].parameters()):
+            if not torch.allclose(p.grad, q.grad, **TOL):
+                said.append(f"stage {s} {pn}'s gradient differs from the unsplit model's")
+    if last and len(losses) != M * 2:
         said.append(f"{len(losses)} losses, not one per piece ({M * 2})")
     return said
 
 
 @pytest.mark.timeout(200)
-def test_a_schedule_over_pieces_runs_its_pieces():
-    said = rank_values(_given_schedule, 2, timeout=150)
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_a_schedule_over_pieces_runs_its_pieces(name):
+    said = rank_values(_given_schedule, 2, name, timeout=150)
     assert not said[0] and not said[1], said
