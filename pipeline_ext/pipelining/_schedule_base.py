@@ -33,6 +33,7 @@ comes in a later step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
@@ -202,6 +203,8 @@ class PipelineSchedule:
         if mine != set(self.stages) and not self.inspect_only:
             raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on rank {self.rank}, "
                              f"but this rank was given stages {sorted(self.stages)}")
+        if self._cut is not None and schedule.pieces == 1:  # an order over units read from torch's CSV or cells
+            schedule = dataclasses.replace(schedule, pieces=self._cut.pieces)
         self._unplanned = S.lower(schedule)
         # over sequence pieces, also each sequence's forwards in piece order and backwards in reverse, per stage
         S.validate(self._unplanned, pieces=1 if self._cut is None else self._cut.pieces)
@@ -679,7 +682,7 @@ class PipelineSchedule:
             return
         rows = [order.get(r, []) for r in range(max(order) + 1)]
         # compute_comms reads sends/receives when given; lowering adds them when not
-        self._set_schedule(S.from_cells(rows, "compute_comms", self.n_microbatches, name=type(self).__name__))
+        self._set_schedule(S.from_cells(rows, "compute_comms", self._units, name=type(self).__name__))
 
     def _validate_and_set_stage_mapping(self, order: dict[int, Sequence[Any]]) -> None:
         """torch's name for assigning an order and taking the stage placement from it."""
@@ -695,5 +698,5 @@ class PipelineSchedule:
         ``format``: "compute_only" (F, B, I, W; the sends and receives are
         added here) or "compute_comms" (every action given).
         """
-        loaded = S.load_csv(filename, format=format, n_microbatches=self.n_microbatches)
+        loaded = S.load_csv(filename, format=format, n_microbatches=self._units)
         self._set_schedule(loaded)

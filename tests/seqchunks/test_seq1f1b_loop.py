@@ -9,6 +9,9 @@ either must be those of the unsplit model on the whole sequences.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,6 +152,22 @@ def _given_schedule(rank: int, world: int, name: str) -> list[str]:
                 said.append(f"stage {s} {pn}'s gradient differs from the unsplit model's")
     if last and len(losses) != M * 2:
         said.append(f"{len(losses)} losses, not one per piece ({M * 2})")
+    # torch's round trips keep the order over pieces: pipeline_order, and its CSV written and read back
+    def order() -> tuple:
+        return sched.schedule.actions, sched.schedule.n_microbatches, sched.schedule.pieces
+
+    before = order()
+    sched.pipeline_order = sched.pipeline_order
+    if order() != before:
+        said.append("pipeline_order assigned back changed the schedule")
+    path = f"{tempfile.gettempdir()}/pieces_order_{os.getpid()}.csv"
+    sched._dump_csv(path)
+    try:
+        sched._load_csv(path)
+    finally:
+        os.unlink(path)
+    if order() != before:
+        said.append("the schedule read back from torch's CSV differs")
     return said
 
 
