@@ -362,8 +362,7 @@ class PipelineSchedule:
         if self._tracer is None:
             raise RuntimeError("tracing is off: pass trace=True or call enable_tracing() before the steps")
         got = gather_trace(self._tracer, self.group, dst)
-        return None if got is None else TraceReport(self.schedule, *got, transport=self.transport_per_edge,
-                                                    pieces=1 if self._cut is None else self._cut.pieces)
+        return None if got is None else TraceReport(self.schedule, *got, transport=self.transport_per_edge)
 
     def write_trace(self, path: str, dst: int = 0) -> Optional[TraceReport]:
         """Write the traced steps as Chrome trace JSON on rank ``dst`` (a collective); returns the report there."""

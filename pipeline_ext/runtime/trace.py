@@ -128,7 +128,7 @@ def transfer_samples(schedule: Schedule, spans: Sequence[Span]) -> list[float]:
     return out
 
 
-def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]], pieces: int = 1) -> Costs:
+def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]], pieces: Optional[int] = None) -> Costs:
     """Per-stage median F, B (or I), W and the median transfer time, as simulator ``Costs``.
 
     A stage that runs full backwards gets b = its B time and w = 0 (the
@@ -138,12 +138,14 @@ def measure_costs(schedule: Schedule, steps: Sequence[Sequence[Span]], pieces: i
     so each kind is charged what it measured (a median over B and I together
     would charge neither).
 
-    ``pieces``: the schedule runs K sequence pieces per microbatch (unit u is
-    piece u % K, ``schedules/pieces.py``), whose costs differ (later pieces
+    ``pieces`` (default: the schedule's own, ``Schedule.pieces``): the schedule
+    runs K sequence pieces per microbatch (unit u is piece u % K,
+    ``schedules/pieces.py``), whose costs differ (later pieces
     attend to more keys): each stage's cost of a kind is then the mean over
     the pieces of the piece's median, and ``Costs.pieces[k]`` is piece k's
     compute (every stage and kind, medians) over the mean piece's.
     """
+    pieces = schedule.pieces if pieces is None else pieces
     spans = [s for step in steps for s in step]
     stages = range(schedule.num_stages)
     kinds = [{s.action.kind for s in spans if s.action.stage == st} for st in stages]
@@ -327,8 +329,6 @@ class TraceReport:
     split: dict[int, Optional[str]] = field(default_factory=dict)
     #: the transport of each pipeline edge, ``{"0<->1": "shm", ...}`` (``PipelineSchedule.transport_per_edge``)
     transport: dict[str, str] = field(default_factory=dict)
-    #: sequence pieces per microbatch (``seq_chunks``): the costs are measured per piece (``measure_costs``)
-    pieces: int = 1
     costs: Costs = field(init=False)
     simulated: SimResult = field(init=False)
     bubble_per_step: list[float] = field(init=False)
@@ -337,7 +337,7 @@ class TraceReport:
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError("no traced steps: enable tracing and run at least one step first")
-        self.costs = measure_costs(self.schedule, self.steps, self.pieces)
+        self.costs = measure_costs(self.schedule, self.steps)  # per piece over pieces (Schedule.pieces)
         self.simulated = simulate(self.schedule, self.costs)
         self.bubble_per_step = [measured_bubble(s, self.schedule.num_ranks) for s in self.steps]
         self.step_times = [max(s.end for s in st) - min(s.start for s in st) for st in self.steps]

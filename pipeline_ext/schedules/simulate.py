@@ -263,6 +263,9 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     cannot run.
     """
     check_structure(schedule)
+    if schedule.pieces > 1 and costs.pieces is not None and len(costs.pieces) != schedule.pieces:
+        raise ScheduleError(f"schedule {schedule.name!r} is over seq_chunks={schedule.pieces} pieces, but costs.pieces "
+                            f"has {len(costs.pieces)} weights: give one per piece")
     plain = schedule.compute_only()
     stage_to_rank = plain.stage_to_rank
     n_stages, n_ranks = plain.num_stages, plain.num_ranks

@@ -183,12 +183,15 @@ def test_measured_costs_recover_each_pieces_weight():
     weights = piece_costs(piece_lengths(4096, k), 0.6)  # mean 1
     truth = S.Costs(f=[1.0, 1.5], b=[2.0, 3.0], w=0.0, comm=0.0, pieces=weights)
     trace = S.simulate(sched, truth).timeline
-    costs = measure_costs(sched, [trace], pieces=k)
+    costs = measure_costs(sched, [trace])  # the schedule says it runs k pieces
     assert costs.f == pytest.approx([1.0, 1.5]) and costs.b == pytest.approx([2.0, 3.0])
     assert costs.pieces == pytest.approx(weights)
-    report = TraceReport(sched, [trace], pieces=k)
+    report = TraceReport(sched, [trace])
     assert report.simulated.makespan == pytest.approx(S.simulate(sched, truth).makespan)
     # without pieces the medians over every unit: the makespan the per-piece costs would have predicted is lost
-    flat = measure_costs(sched, [trace])
+    flat = measure_costs(sched, [trace], pieces=1)
     assert flat.pieces is None
     assert S.simulate(sched, flat).makespan != pytest.approx(S.simulate(sched, truth).makespan)
+    # weights for another number of pieces would be charged to the wrong units: refused by name
+    with pytest.raises(ScheduleError, match=r"seq_chunks=4 pieces, but costs.pieces has 2 weights"):
+        S.simulate(sched, S.Costs(f=1.0, b=2.0, pieces=[0.9, 1.1]))
