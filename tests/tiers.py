@@ -113,7 +113,7 @@ LONG: dict[str, str] = {
         "[gloo-stall], [gloo-exit], [shm-exit]",
     "tools/test_rank_pool.py::test_a_rank_that_fails_is_named_and_the_next_run_gets_a_new_pool[hang]": "[raise], [exit]",
     "tools/test_gpu_check_plan.py::test_the_tests_the_script_names_exist": "the dry-run plan tests",
-    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[1f1b-4]":
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[1f1b-4-cost]":
         "test_llama_pieces_of_microbatches_of_different_lengths_match_the_unsplit_model (HF Llama, masks, in the pool)",
     "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
     "[sparse_csr]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
@@ -124,9 +124,10 @@ LONG: dict[str, str] = {
     "runtime/test_tensor_kinds.py::test_every_single_process_entry_point_handles_or_names_a_tensor_the_core_cannot_read"
     "[meta]": "[sparse_coo], [wrapper], [fake], [nested], [jagged]",
     # sequence pieces on the Hugging Face Llama (the step_microbatches case in the pool stays)
-    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[zb_h1-2]": "[1f1b-4]",
-    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[interleaved_1f1b-2]":
-        "[1f1b-4], tests/seqchunks/test_seq1f1b_pipeline.py's interleaved case",
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[zb_h1-2-equal]":
+        "[1f1b-4-cost]",
+    "examples/test_example_llama.py::test_llama_example_with_sequence_pieces_passes_check[interleaved_1f1b-2-equal]":
+        "[1f1b-4-cost], tests/seqchunks/test_seq1f1b_pipeline.py's interleaved case",
     # the examples: the pp2 x dp2 run with --check stays
     "examples/test_example_llama.py::test_llama_example_balance_on_4_stages_prints_a_valid_split_and_passes_check":
         "test_llama_example_pp2_dp2_prints_layout_passes_check_and_trains, tests/pipe/test_balance.py",
