@@ -135,6 +135,6 @@ def from_cells(rows: Sequence[Sequence[Any]], format: str = "compute_only", n_mi
     found = schedule.n_microbatches
     if n_microbatches is not None and found != n_microbatches:
         raise ScheduleError(f"{where} has {found} microbatches, the schedule is for n_microbatches={n_microbatches}")
-    result = Schedule(schedule.actions, schedule.stage_to_rank, schedule.n_microbatches, name, tuple(pairs))
+    result = schedule.with_actions(schedule.actions, name=name, overlapped=tuple(pairs))
     check_pairs(result)
     return result

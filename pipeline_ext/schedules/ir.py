@@ -155,8 +155,9 @@ class Schedule:
     #: registered for OVERLAP_F_B (``register_custom_function``) gets both at once and may interleave them.
     #: Lowering places a pair's messages as for any two actions; a function that runs the pair as one unit has
     #: both actions' receives waited on before it and their sends after it (``check_deadlock`` checks that
-    #: order). Kept by ``lower`` and the CSV round trip; other transformations (and the text
-    #: format) drop it, and it is left out of ``==``: the order is the same with or without it.
+    #: order). Kept by every transformation that keeps the compute order (``with_actions``) and by the CSV
+    #: round trip; ``forward_only`` and the text format drop it, and it is left out of ``==``: the order is the
+    #: same with or without it.
     overlapped: tuple[tuple[Action, Action], ...] = field(default=(), compare=False)
     #: sequence pieces (Seq1F1B, :mod:`.pieces`): each microbatch index is a unit, piece ``u % pieces`` of
     #: sequence ``u // pieces``, so ``n_microbatches`` counts pieces; 1: whole microbatches. The schedule says
